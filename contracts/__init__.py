@@ -1,0 +1,1 @@
+"""What the manager and the observer services agree on: tables, messages, statuses, topology."""

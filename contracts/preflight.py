@@ -1,0 +1,59 @@
+"""Start-up checks both processes run: are the servers there, is the schema migrated?
+
+Each failure is one readable line (StartupError), never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aio_pika
+import asyncpg
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
+from contracts.settings import CommonSettings
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+async def check_database(settings: CommonSettings, *, need_schema: bool = True) -> None:
+    try:
+        conn = await asyncpg.connect(settings.asyncpg_dsn, timeout=5)
+    except Exception as exc:
+        raise StartupError(
+            f"cannot reach Postgres at {_where(settings.database_url)}: {exc}"
+        ) from exc
+    try:
+        if need_schema and await conn.fetchval("SELECT to_regclass('observers')") is None:
+            raise StartupError(
+                f"the database {_where(settings.database_url)} has no schema: run `orch migrate`"
+            )
+    finally:
+        await conn.close()
+
+
+async def check_broker(settings: CommonSettings) -> None:
+    try:
+        conn = await aio_pika.connect(settings.amqp_url, timeout=5)
+    except Exception as exc:
+        raise StartupError(f"cannot reach RabbitMQ at {_where(settings.amqp_url)}: {exc}") from exc
+    await conn.close()
+
+
+async def check_servers(settings: CommonSettings, *, wait: float = 0.0) -> None:
+    """Check both servers, retrying for up to ``wait`` seconds (for containers starting up)."""
+    async for attempt in AsyncRetrying(
+        stop=stop_after_delay(wait),
+        wait=wait_fixed(1.0),
+        retry=retry_if_exception_type(StartupError),
+        reraise=True,
+    ):
+        with attempt:
+            await asyncio.gather(check_database(settings), check_broker(settings))
+
+
+def _where(url: str) -> str:
+    rest = url.partition("://")[2]
+    return rest.rpartition("@")[2] or rest

@@ -1,0 +1,156 @@
+"""The database schema: one source for Alembic, the manager and the services."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from contracts.statuses import ObserverStatus
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+def _now() -> Any:
+    return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+class Service(Base):
+    """One observer-service process; a new row (and id) for every start."""
+
+    __tablename__ = "services"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    worker_count: Mapped[int] = mapped_column(Integer, nullable=False)
+    host: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
+    pid: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    version: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
+    #: Advisory-lock key held by the service's session for as long as the process lives.
+    lock_key: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    modified_at: Mapped[datetime] = _now()
+    lease_expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    last_heartbeat_at: Mapped[datetime] = _now()
+    is_deleted: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    #: A draining service takes no new observers and hands its own to others.
+    draining: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+
+    __table_args__ = (
+        Index(
+            "ix_services_live_lease", "lease_expires_at", postgresql_where=text("NOT is_deleted")
+        ),
+    )
+
+
+class Observer(Base):
+    """One infinite task: what runs it (kind, params), where (service, epoch), its saved state."""
+
+    __tablename__ = "observers"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
+    status: Mapped[str] = mapped_column(Text, nullable=False)
+    service_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("services.id"), nullable=True
+    )
+    #: Fencing token: grows by one at every take; writes from an older epoch are refused.
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    #: Id of the one start message that may start this observer; older messages are stale.
+    dispatch_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
+    checkpoint: Mapped[Any | None] = mapped_column(JSONB, nullable=True)
+    checkpointed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    restart_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text)
+    #: Optional per-observer restart policy overriding the kind's (JSON of RestartPolicy).
+    restart_policy: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = _now()
+    modified_at: Mapped[datetime] = _now()
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[datetime] = _now()
+
+    __table_args__ = (
+        CheckConstraint(
+            "status IN (" + ", ".join(f"'{s.value}'" for s in ObserverStatus) + ")",
+            name="status_valid",
+        ),
+        Index(
+            "uq_observers_live_name",
+            "name",
+            unique=True,
+            postgresql_where=text("status <> 'deleted'"),
+        ),
+        Index("ix_observers_service_id", "service_id"),
+        Index("ix_observers_status", "status"),
+    )
+
+
+class OutboxMessage(Base):
+    """A broker message written in the same transaction as the change that needs it."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    #: "start" (to the work queue) or "control" (to the control fanout exchange).
+    target: Mapped[str] = mapped_column(Text, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = _now()
+
+    __table_args__ = (Index("ix_outbox_created_at", "created_at"),)
+
+
+class ObserverEvent(Base):
+    """History of an observer: every take, release, restart, failure and deletion."""
+
+    __tablename__ = "observer_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    observer_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("observers.id", ondelete="CASCADE"), nullable=False
+    )
+    at: Mapped[datetime] = _now()
+    event: Mapped[str] = mapped_column(Text, nullable=False)
+    service_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    epoch: Mapped[int | None] = mapped_column(BigInteger)
+    detail: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_observer_events_observer_id", "observer_id", "id"),)
+
+
+class LeaderLease(Base):
+    """A named lease for electing one manager to run the background loops."""
+
+    __tablename__ = "leader_leases"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    holder: Mapped[str] = mapped_column(Text, nullable=False)
+    acquired_at: Mapped[datetime] = _now()
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

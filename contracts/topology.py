@@ -1,0 +1,97 @@
+"""Broker names and their declaration, the same on both sides.
+
+Every name carries the deployment prefix, so tests and several deployments share one broker.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection
+
+QueueType = Literal["classic", "quorum"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefix: str
+
+    @property
+    def work_queue(self) -> str:
+        return f"{self.prefix}.work"
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"{self.prefix}.dead-letter"
+
+    @property
+    def error_queue(self) -> str:
+        return f"{self.prefix}.errors"
+
+    @property
+    def control_exchange(self) -> str:
+        return f"{self.prefix}.control"
+
+    def control_queue(self, service_id: uuid.UUID) -> str:
+        return f"{self.prefix}.control.{service_id}"
+
+
+def broker_version(connection: AbstractConnection) -> tuple[int, ...]:
+    """The broker's version from the connection's server properties, (0,) when unknown."""
+    transport = getattr(connection, "transport", None)
+    props: dict[str, Any] = getattr(getattr(transport, "connection", None), "server_properties", {})
+    raw = props.get("version", b"")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    numbers = re.findall(r"\d+", text)
+    return tuple(int(n) for n in numbers[:3]) or (0,)
+
+
+def work_queue_arguments(
+    *, version: tuple[int, ...], queue_type: QueueType, consumer_timeout_ms: int
+) -> dict[str, Any]:
+    """Arguments of the work queue for this broker version.
+
+    Start messages stay unacked while their observer runs, so the consumer timeout is raised on
+    the queue where the broker allows it (3.12+); older brokers need it in rabbitmq.conf.
+    Quorum queues count a crash as a delivery; on 4.0+ the default limit (20) would drop an
+    observer after 20 failovers, so it is lifted.
+    """
+    args: dict[str, Any] = {
+        "x-queue-type": queue_type,
+        "x-dead-letter-exchange": "",  # filled by declare_topology
+    }
+    if version >= (3, 12):
+        args["x-consumer-timeout"] = consumer_timeout_ms
+    if queue_type == "quorum" and version >= (4, 0):
+        args["x-delivery-limit"] = -1
+    return args
+
+
+async def declare_topology(
+    channel: AbstractChannel,
+    topology: Topology,
+    *,
+    version: tuple[int, ...],
+    queue_type: QueueType,
+    consumer_timeout_ms: int,
+) -> aio_pika.abc.AbstractQueue:
+    """Declare the exchanges and queues both sides use; returns the work queue."""
+    dlx = await channel.declare_exchange(
+        topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    errors = await channel.declare_queue(
+        topology.error_queue, durable=True, arguments={"x-queue-type": queue_type}
+    )
+    await errors.bind(dlx)
+    await channel.declare_exchange(
+        topology.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    args = work_queue_arguments(
+        version=version, queue_type=queue_type, consumer_timeout_ms=consumer_timeout_ms
+    )
+    args["x-dead-letter-exchange"] = topology.dead_letter_exchange
+    return await channel.declare_queue(topology.work_queue, durable=True, arguments=args)

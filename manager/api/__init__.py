@@ -1,0 +1,1 @@
+"""HTTP routes; thin: validation here, data access in manager.repository."""

@@ -1,0 +1,35 @@
+"""/healthz (the process answers) and /readyz (Postgres and RabbitMQ reachable)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from manager.api.deps import StateDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: StateDep) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        async with state.engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"unreachable: {exc}"
+    checks["broker"] = "ok" if state.publisher.connected else "unreachable"
+    ready = all(v == "ok" for v in checks.values())
+    body = {
+        "status": "ready" if ready else "not ready",
+        **checks,
+        "leader": state.leadership.is_leader,
+    }
+    return JSONResponse(body, status_code=200 if ready else 503)

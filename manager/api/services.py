@@ -1,0 +1,41 @@
+"""/services, /kinds and /leader: what the cluster looks like."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from manager import repository as repo
+from manager.api.deps import StateDep
+from manager.leader import current_leader
+from manager.schemas import KindOut, LeaderOut, ServiceOut
+
+router = APIRouter(tags=["cluster"])
+
+
+@router.get("/services", response_model=list[ServiceOut])
+async def list_services(state: StateDep, include_deleted: bool = False) -> list[dict[str, object]]:
+    async with state.engine.connect() as conn:
+        return await repo.list_services(conn, include_deleted=include_deleted)
+
+
+@router.get("/kinds", response_model=list[KindOut])
+async def list_kinds(state: StateDep) -> list[dict[str, object]]:
+    return [
+        {
+            "name": k.name,
+            "description": k.description,
+            "params_schema": k.params_model.model_json_schema() if k.params_model else None,
+            "restart_policy": k.restart_policy,
+        }
+        for k in sorted(state.kinds.values(), key=lambda k: k.name)
+    ]
+
+
+@router.get("/leader", response_model=LeaderOut)
+async def leader(state: StateDep) -> dict[str, object]:
+    row = await current_leader(state.engine) or {"holder": None}
+    return {
+        **row,
+        "this_replica": state.leadership.holder,
+        "this_replica_leads": state.leadership.is_leader,
+    }

@@ -1,0 +1,113 @@
+"""Transactional outbox: a message is written with the change that needs it, then published.
+
+The API publishes its own rows right after commit (fast path) and deletes them; the leader's
+relay publishes rows that stayed behind (the manager crashed or the broker was down).
+A row is deleted only after the broker confirmed it, so a crash can duplicate a message but
+never lose one; consumers drop duplicates by dispatch id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from manager.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pending:
+    id: int
+    target: str
+    body: dict[str, Any]
+
+
+async def add(conn: AsyncConnection, target: str, body: dict[str, Any]) -> Pending:
+    row_id = (
+        await conn.execute(
+            text("INSERT INTO outbox (target, body) VALUES (:t, CAST(:b AS jsonb)) RETURNING id"),
+            {"t": target, "b": json.dumps(body, default=str)},
+        )
+    ).scalar_one()
+    return Pending(row_id, target, body)
+
+
+async def add_many(
+    conn: AsyncConnection, target: str, bodies: list[dict[str, Any]]
+) -> list[Pending]:
+    if not bodies:
+        return []
+    rows = (
+        (
+            await conn.execute(
+                text(
+                    "INSERT INTO outbox (target, body) "
+                    "SELECT :t, CAST(b AS jsonb) FROM unnest(CAST(:bs AS text[])) AS b RETURNING id"
+                ),
+                {"t": target, "bs": [json.dumps(b, default=str) for b in bodies]},
+            )
+        )
+        .scalars()
+        .all()
+    )
+    return [Pending(i, target, b) for i, b in zip(rows, bodies, strict=True)]
+
+
+class Outbox:
+    def __init__(self, engine: AsyncEngine, publisher: Publisher) -> None:
+        self.engine = engine
+        self.publisher = publisher
+
+    async def _publish(self, rows: list[Pending]) -> list[int]:
+        results = await asyncio.gather(
+            *(self.publisher.publish(r.target, r.body) for r in rows), return_exceptions=True
+        )
+        done = [r.id for r, res in zip(rows, results, strict=True) if res is None]
+        failed = len(rows) - len(done)
+        if failed:
+            log.warning(
+                "%d outbox messages not published yet (the relay retries): %s",
+                failed,
+                next(r for r in results if r is not None),
+            )
+        return done
+
+    async def publish_now(self, rows: list[Pending]) -> None:
+        """Publish rows just committed; whatever fails stays for the relay. Never raises."""
+        if not rows:
+            return
+        try:
+            done = await self._publish(rows)
+            if done:
+                async with self.engine.begin() as conn:
+                    await conn.execute(
+                        text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": done}
+                    )
+        except Exception as exc:
+            log.warning("outbox fast path failed (the relay retries): %s", exc)
+
+    async def relay_once(self, *, grace: float, limit: int = 500) -> int:
+        """Publish rows older than ``grace`` seconds; returns how many were published."""
+        async with self.engine.begin() as conn:
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT id, target, body FROM outbox "
+                        "WHERE created_at < now() - make_interval(secs => :g) "
+                        "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
+                    ),
+                    {"g": grace, "n": limit},
+                )
+            ).all()
+            if not rows:
+                return 0
+            done = await self._publish([Pending(r.id, r.target, r.body) for r in rows])
+            await conn.execute(text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": done})
+            return len(done)

@@ -1,0 +1,86 @@
+"""Publishing to the broker with publisher confirms; declares the topology on connect."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+
+from contracts.settings import CommonSettings
+from contracts.topology import broker_version, declare_topology
+
+log = logging.getLogger(__name__)
+
+START = "start"
+CONTROL = "control"
+
+
+class Publisher:
+    def __init__(self, settings: CommonSettings) -> None:
+        self.settings = settings
+        self.topology = settings.topology
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._control: AbstractExchange | None = None
+        self.version: tuple[int, ...] = (0,)
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._connection = await aio_pika.connect_robust(
+            self.settings.amqp_url_with_heartbeat,
+            timeout=10,
+            client_properties={"connection_name": "orchestrator manager"},
+        )
+        self.version = broker_version(self._connection)
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        await declare_topology(
+            self._channel,
+            self.topology,
+            version=self.version,
+            queue_type=self.settings.queue_type,
+            consumer_timeout_ms=self.settings.consumer_timeout_ms,
+        )
+        self._control = await self._channel.get_exchange(self.topology.control_exchange)
+
+    @property
+    def connected(self) -> bool:
+        c = self._connection
+        return c is not None and not c.is_closed and self._channel is not None
+
+    async def publish(self, target: str, body: dict[str, Any] | bytes) -> None:
+        """Publish one message and wait for the broker's confirm."""
+        if self._channel is None or self._control is None:
+            raise RuntimeError("publisher not started")
+        data = body if isinstance(body, bytes) else _json(body)
+        message = aio_pika.Message(
+            data,
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        if target == START:
+            await self._channel.default_exchange.publish(
+                message, routing_key=self.topology.work_queue, timeout=10
+            )
+        elif target == CONTROL:
+            await self._control.publish(message, routing_key="", timeout=10)
+        else:
+            raise ValueError(f"unknown target {target!r}")
+
+    async def work_queue_ready(self) -> int:
+        """Messages ready (not delivered) in the work queue."""
+        assert self._channel is not None
+        queue = await self._channel.declare_queue(self.topology.work_queue, passive=True)
+        return int(queue.declaration_result.message_count or 0)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(body, separators=(",", ":"), default=str).encode()

@@ -1,0 +1,96 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.kinds import RestartPolicy
+from contracts.statuses import ObserverStatus
+
+
+class ObserverCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^\S(.*\S)?$",
+        description="unique among observers that are not deleted",
+    )
+    kind: str = Field(min_length=1, max_length=100, description="a registered observer kind")
+    params: dict[str, Any] = Field(default_factory=dict, description="validated by the kind")
+    restart_policy: RestartPolicy | None = Field(
+        default=None, description="overrides the kind's restart policy for this observer"
+    )
+
+
+class ObserverOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    kind: str
+    params: dict[str, Any]
+    status: ObserverStatus
+    service_id: uuid.UUID | None
+    epoch: int
+    checkpoint: Any | None
+    checkpointed_at: datetime | None
+    restart_count: int
+    last_error: str | None
+    restart_policy: dict[str, Any] | None
+    created_at: datetime
+    modified_at: datetime
+    started_at: datetime | None
+
+
+class ObserverPage(BaseModel):
+    items: list[ObserverOut]
+    limit: int
+    offset: int
+    next_offset: int | None
+
+
+class ObserverEventOut(BaseModel):
+    at: datetime
+    event: str
+    service_id: uuid.UUID | None
+    epoch: int | None
+    detail: str | None
+
+
+class ServiceOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    worker_count: int
+    running: int
+    host: str
+    pid: int
+    version: str
+    created_at: datetime
+    last_heartbeat_at: datetime
+    lease_expires_at: datetime
+    is_deleted: bool
+    draining: bool
+
+
+class KindOut(BaseModel):
+    name: str
+    description: str
+    params_schema: dict[str, Any] | None
+    restart_policy: RestartPolicy
+
+
+class LeaderOut(BaseModel):
+    holder: str | None
+    acquired_at: datetime | None = None
+    expires_at: datetime | None = None
+    live: bool = False
+    this_replica: str
+    this_replica_leads: bool
+
+
+class Problem(BaseModel):
+    detail: str

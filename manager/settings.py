@@ -1,0 +1,28 @@
+"""Settings of one manager process (env prefix ORCH_)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from contracts.settings import CommonSettings
+
+
+class ManagerSettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65_535)
+    #: Largest request body accepted, bytes.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    #: Largest ``params`` of one observer (as JSON), bytes.
+    max_params_bytes: int = Field(default=64 << 10, ge=64)
+    #: How often the leader looks for dead services, seconds.
+    sweep_interval: float = Field(default=0.25, gt=0)
+    #: Outbox rows older than this are published by the leader's relay (the API publishes its
+    #: own rows at once; the relay is for a manager that crashed in between), seconds.
+    relay_grace: float = Field(default=2.0, ge=0)
+    relay_interval: float = Field(default=0.5, gt=0)
+    #: How often the leader checks that every live observer has a message somewhere, seconds.
+    audit_interval: float = Field(default=5.0, gt=0)
+    #: How long an unowned observer may go without a take before the audit re-dispatches it.
+    audit_grace: float = Field(default=10.0, gt=0)
+    #: Run the elected background loops in this process (off for a pure API replica).
+    background: bool = True

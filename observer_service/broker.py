@@ -1,0 +1,101 @@
+"""One AMQP session of a service: a connection, a work channel, a control channel.
+
+A session is never repaired in place: when anything in it closes, the service stops the
+observers delivered on it (their deliveries are gone) and opens a new session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+
+from contracts.settings import CommonSettings
+from contracts.topology import broker_version, declare_topology
+
+log = logging.getLogger(__name__)
+_generations = itertools.count(1)
+
+OnMessage = Callable[[AbstractIncomingMessage, int], Awaitable[None]]
+
+
+class BrokerSession:
+    def __init__(self) -> None:
+        self.generation = next(_generations)
+        self.closed = asyncio.Event()
+        self.connection: AbstractConnection | None = None
+        self._work_channel: AbstractChannel | None = None
+        self._work_queue: AbstractQueue | None = None
+        self._work_tag: str | None = None
+        self.version: tuple[int, ...] = (0,)
+
+    @property
+    def is_open(self) -> bool:
+        return not self.closed.is_set()
+
+    def _on_close(self, *_: Any) -> None:
+        if not self.closed.is_set():
+            log.warning("broker session %d closed", self.generation)
+            self.closed.set()
+
+    async def open(
+        self,
+        settings: CommonSettings,
+        *,
+        service_id: uuid.UUID,
+        prefetch: int,
+        on_start: OnMessage,
+        on_control: OnMessage,
+    ) -> None:
+        topo = settings.topology
+        self.connection = await aio_pika.connect(
+            settings.amqp_url_with_heartbeat,
+            timeout=10,
+            client_properties={"connection_name": f"observer-service {service_id}"},
+        )
+        self.connection.close_callbacks.add(self._on_close)
+        self.version = broker_version(self.connection)
+        work = await self.connection.channel(publisher_confirms=False)
+        work.close_callbacks.add(self._on_close)
+        await work.set_qos(prefetch_count=prefetch)
+        queue = await declare_topology(
+            work,
+            topo,
+            version=self.version,
+            queue_type=settings.queue_type,
+            consumer_timeout_ms=settings.consumer_timeout_ms,
+        )
+        control = await self.connection.channel(publisher_confirms=False)
+        control.close_callbacks.add(self._on_close)
+        exchange = await control.get_exchange(topo.control_exchange)
+        cq = await control.declare_queue(
+            topo.control_queue(service_id), exclusive=True, auto_delete=True
+        )
+        await cq.bind(exchange)
+        gen = self.generation
+        await cq.consume(lambda m: on_control(m, gen), no_ack=True)
+        self._work_channel, self._work_queue = work, queue
+        self._work_tag = await queue.consume(lambda m: on_start(m, gen))
+
+    async def stop_consuming(self) -> None:
+        """Take no more start messages (those already delivered stay ours to settle)."""
+        if self._work_queue is not None and self._work_tag is not None and self.is_open:
+            tag, self._work_tag = self._work_tag, None
+            try:
+                await self._work_queue.cancel(tag, timeout=5)
+            except Exception as exc:
+                log.warning("could not cancel the work consumer: %s", exc)
+
+    async def close(self) -> None:
+        if self.connection is not None and not self.connection.is_closed:
+            try:
+                await self.connection.close()
+            except Exception as exc:
+                log.warning("broker close failed: %s", exc)
+        self._on_close()

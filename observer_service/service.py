@@ -1,0 +1,438 @@
+"""The observer service: takes start messages, runs observers, stops them when it must.
+
+Side tasks (lease, broker session, checkpoint writer) are named and supervised: if one dies,
+the service stops every observer and exits non-zero rather than limp on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import asyncpg
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from contracts.kinds import KindSpec
+from contracts.messages import CancelMessage, StartMessage
+from observer_service.broker import BrokerSession
+from observer_service.checkpoints import CheckpointWriter
+from observer_service.context import ObserverContext
+from observer_service.errors import Fenced, LeaseLost
+from observer_service.lease import LeaseKeeper
+from observer_service.runner import (
+    Runner,
+    StopReason,
+    effective_policy,
+    run_with_restarts,
+)
+from observer_service.settings import ServiceSettings
+from observer_service.store import Store, Taken
+from observer_service.take import Decision
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class ObserverService:
+    def __init__(self, settings: ServiceSettings, kinds: dict[str, KindSpec]) -> None:
+        self.settings = settings
+        self.kinds = kinds
+        self.id = uuid.uuid4()
+        self.runners: dict[uuid.UUID, Runner] = {}
+        self.taking: set[uuid.UUID] = set()
+        self._cancel_while_taking: set[uuid.UUID] = set()
+        self.capacity = asyncio.Semaphore(settings.worker_count)
+        self.session: BrokerSession | None = None
+        self.stopping = False
+        self._stop = asyncio.Event()
+        self._needs_reconcile = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ----------------------------------------------------------------- lifecycle
+    def request_stop(self) -> None:
+        """Begin a graceful stop (SIGTERM, SIGINT)."""
+        self._stop.set()
+
+    async def run(self) -> int:
+        s = self.settings
+        self.pool = await asyncpg.create_pool(
+            s.asyncpg_dsn, min_size=1, max_size=min(20, 2 + s.worker_count), timeout=10
+        )
+        self.store = Store(self.pool, self.id)
+        self.checkpoints = CheckpointWriter(self.pool)
+        self.lease = LeaseKeeper(
+            dsn=s.asyncpg_dsn,
+            service_id=self.id,
+            name=s.name,
+            worker_count=s.worker_count,
+            host=_hostname(),
+            version=VERSION,
+            ttl=s.lease_ttl,
+            renew_interval=s.renew_every,
+            margin=s.margin,
+            on_lost=self._on_lease_lost,
+            on_renewed=self._on_renewed,
+        )
+        await self.lease.register()
+        log.info(
+            "service %s (%s) up: worker_count=%d prefix=%s",
+            self.id,
+            s.name,
+            s.worker_count,
+            s.prefix,
+        )
+        side = [
+            asyncio.create_task(self.lease.run(), name="lease"),
+            asyncio.create_task(self.checkpoints.run(), name="checkpoint-writer"),
+            asyncio.create_task(self._broker_loop(), name="broker"),
+        ]
+        stop = asyncio.create_task(self._stop.wait(), name="stop-signal")
+        done, _ = await asyncio.wait([*side, stop], return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        for task in done:
+            if task is not stop:
+                code = 1
+                exc = None if task.cancelled() else task.exception()
+                log.critical("side task %r died (%r): stopping the service", task.get_name(), exc)
+        await self._shutdown(side)
+        return code
+
+    async def _shutdown(self, side: list[asyncio.Task[Any]]) -> None:
+        """Stop taking work, stop every observer, release them, requeue their messages."""
+        self.stopping = True
+        session = self.session
+        if session is not None:
+            await session.stop_consuming()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), self.settings.shutdown_timeout)
+        runners = list(self.runners.values())
+        for r in runners:
+            r.stop(StopReason.SHUTDOWN)
+        tasks = [r.task for r in runners if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.shutdown_timeout)
+        held = [(r.observer_id, r.epoch) for r in runners if r.stop_reason is StopReason.SHUTDOWN]
+        try:
+            await self.store.release(held, StopReason.SHUTDOWN.value)
+        except Exception as exc:
+            log.warning("could not release observers: %s", exc)
+        for r in runners:
+            if r.stop_reason is StopReason.SHUTDOWN:
+                await _settle_message(r, "nack")
+        finished = [asyncio.create_task(r.finished.wait()) for r in runners]
+        if finished:
+            await asyncio.wait(finished, timeout=5)
+        log.info("released %d observers; leaving", len(held))
+        for task in side:
+            task.cancel()
+        await asyncio.gather(*side, return_exceptions=True)
+        await self.lease.close(deleted=True)
+        if session is not None:
+            await session.close()
+        await self.pool.close()
+
+    # ----------------------------------------------------------------- broker
+    async def _broker_loop(self) -> None:
+        while not self.stopping:
+            session = await self._open_session()
+            self.session = session
+            await session.closed.wait()
+            gen = session.generation
+            self._stop_where(lambda r, gen=gen: r.generation == gen, StopReason.CHANNEL_LOST)
+            await session.close()
+
+    async def _open_session(self) -> BrokerSession:
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential_jitter(initial=0.1, max=5.0),
+            retry=retry_if_exception_type(Exception),
+            before_sleep=lambda st: log.warning(
+                "broker unreachable (%s); retrying", st.outcome and st.outcome.exception()
+            ),
+        ):
+            with attempt:
+                session = BrokerSession()
+                try:
+                    await session.open(
+                        self.settings,
+                        service_id=self.id,
+                        prefetch=self.settings.worker_count,
+                        on_start=self._on_start,
+                        on_control=self._on_control,
+                    )
+                except BaseException:
+                    await session.close()
+                    raise
+                return session
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _session_open(self, generation: int) -> bool:
+        s = self.session
+        return s is not None and s.generation == generation and s.is_open
+
+    # ----------------------------------------------------------------- start messages
+    async def _on_start(self, message: AbstractIncomingMessage, generation: int) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            await self._handle_start(message, generation)
+        except Exception:
+            log.exception("start message handling failed; requeueing it")
+            await asyncio.sleep(0.5)
+            if self._session_open(generation):
+                await _settle_message_raw(message, "nack")
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _handle_start(self, message: AbstractIncomingMessage, generation: int) -> None:
+        try:
+            start = StartMessage.model_validate_json(message.body)
+        except ValidationError as exc:
+            log.error("malformed start message sent to the error queue: %s", exc)
+            await message.reject(requeue=False)
+            return
+        oid = start.observer_id
+        if self.stopping:
+            await message.nack(requeue=True)
+            return
+        existing = self.runners.get(oid)
+        if existing is not None and existing.generation != generation:
+            # A copy delivered on a dead session: it is being stopped; never run two here.
+            existing.stop(StopReason.CHANNEL_LOST)
+            await existing.finished.wait()
+            existing = None
+        if not self.lease.valid():
+            await asyncio.sleep(min(1.0, self.settings.lease_ttl / 5))
+            await message.nack(requeue=True)
+            return
+        await self.capacity.acquire()
+        started = False
+        self.taking.add(oid)
+        try:
+            started = await self._take_and_start(start, message, generation, existing is not None)
+        finally:
+            self.taking.discard(oid)
+            self._cancel_while_taking.discard(oid)
+            if not started:
+                self.capacity.release()
+
+    async def _take_and_start(
+        self,
+        start: StartMessage,
+        message: AbstractIncomingMessage,
+        generation: int,
+        running_here: bool,
+    ) -> bool:
+        oid = start.observer_id
+        backoff = 0.05
+        while True:
+            result = await self.store.take(
+                oid,
+                start.dispatch_id,
+                redelivered=bool(message.redelivered),
+                running_here_on_open_channel=running_here,
+            )
+            if result.decision is not Decision.WAIT:
+                break
+            if self.stopping or not self._session_open(generation):
+                if self._session_open(generation):
+                    await message.nack(requeue=True)
+                return False
+            # The holder lost its channel but not (yet) its lease: it is stopping its copy.
+            await asyncio.sleep(min(backoff, max(0.01, result.holder_remaining + 0.01)))
+            backoff = min(backoff * 2, 0.5)
+        if result.decision is not Decision.TAKE:
+            log.info("start message for %s: %s", oid, result.decision.value)
+            await message.ack()
+            return False
+        taken = result.taken
+        assert taken is not None
+        if self.stopping or not self._session_open(generation) or not self.lease.valid():
+            # Too late to run it here: let go at once so that another service takes it.
+            await self.store.release([(oid, taken.epoch)], "taken while stopping")
+            if self._session_open(generation):
+                await message.nack(requeue=True)
+            return False
+        return self._start_runner(taken, message, generation)
+
+    def _start_runner(
+        self, taken: Taken, message: AbstractIncomingMessage, generation: int
+    ) -> bool:
+        spec = self.kinds.get(taken.kind)
+        error: str | None = None
+        params: Any = taken.params
+        if spec is None:
+            error = f"kind {taken.kind!r} is not installed on service {self.settings.name}"
+        elif spec.params_model is not None:
+            try:
+                params = spec.params_model.model_validate(taken.params)
+            except ValidationError as exc:
+                error = f"invalid params: {exc}"
+        if spec is None or error is not None:
+            self._spawn(self._fail_unrunnable(taken, message, error or "unrunnable"))
+            return False
+        ctx = ObserverContext(
+            observer_id=taken.observer_id,
+            name=taken.name,
+            kind=taken.kind,
+            epoch=taken.epoch,
+            service_id=self.id,
+            params=params,
+            last_checkpoint=taken.checkpoint,
+            write_checkpoint=self.checkpoints.write,
+            lease_valid=self.lease.valid,
+        )
+        runner = Runner(taken=taken, spec=spec, ctx=ctx, message=message, generation=generation)
+        policy = effective_policy(spec, taken.restart_policy)
+
+        async def on_restart(err: str, delay: float) -> None:
+            ctx.logger.warning("observer raised (%s); restarting in %.2fs", err, delay)
+            if not await self.store.record_restart(taken.observer_id, taken.epoch, err):
+                raise Fenced("restart record refused")
+
+        runner.task = asyncio.create_task(
+            run_with_restarts(spec, ctx, policy, on_restart), name=f"observer-{taken.observer_id}"
+        )
+        self.runners[taken.observer_id] = runner
+        self._spawn(self._supervise(runner))
+        if taken.observer_id in self._cancel_while_taking:
+            runner.stop(StopReason.DELETE)
+        ctx.logger.info("running (epoch %d)", taken.epoch)
+        return True
+
+    async def _fail_unrunnable(
+        self, taken: Taken, message: AbstractIncomingMessage, error: str
+    ) -> None:
+        log.error("observer %s cannot run: %s", taken.observer_id, error)
+        if await self.store.mark_failed(taken.observer_id, taken.epoch, error):
+            await _settle_message_raw(message, "reject")
+        else:
+            await _settle_message_raw(message, "ack")
+
+    # ----------------------------------------------------------------- settling
+    async def _supervise(self, runner: Runner) -> None:
+        task = runner.task
+        assert task is not None
+        try:
+            await asyncio.wait([task])
+            await self._settle(runner, task)
+        except Exception:
+            log.exception("settling observer %s failed", runner.observer_id)
+        finally:
+            if self.runners.get(runner.observer_id) is runner:
+                del self.runners[runner.observer_id]
+            self.capacity.release()
+            runner.finished.set()
+
+    async def _settle(self, runner: Runner, task: asyncio.Task[str]) -> None:
+        oid, epoch = runner.observer_id, runner.epoch
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, Fenced):
+            runner.ctx.logger.warning("fenced: another service holds epoch > %d; stopped", epoch)
+            await _settle_message(runner, "ack")
+            return
+        reason = runner.stop_reason
+        if reason is None and isinstance(exc, LeaseLost):
+            reason = StopReason.LEASE_LOST
+        if reason is None and exc is not None:
+            log.error("observer %s task ended with %r", oid, exc)
+            reason = StopReason.LEASE_LOST
+        if reason is None:
+            error = task.result()
+            runner.ctx.logger.error("failed after its last restart: %s", error)
+            if await self.store.mark_failed(oid, epoch, error):
+                await _settle_message(runner, "reject")  # to the error queue
+            else:
+                await _settle_message(runner, "ack")
+            return
+        runner.ctx.logger.info("stopped: %s", reason.value)
+        if reason is StopReason.DELETE:
+            await self.store.mark_deleted(oid, epoch)
+            await _settle_message(runner, "ack")
+        elif reason is StopReason.HANDOFF:
+            await self.store.release([(oid, epoch)], reason.value)
+            await _settle_message(runner, "nack")
+        elif reason in (StopReason.LEASE_LOST, StopReason.CHANNEL_LOST):
+            self._needs_reconcile = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.store.release([(oid, epoch)], reason.value), 1.0)
+            await _settle_message(runner, "nack")
+        # SHUTDOWN: released and requeued in one batch by _shutdown.
+
+    # ----------------------------------------------------------------- control and lease
+    async def _on_control(self, message: AbstractIncomingMessage, generation: int) -> None:
+        try:
+            cancel = CancelMessage.model_validate_json(message.body)
+        except ValidationError as exc:
+            log.error("malformed control message ignored: %s", exc)
+            return
+        self._cancel(cancel.observer_id)
+
+    def _cancel(self, observer_id: uuid.UUID) -> None:
+        runner = self.runners.get(observer_id)
+        if runner is not None:
+            runner.stop(StopReason.DELETE)
+        elif observer_id in self.taking:
+            self._cancel_while_taking.add(observer_id)
+
+    def _on_lease_lost(self, reason: str) -> None:
+        self._needs_reconcile = True
+        self._stop_where(lambda r: True, StopReason.LEASE_LOST)
+
+    async def _on_renewed(self, deleting: list[uuid.UUID], was_fenced: bool) -> None:
+        for oid in deleting:
+            self._cancel(oid)
+        if not (was_fenced or self._needs_reconcile):
+            return
+        if any(r.stop_reason is not None for r in self.runners.values()):
+            return  # wait until the stopping copies have settled
+        released = await self.store.release_orphans(set(self.runners) | self.taking)
+        self._needs_reconcile = False
+        if released:
+            log.info("released %d observers this service no longer runs", released)
+
+    def _stop_where(self, pred: Any, reason: StopReason) -> None:
+        stopped = [r for r in self.runners.values() if pred(r)]
+        for r in stopped:
+            r.stop(reason)
+        if stopped:
+            log.warning("stopping %d observers: %s", len(stopped), reason.value)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _settle_message(runner: Runner, how: str) -> None:
+    await _settle_message_raw(runner.message, how)
+
+
+async def _settle_message_raw(message: AbstractIncomingMessage, how: str) -> None:
+    """Ack, nack (requeue) or reject (to the error queue); a dead channel makes it a no-op."""
+    try:
+        if how == "ack":
+            await message.ack()
+        elif how == "nack":
+            await message.nack(requeue=True)
+        else:
+            await message.reject(requeue=False)
+    except Exception as exc:
+        log.debug("could not %s a message (its channel is gone): %s", how, exc)
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

@@ -1,0 +1,3 @@
+from orch.cli import app
+
+app(prog_name="orch")

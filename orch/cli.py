@@ -1,0 +1,153 @@
+"""``orch``: the one command for operators. Environment is read here, at the edge."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Annotated, NoReturn
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from contracts.kinds import KindLoadError
+from contracts.preflight import StartupError
+
+app = typer.Typer(
+    help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+def _fail(message: str) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _settings(cls: type, **overrides: object) -> object:
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            field = ".".join(str(p) for p in e["loc"]) or "settings"
+            lines.append(f"ORCH_{field.upper()}: {e['msg']}")
+        _fail("; ".join(lines))
+
+
+@app.command()
+def migrate() -> None:
+    """Create the database if needed and apply every migration."""
+    from contracts.settings import CommonSettings
+    from orch.database import migrate as run
+
+    settings = _settings(CommonSettings)
+    assert isinstance(settings, CommonSettings)
+    try:
+        created = run(settings)
+    except StartupError as exc:
+        _fail(str(exc))
+    except Exception as exc:
+        _fail(f"migration failed: {exc}")
+    out.print(("created the database; " if created else "") + "schema is up to date")
+
+
+@app.command()
+def manager(
+    host: Annotated[str | None, typer.Option(help="address to listen on")] = None,
+    port: Annotated[int | None, typer.Option(help="port to listen on")] = None,
+    wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
+) -> None:
+    """Run the HTTP API (and, if elected, the background loops)."""
+    import uvicorn
+
+    from contracts.preflight import check_servers
+    from manager.app import create_app
+    from manager.settings import ManagerSettings
+    from observer_service.main import configure_logging
+
+    settings = _settings(ManagerSettings, host=host, port=port)
+    assert isinstance(settings, ManagerSettings)
+    configure_logging()
+    try:
+        asyncio.run(check_servers(settings, wait=wait))
+        from contracts.kinds import load_kinds
+
+        load_kinds(settings.kind_module_list)
+    except (StartupError, KindLoadError) as exc:
+        _fail(str(exc))
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+    )
+
+
+@app.command()
+def service(
+    name: Annotated[str | None, typer.Option(help="service name shown in the API")] = None,
+    worker_count: Annotated[int | None, typer.Option(help="observers it runs at once")] = None,
+    wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
+) -> None:
+    """Run one observer service."""
+    from contracts.preflight import check_servers
+    from observer_service.main import configure_logging, serve
+    from observer_service.settings import ServiceSettings
+
+    settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
+    assert isinstance(settings, ServiceSettings)
+    configure_logging()
+    try:
+        asyncio.run(check_servers(settings, wait=wait))
+        code = asyncio.run(serve(settings))
+    except (StartupError, KindLoadError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command()
+def up(
+    services: Annotated[int, typer.Option(help="observer services to start")] = 2,
+    worker_count: Annotated[int, typer.Option(help="worker count of each service")] = 10,
+    port: Annotated[int, typer.Option(help="port of the API")] = 8000,
+) -> None:
+    """Migrate, then run a manager and N services on this machine until Ctrl-C."""
+    migrate()
+    me = [sys.executable, "-m", "orch"]
+    env = {**os.environ, "ORCH_PORT": str(port)}
+    procs = [subprocess.Popen([*me, "manager"], env=env)]
+    for i in range(services):
+        procs.append(
+            subprocess.Popen(
+                [*me, "service", "--name", f"local-{i + 1}", "--worker-count", str(worker_count)],
+                env=env,
+            )
+        )
+    out.print(
+        f"API: http://127.0.0.1:{port}  (docs: http://127.0.0.1:{port}/docs); "
+        f"{services} services x {worker_count} workers. Ctrl-C stops everything."
+    )
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        err.print("[red]a process of the cluster exited; stopping the rest[/red]")
+    except KeyboardInterrupt:
+        out.print("stopping…")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
