@@ -131,6 +131,7 @@ class LeaseKeeper:
         conn = self._conn
         if conn is None or conn.is_closed():
             conn = self._conn = await asyncio.wait_for(self._connect(), limit)
+        assert conn is not None
         row = await conn.fetchrow(_RENEW_SQL, self.service_id, self.ttl, timeout=limit)
         return None if row is None else list(row[0])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -60,3 +61,71 @@ async def recorder(ctx: ObserverContext) -> None:
         )
         await ctx.checkpoint({"count": count})
         await ctx.sleep(params.interval)
+
+
+# --------------------------------------------------------------------------- reading the logs
+@dataclass(frozen=True)
+class Tick:
+    observer: str
+    epoch: int
+    service: str
+    pid: int
+    at: float
+    count: int
+
+    @property
+    def copy(self) -> tuple[int, int]:
+        """Which running copy made the tick: its epoch and its process."""
+        return (self.epoch, self.pid)
+
+
+def read_ticks(directory: str | Path) -> list[Tick]:
+    """Every tick recorded under ``directory``, oldest first."""
+    ticks: list[Tick] = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by SIGKILL
+            ticks.append(Tick(d["o"], d["e"], d["s"], d["p"], d["t"], d["n"]))
+    ticks.sort(key=lambda t: t.at)
+    return ticks
+
+
+def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
+    """Per observer, the seconds during which two copies (epoch, process) both ticked.
+
+    A copy spans from its first to its last tick; two spans that intersect mean two copies ran at
+    the same time. Observers without overlap are left out.
+    """
+    spans: dict[str, dict[tuple[int, int], list[float]]] = {}
+    for t in ticks:
+        span = spans.setdefault(t.observer, {}).setdefault(t.copy, [t.at, t.at])
+        span[1] = t.at
+    result: dict[str, float] = {}
+    for observer, copies in spans.items():
+        ordered = sorted(copies.values())
+        total, reach = 0.0, ordered[0][1]
+        for start, end in ordered[1:]:
+            if start < reach:
+                total += min(end, reach) - start
+            reach = max(reach, end)
+        if total > 0:
+            result[observer] = total
+    return result
+
+
+def failover_gaps(ticks: list[Tick], at: float) -> dict[str, float]:
+    """Per observer that ticked before ``at``: seconds from its last tick before ``at`` to the
+    first tick after ``at`` by another copy (inf when no other copy ever ticked)."""
+    last_before: dict[str, Tick] = {}
+    for t in ticks:
+        if t.at <= at:
+            last_before[t.observer] = t
+    gaps = {o: float("inf") for o in last_before}
+    for t in ticks:
+        before = last_before.get(t.observer)
+        if before and t.at > at and t.copy != before.copy and gaps[t.observer] == float("inf"):
+            gaps[t.observer] = t.at - before.at
+    return gaps

@@ -1,0 +1,294 @@
+"""Observers start, run, stop, fail and move, with real manager and service processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+import uuid
+
+import aio_pika
+
+from contracts.messages import StartMessage
+from tests.support.cluster import Cluster, wait_for
+
+
+def queue_counts(prefix: str) -> tuple[int, int]:
+    """(ready, unacked) of the work queue, from the broker itself."""
+    out = subprocess.run(
+        ["rabbitmqctl", "-q", "list_queues", "name", "messages_ready", "messages_unacknowledged"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] == f"{prefix}.work":
+            return int(parts[1]), int(parts[2])
+    raise AssertionError(f"no work queue for {prefix} in {out!r}")
+
+
+async def checkpoint_count(cluster: Cluster, oid: str | uuid.UUID) -> int:
+    row = await cluster.observer(oid)
+    import json
+
+    return int(json.loads(row["checkpoint"] or "{}").get("count", 0))
+
+
+async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    svc = await cluster.start_service("a", worker_count=4)
+    body = await cluster.create("t1", interval=0.05)
+    assert body["status"] == "created"
+    oid = body["id"]
+
+    async def processing() -> bool:
+        row = await cluster.observer(oid)
+        return row["status"] == "processing" and row["service_id"] == await cluster.service_id(svc)
+
+    await wait_for(processing, timeout=10, what="processing")
+    first = await checkpoint_count(cluster, oid)
+    await wait_for(lambda: _gt(cluster, oid, first + 3), timeout=10, what="checkpoint advancing")
+    async with cluster.api() as c:
+        got = (await c.get(f"/observers/{oid}")).json()
+    assert got["status"] == "processing"
+    assert got["epoch"] == 1
+    assert got["checkpoint"]["count"] > first
+
+
+async def _gt(cluster: Cluster, oid: str, n: int) -> bool:
+    return await checkpoint_count(cluster, oid) > n
+
+
+async def test_delete_stops_the_task_and_acks_the_message(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=2)
+    oid = (await cluster.create("t1", interval=0.05))["id"]
+    await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
+    assert queue_counts(cluster.prefix) == (0, 1)
+    async with cluster.api() as c:
+        r = await c.delete(f"/observers/{oid}")
+        assert r.status_code == 202
+        assert r.json()["status"] in ("on_deleting", "deleted")
+
+    async def deleted() -> bool:
+        return (await cluster.observer(oid))["status"] == "deleted"
+
+    await wait_for(deleted, timeout=10, what="deleted")
+    stopped_at = await checkpoint_count(cluster, oid)
+    await asyncio.sleep(0.3)  # a running copy would tick 6 times meanwhile
+    assert await checkpoint_count(cluster, oid) == stopped_at
+    await wait_for(
+        lambda: _async(queue_counts(cluster.prefix) == (0, 0)), timeout=10, what="queue empty"
+    )
+    async with cluster.api() as c:
+        again = await c.delete(f"/observers/{oid}")
+    assert again.status_code == 202
+    assert again.json()["status"] == "deleted"
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_capacity_and_delete_of_a_waiting_observer(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=2)
+    ids = [(await cluster.create(f"t{i}", interval=0.05))["id"] for i in range(3)]
+
+    async def two_running() -> list[str]:
+        rows = await cluster.q(
+            "SELECT id::text FROM observers WHERE status = 'processing' AND service_id IS NOT NULL"
+        )
+        return [r[0] for r in rows] if len(rows) == 2 else []
+
+    running = await wait_for(two_running, timeout=10, what="two running")
+    await asyncio.sleep(0.5)
+    assert len(await two_running()) == 2, "a service ran more than its worker_count"
+    waiting = next(i for i in ids if i not in running)
+    assert (await cluster.observer(waiting))["status"] == "created"
+
+    # Deleting the waiting one: it never runs and ends deleted.
+    async with cluster.api() as c:
+        r = await c.delete(f"/observers/{waiting}")
+    assert r.json()["status"] == "deleted"
+    # Deleting a running one frees a slot; the stale start message of the deleted one is
+    # consumed and dropped rather than run.
+    async with cluster.api() as c:
+        await c.delete(f"/observers/{running[0]}")
+    await wait_for(
+        lambda: _async(queue_counts(cluster.prefix) == (0, 1)),
+        timeout=15,
+        what="only the remaining observer's message left",
+    )
+    row = await cluster.observer(waiting)
+    assert row["status"] == "deleted"
+    assert row["epoch"] == 0, "the deleted observer ran"
+
+
+async def test_freed_slot_starts_the_waiting_observer(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=2)
+    ids = [(await cluster.create(f"t{i}", interval=0.05))["id"] for i in range(3)]
+    await wait_for(
+        lambda: cluster.q(
+            "SELECT count(*) = 2 FROM observers WHERE status = 'processing'", one=True
+        ),
+        timeout=10,
+        what="two running",
+    )
+    first_running = await cluster.q(
+        "SELECT id::text FROM observers WHERE status = 'processing' LIMIT 1", one=True
+    )
+    async with cluster.api() as c:
+        await c.delete(f"/observers/{first_running}")
+    others = [uuid.UUID(i) for i in ids if i != first_running]
+    await cluster.wait_all_running(others, timeout=10)
+
+
+async def test_sigkill_moves_observers_resumed_from_checkpoint(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10)
+    ids = [uuid.UUID((await cluster.create(f"t{i}", interval=0.05))["id"]) for i in range(6)]
+    await cluster.wait_all_running(ids, timeout=10)
+    b = await cluster.start_service("b", worker_count=10)
+    b_id = await cluster.service_id(b)
+    await asyncio.sleep(0.3)
+    before = {i: await checkpoint_count(cluster, i) for i in ids}
+    killed_at = time.time()
+    a.signal(signal.SIGKILL)
+    await cluster.wait_all_running(ids, timeout=15, on={b_id}, fresh_after=killed_at)
+    for i in ids:
+        assert await checkpoint_count(cluster, i) >= before[i], "resumed from zero"
+        assert (await cluster.observer(i))["epoch"] == 2
+
+
+async def test_sigterm_hands_observers_over_at_once(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10)
+    ids = [uuid.UUID((await cluster.create(f"t{i}", interval=0.05))["id"]) for i in range(5)]
+    await cluster.wait_all_running(ids, timeout=10)
+    b = await cluster.start_service("b", worker_count=10)
+    b_id = await cluster.service_id(b)
+    start = time.monotonic()
+    a.signal(signal.SIGTERM)
+    # Well under the lease TTL: nobody waited for a lease to expire.
+    await cluster.wait_all_running(
+        ids, timeout=cluster.lease_ttl * 0.75, on={b_id}, fresh_after=time.time()
+    )
+    assert time.monotonic() - start < cluster.lease_ttl
+    await asyncio.to_thread(a.popen.wait, 10)
+    assert a.popen.returncode == 0
+    assert await cluster.q("SELECT is_deleted FROM services WHERE pid = $1", a.pid, one=True)
+
+
+async def test_duplicate_start_message_is_dropped(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=5)
+    await cluster.start_service("b", worker_count=5)
+    oid = uuid.UUID((await cluster.create("t1", interval=0.05))["id"])
+    await cluster.wait_all_running([oid], timeout=10)
+    row = await cluster.observer(oid)
+    conn = await aio_pika.connect(cluster.amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        body = StartMessage(observer_id=oid, dispatch_id=row["dispatch_id"]).to_bytes()
+        for _ in range(3):
+            await ch.default_exchange.publish(
+                aio_pika.Message(body), routing_key=f"{cluster.prefix}.work"
+            )
+    await wait_for(
+        lambda: _async(queue_counts(cluster.prefix) == (0, 1)),
+        timeout=10,
+        what="duplicates consumed",
+    )
+    row2 = await cluster.observer(oid)
+    assert row2["epoch"] == row["epoch"] == 1
+    assert row2["service_id"] == row["service_id"]
+
+
+async def test_malformed_message_goes_to_the_error_queue(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    svc = await cluster.start_service("a", worker_count=2)
+    conn = await aio_pika.connect(cluster.amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        await ch.default_exchange.publish(
+            aio_pika.Message(b"{not json"), routing_key=f"{cluster.prefix}.work"
+        )
+        errors = await ch.declare_queue(f"{cluster.prefix}.errors", passive=True)
+
+        async def in_errors() -> bool:
+            q = await ch.declare_queue(f"{cluster.prefix}.errors", passive=True)
+            return (q.declaration_result.message_count or 0) == 1
+
+        await wait_for(in_errors, timeout=10, what="message dead-lettered")
+        msg = await errors.get(timeout=5)
+        assert msg.body == b"{not json"
+        await msg.ack()
+    assert svc.popen.poll() is None
+    oid = uuid.UUID((await cluster.create("after", interval=0.05))["id"])
+    await cluster.wait_all_running([oid], timeout=10)
+
+
+async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=2)
+    oid = (await cluster.create("bad", kind="always_fails"))["id"]
+
+    async def failed() -> bool:
+        return (await cluster.observer(oid))["status"] == "failed"
+
+    await wait_for(failed, timeout=15, what="failed")
+    row = await cluster.observer(oid)
+    assert row["restart_count"] == 2
+    assert "boom" in row["last_error"]
+    assert row["service_id"] is None
+    events = [
+        r["event"]
+        for r in await cluster.q(
+            "SELECT event FROM observer_events WHERE observer_id = $1 ORDER BY id", uuid.UUID(oid)
+        )
+    ]
+    assert events.count("restarted") == 2
+    assert events[-1] == "failed"
+    # Its start message went to the error queue.
+    conn = await aio_pika.connect(cluster.amqp_url)
+    async with conn:
+        ch = await conn.channel()
+        q = await ch.declare_queue(f"{cluster.prefix}.errors", passive=True)
+        assert q.declaration_result.message_count == 1
+    async with cluster.api() as c:
+        r = await c.post(f"/observers/{oid}/restart")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "created"
+        again = await c.post(f"/observers/{oid}/restart")
+        assert again.status_code == 409
+
+    async def taken_again() -> bool:
+        return (await cluster.observer(oid))["epoch"] > row["epoch"]
+
+    await wait_for(taken_again, timeout=10, what="restarted observer taken")
+    await wait_for(failed, timeout=15, what="failed again")
+    assert (await cluster.observer(oid))["restart_count"] == 2
+
+
+async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> None:
+    """The manager dies right after its commit: the outbox record brings the observer up."""
+    from manager import repository
+    from manager.db import make_engine
+    from manager.settings import ManagerSettings
+
+    engine = make_engine(ManagerSettings(database_url=cluster.database_url))
+    async with engine.begin() as conn:
+        row, _pending = await repository.create_observer(
+            conn, name="orphan", kind="ticker", params={"interval": 0.05}, restart_policy=None
+        )
+    await engine.dispose()
+    # No publish happened. Now the cluster comes up: the leader's relay publishes it.
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=2)
+    await cluster.wait_all_running([row["id"]], timeout=15)
+    assert await cluster.q("SELECT count(*) FROM outbox", one=True) == 0

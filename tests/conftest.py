@@ -1,0 +1,140 @@
+"""Test fixtures: real Postgres and RabbitMQ, a fresh database and broker prefix per test.
+
+Servers come from ORCH_TEST_DATABASE_URL / ORCH_TEST_AMQP_URL; without them, from containers
+where Docker runs (testcontainers), else from the local servers on their default ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import asyncpg
+import pytest
+
+from contracts.topology import Topology
+from tests.support.cluster import Cluster
+
+RUN = uuid.uuid4().hex[:8]
+_counter = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Servers:
+    admin_dsn: str  # postgresql://user@host:port (no database)
+    amqp_url: str
+
+    def database_url(self, name: str) -> str:
+        return f"postgresql+asyncpg://{self.admin_dsn.partition('://')[2]}/{name}"
+
+    def asyncpg_dsn(self, name: str) -> str:
+        return f"{self.admin_dsn}/{name}"
+
+
+def _docker_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    db = os.environ.get("ORCH_TEST_DATABASE_URL")
+    amqp = os.environ.get("ORCH_TEST_AMQP_URL")
+    if db is None and amqp is None and _docker_available():
+        from testcontainers.postgres import PostgresContainer
+        from testcontainers.rabbitmq import RabbitMqContainer
+
+        with PostgresContainer("postgres:16") as pg, RabbitMqContainer("rabbitmq:3.13") as mq:
+            host, port = pg.get_container_host_ip(), pg.get_exposed_port(5432)
+            yield Servers(
+                f"postgresql://{pg.username}:{pg.password}@{host}:{port}",
+                f"amqp://guest:guest@{mq.get_container_host_ip()}:{mq.get_exposed_port(5672)}/",
+            )
+        return
+    db = (db or "postgresql://postgres@127.0.0.1:5432").rstrip("/")
+    db = db.replace("postgresql+asyncpg://", "postgresql://")
+    yield Servers(db, amqp or "amqp://guest:guest@127.0.0.1:5672/")
+
+
+@pytest.fixture(scope="session")
+async def template_db(servers: Servers) -> AsyncIterator[str]:
+    """A database migrated once per run; each test's database is a copy of it."""
+    from migrations import alembic_config
+
+    name = f"orch_t_{RUN}_tpl"
+    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    from alembic import command
+
+    await asyncio.to_thread(command.upgrade, alembic_config(servers.database_url(name)), "head")
+    yield name
+    await _drop(servers, name)
+
+
+async def _drop(servers: Servers, name: str) -> None:
+    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def database_url(servers: Servers, template_db: str) -> AsyncIterator[str]:
+    name = f"orch_t_{RUN}_{next(_counter)}"
+    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    finally:
+        await admin.close()
+    yield servers.database_url(name)
+    await _drop(servers, name)
+
+
+@pytest.fixture
+async def prefix(servers: Servers) -> AsyncIterator[str]:
+    """A broker name prefix of this test alone; its queues and exchanges are deleted after."""
+    value = f"t{RUN}.{next(_counter)}"
+    yield value
+    topo = Topology(value)
+    with contextlib.suppress(Exception):
+        conn = await aio_pika.connect(servers.amqp_url, timeout=5)
+        async with conn:
+            for q in (topo.work_queue, topo.error_queue):
+                ch = await conn.channel()
+                with contextlib.suppress(Exception):
+                    await ch.queue_delete(q)
+            for x in (topo.dead_letter_exchange, topo.control_exchange):
+                ch = await conn.channel()
+                with contextlib.suppress(Exception):
+                    await ch.exchange_delete(x)
+
+
+@pytest.fixture
+async def cluster(
+    servers: Servers, database_url: str, prefix: str, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    c = Cluster(
+        database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, workdir=tmp_path
+    )
+    await c.connect()
+    try:
+        yield c
+    finally:
+        await c.stop()
