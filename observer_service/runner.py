@@ -14,7 +14,8 @@ from tenacity import (
     RetryCallState,
     retry_if_exception_type,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from contracts.kinds import KindSpec, RestartPolicy
@@ -87,9 +88,8 @@ async def run_with_restarts(
 
     retrying = AsyncRetrying(
         stop=stop_after_attempt(policy.max_restarts + 1),
-        wait=wait_exponential_jitter(
-            initial=policy.base_delay, max=policy.max_delay, jitter=policy.base_delay
-        ),
+        wait=wait_exponential(multiplier=policy.base_delay, max=policy.max_delay)
+        + wait_random(0, policy.base_delay),
         retry=retry_if_exception_type(Exception),
         before_sleep=before_sleep,
         sleep=ctx.sleep,

@@ -97,7 +97,8 @@ def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
     """Per observer, the seconds during which two copies (epoch, process) both ticked.
 
     A copy spans from its first to its last tick; two spans that intersect mean two copies ran at
-    the same time. Observers without overlap are left out.
+    the same time (a single tick inside another copy's span counts, as 0 s). Observers without
+    overlap are left out.
     """
     spans: dict[str, dict[tuple[int, int], list[float]]] = {}
     for t in ticks:
@@ -106,12 +107,13 @@ def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
     result: dict[str, float] = {}
     for observer, copies in spans.items():
         ordered = sorted(copies.values())
-        total, reach = 0.0, ordered[0][1]
+        total, reach, overlapped = 0.0, ordered[0][1], False
         for start, end in ordered[1:]:
-            if start < reach:
+            if start <= reach:
+                overlapped = True
                 total += min(end, reach) - start
             reach = max(reach, end)
-        if total > 0:
+        if overlapped:
             result[observer] = total
     return result
 

@@ -1,0 +1,69 @@
+"""Every branch of the take rule."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from contracts.statuses import ObserverStatus as S
+from observer_service.take import Decision as D
+from observer_service.take import Facts, decide
+
+ME, OTHER = uuid.uuid4(), uuid.uuid4()
+
+
+def run(facts: Facts, *, redelivered: bool = False, here: bool = False) -> D:
+    return decide(facts, me=ME, redelivered=redelivered, running_here_on_open_channel=here)
+
+
+def live(status: S, holder: uuid.UUID | None = None, **kw: object) -> Facts:
+    return Facts(exists=True, status=status, dispatch_current=True, holder=holder, **kw)  # type: ignore[arg-type]
+
+
+def test_missing_and_stale_are_dropped() -> None:
+    assert run(Facts(exists=False)) is D.DROP_MISSING
+    stale = Facts(exists=True, status=S.CREATED, dispatch_current=False)
+    assert run(stale) is D.DROP_STALE
+
+
+@pytest.mark.parametrize("status", [S.CREATED, S.PROCESSING])
+def test_unheld_is_taken(status: S) -> None:
+    assert run(live(status)) is D.TAKE
+
+
+def test_deleted_and_deleting_without_live_holder_are_marked_deleted() -> None:
+    assert run(live(S.DELETED)) is D.DROP_DELETED
+    assert run(live(S.ON_DELETING)) is D.DROP_DELETED
+    assert run(live(S.ON_DELETING, OTHER, holder_live=False)) is D.DROP_DELETED
+
+
+def test_deleting_with_live_holder_is_left_to_the_holder() -> None:
+    assert run(live(S.ON_DELETING, OTHER, holder_live=True)) is D.DROP_DELETING_ELSEWHERE
+
+
+def test_failed_is_dropped() -> None:
+    assert run(live(S.FAILED)) is D.DROP_FAILED
+
+
+def test_held_by_me() -> None:
+    assert run(live(S.PROCESSING, ME, holder_live=True), here=True) is D.DROP_DUPLICATE
+    # Not running here (a fenced copy, or one on a dead channel): take it again, new epoch.
+    assert run(live(S.PROCESSING, ME, holder_live=True), here=False) is D.TAKE
+
+
+def test_held_by_expired_holder_is_taken() -> None:
+    assert run(live(S.PROCESSING, OTHER, holder_live=False)) is D.TAKE
+
+
+def test_first_delivery_while_a_live_holder_runs_it_is_a_duplicate() -> None:
+    assert run(live(S.PROCESSING, OTHER, holder_live=True)) is D.DROP_DUPLICATE
+
+
+def test_redelivery_from_a_live_holder_needs_proof_it_is_gone() -> None:
+    facts = live(S.PROCESSING, OTHER, holder_live=True)
+    assert run(facts, redelivered=True) is D.CHECK_HOLDER_LOCK
+    gone = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=True)
+    assert run(gone, redelivered=True) is D.TAKE
+    alive = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=False)
+    assert run(alive, redelivered=True) is D.WAIT
