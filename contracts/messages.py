@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 
 class _Message(BaseModel):
@@ -29,4 +29,17 @@ class CancelMessage(_Message):
     observer_id: uuid.UUID
 
 
-ControlMessage = CancelMessage
+class DirectedStart(_Message):
+    """Sent by the leader to one chosen service's control queue: start this observer.
+
+    Recovery uses it instead of the work queue, where a frozen service's free prefetch slots
+    would swallow the message until the broker notices the freeze.
+    """
+
+    type: Literal["start"] = "start"
+    observer_id: uuid.UUID
+    dispatch_id: uuid.UUID
+
+
+ControlMessage = Annotated[CancelMessage | DirectedStart, Field(discriminator="type")]
+CONTROL_MESSAGE: TypeAdapter[CancelMessage | DirectedStart] = TypeAdapter(ControlMessage)

@@ -20,8 +20,9 @@ class CommonSettings(BaseSettings):
     prefix: str = Field(default="orch", pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
     #: Comma-separated import paths of modules that define observer kinds.
     kind_modules: str = ""
-    #: AMQP heartbeat, seconds: how fast the broker and the client notice a dead peer.
-    amqp_heartbeat: int = Field(default=10, ge=1, le=600)
+    #: AMQP heartbeat, seconds: the broker requeues a silent consumer's deliveries after about
+    #: two of them, and the client notices a dead broker after about three.
+    amqp_heartbeat: int = Field(default=5, ge=1, le=600)
     queue_type: QueueType = "classic"
     #: Consumer timeout set on the work queue where the broker supports it (3.12+).
     consumer_timeout_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)

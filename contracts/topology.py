@@ -36,7 +36,7 @@ class Topology:
     def control_exchange(self) -> str:
         return f"{self.prefix}.control"
 
-    def control_queue(self, service_id: uuid.UUID) -> str:
+    def control_queue(self, service_id: uuid.UUID | str) -> str:
         return f"{self.prefix}.control.{service_id}"
 
 

@@ -81,6 +81,8 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
         publisher = Publisher(settings)
         await publisher.start()
         box = Outbox(engine, publisher)
+        # Directed starts go only to services whose lease outlives a renewal period.
+        margin = settings.lease_ttl / 2
         loops = {
             "outbox-relay": background.every(
                 settings.relay_interval,
@@ -88,11 +90,15 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
                 "outbox relay",
             ),
             "sweeper": background.every(
-                settings.sweep_interval, lambda: background.sweep_once(engine, box), "sweeper"
+                settings.sweep_interval,
+                lambda: background.sweep_once(engine, box, margin=margin),
+                "sweeper",
             ),
             "audit": background.every(
                 settings.audit_interval,
-                lambda: background.audit_once(engine, box, publisher, settings.audit_grace),
+                lambda: background.audit_once(
+                    engine, box, publisher, grace=settings.audit_grace, margin=margin
+                ),
                 "audit",
             ),
         }

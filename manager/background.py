@@ -12,9 +12,10 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from contracts.messages import DirectedStart
 from manager import outbox
 from manager.outbox import Outbox
-from manager.publisher import START, Publisher
+from manager.publisher import START, Publisher, direct
 from manager.repository import start_body
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,44 @@ def every(
     return loop
 
 
+async def _free_slots(conn: AsyncConnection, margin: float) -> dict[uuid.UUID, int]:
+    """Free slots of every service that surely lives (lease valid for ``margin`` more seconds)
+    and takes work."""
+    rows = (
+        await conn.execute(
+            text(
+                "SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o "
+                "  WHERE o.service_id = s.id AND o.status IN ('processing', 'on_deleting')) "
+                "  AS free "
+                "FROM services s WHERE NOT s.is_deleted AND NOT s.draining "
+                "AND s.lease_expires_at > clock_timestamp() + make_interval(secs => :m)"
+            ),
+            {"m": margin},
+        )
+    ).all()
+    return {r.id: int(r.free) for r in rows if r.free > 0}
+
+
+def place(free: dict[uuid.UUID, int], count: int) -> list[uuid.UUID | None]:
+    """Targets for ``count`` observers: the service with the most free slots first; None (the
+    shared work queue) once every live service is full."""
+    slots = dict(free)
+    out: list[uuid.UUID | None] = []
+    for _ in range(count):
+        best = max(slots, key=lambda k: slots[k], default=None)
+        if best is None or slots[best] <= 0:
+            out.append(None)
+            continue
+        slots[best] -= 1
+        out.append(best)
+    return out
+
+
 async def _redispatch(
-    conn: AsyncConnection, ids: list[uuid.UUID], why: str
+    conn: AsyncConnection, ids: list[uuid.UUID], why: str, *, margin: float
 ) -> list[outbox.Pending]:
-    """New dispatch ids for these observers (their old messages become stale), via the outbox."""
+    """New dispatch ids for these observers (their old messages become stale), each sent to a
+    live service with room, chosen here from the leases, not by the broker."""
     if not ids:
         return []
     rows = (
@@ -61,10 +96,18 @@ async def _redispatch(
         ),
         {"ids": [r.id for r in rows], "why": why},
     )
-    return await outbox.add_many(conn, START, [start_body(r.id, r.dispatch_id) for r in rows])
+    targets = place(await _free_slots(conn, margin), len(rows))
+    pending = []
+    for r, target in zip(rows, targets, strict=True):
+        if target is None:
+            pending.append(await outbox.add(conn, START, start_body(r.id, r.dispatch_id)))
+        else:
+            body = DirectedStart(observer_id=r.id, dispatch_id=r.dispatch_id)
+            pending.append(await outbox.add(conn, direct(target), body.model_dump(mode="json")))
+    return pending
 
 
-async def sweep_once(engine: AsyncEngine, box: Outbox) -> int:
+async def sweep_once(engine: AsyncEngine, box: Outbox, *, margin: float) -> int:
     """Mark services whose lease expired deleted; move their observers elsewhere."""
     async with engine.begin() as conn:
         dead = (
@@ -99,18 +142,23 @@ async def sweep_once(engine: AsyncEngine, box: Outbox) -> int:
                 {"ids": deleting},
             )
         moving = [o.id for o in orphans if o.status == "processing"]
-        pending = await _redispatch(conn, moving, "holder lost its lease")
+        pending = await _redispatch(conn, moving, "holder lost its lease", margin=margin)
     if moving:
         log.warning("re-dispatching %d observers of dead services", len(moving))
     await box.publish_now(pending)
     return len(orphans)
 
 
-async def audit_once(engine: AsyncEngine, box: Outbox, publisher: Publisher, grace: float) -> int:
-    """Re-dispatch live observers that nobody holds and whose message seems lost.
+async def audit_once(
+    engine: AsyncEngine, box: Outbox, publisher: Publisher, *, grace: float, margin: float
+) -> int:
+    """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
-    Only when the work queue has nothing ready: then a start message for an unowned observer can
-    only be in flight for a moment, and ``grace`` covers that.
+    Only when the work queue has nothing ready: then the message of an unowned observer is not
+    waiting for capacity; it sits unacked at a consumer that does not take it (a frozen service
+    still has free prefetch slots, and the broker fills them) or it was lost. A new dispatch id
+    makes the stuck copy stale. Without a frozen consumer this never fires: takes finish in
+    milliseconds, well inside ``grace``.
     """
     if await publisher.work_queue_ready() > 0:
         return 0
@@ -133,8 +181,10 @@ async def audit_once(engine: AsyncEngine, box: Outbox, publisher: Publisher, gra
             .scalars()
             .all()
         )
-        pending = await _redispatch(conn, list(ids), "audit: no start message found")
+        pending = await _redispatch(
+            conn, list(ids), "audit: start message stuck or lost", margin=margin
+        )
     if ids:
-        log.warning("audit re-dispatched %d observers whose start message was lost", len(ids))
+        log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
     await box.publish_now(pending)
     return len(ids)

@@ -8,7 +8,9 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from aio_pika.exceptions import DeliveryError
 
+from contracts.messages import DirectedStart, StartMessage
 from contracts.settings import CommonSettings
 from contracts.topology import broker_version, declare_topology
 
@@ -16,6 +18,11 @@ log = logging.getLogger(__name__)
 
 START = "start"
 CONTROL = "control"
+DIRECT = "direct:"  # + service id: that service's control queue
+
+
+def direct(service_id: object) -> str:
+    return f"{DIRECT}{service_id}"
 
 
 class Publisher:
@@ -35,7 +42,9 @@ class Publisher:
             client_properties={"connection_name": "orchestrator manager"},
         )
         self.version = broker_version(self._connection)
-        self._channel = await self._connection.channel(publisher_confirms=True)
+        self._channel = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
         await declare_topology(
             self._channel,
             self.topology,
@@ -65,7 +74,15 @@ class Publisher:
                 message, routing_key=self.topology.work_queue, timeout=10
             )
         elif target == CONTROL:
-            await self._control.publish(message, routing_key="", timeout=10)
+            await self._control.publish(message, routing_key="", mandatory=False, timeout=10)
+        elif target.startswith(DIRECT):
+            queue = self.topology.control_queue(target.removeprefix(DIRECT))
+            try:
+                await self._channel.default_exchange.publish(message, routing_key=queue, timeout=10)
+            except DeliveryError:
+                # That service is gone (its queue with it): let any service take it.
+                log.info("directed start to a vanished service; sent to the work queue")
+                await self.publish(START, _start_of(data))
         else:
             raise ValueError(f"unknown target {target!r}")
 
@@ -78,6 +95,11 @@ class Publisher:
     async def close(self) -> None:
         if self._connection is not None:
             await self._connection.close()
+
+
+def _start_of(directed: bytes) -> bytes:
+    d = DirectedStart.model_validate_json(directed)
+    return StartMessage(observer_id=d.observer_id, dispatch_id=d.dispatch_id).to_bytes()
 
 
 def _json(body: dict[str, Any]) -> bytes:

@@ -20,9 +20,10 @@ class ManagerSettings(CommonSettings):
     #: own rows at once; the relay is for a manager that crashed in between), seconds.
     relay_grace: float = Field(default=2.0, ge=0)
     relay_interval: float = Field(default=0.5, gt=0)
-    #: How often the leader checks that every live observer has a message somewhere, seconds.
-    audit_interval: float = Field(default=5.0, gt=0)
-    #: How long an unowned observer may go without a take before the audit re-dispatches it.
-    audit_grace: float = Field(default=10.0, gt=0)
+    #: How often the leader looks for live observers whose start message is stuck or lost.
+    audit_interval: float = Field(default=0.25, gt=0)
+    #: An observer nobody holds for this long, while the work queue has nothing ready, has its
+    #: message stuck at an unresponsive consumer (or lost): it is re-dispatched, seconds.
+    audit_grace: float = Field(default=0.5, gt=0)
     #: Run the elected background loops in this process (off for a pure API replica).
     background: bool = True

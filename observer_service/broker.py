@@ -17,7 +17,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from contracts.settings import CommonSettings
-from contracts.topology import broker_version, declare_topology
+from contracts.topology import Topology, broker_version, declare_topology
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)
@@ -33,6 +33,8 @@ class BrokerSession:
         self._work_channel: AbstractChannel | None = None
         self._work_queue: AbstractQueue | None = None
         self._work_tag: str | None = None
+        self._control_channel: AbstractChannel | None = None
+        self._topology: Topology | None = None
         self.version: tuple[int, ...] = (0,)
 
     @property
@@ -81,7 +83,23 @@ class BrokerSession:
         gen = self.generation
         await cq.consume(lambda m: on_control(m, gen), no_ack=True)
         self._work_channel, self._work_queue = work, queue
+        self._control_channel, self._topology = control, topo
         self._work_tag = await queue.consume(lambda m: on_start(m, gen))
+
+    async def publish(self, body: bytes, *, to_errors: bool = False) -> None:
+        """Publish a start message to the work queue (or the dead-letter exchange)."""
+        if self._control_channel is None or self._topology is None or not self.is_open:
+            raise ConnectionError("broker session is not open")
+        message = aio_pika.Message(
+            body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+        )
+        if to_errors:
+            dlx = await self._control_channel.get_exchange(self._topology.dead_letter_exchange)
+            await dlx.publish(message, routing_key="")
+        else:
+            await self._control_channel.default_exchange.publish(
+                message, routing_key=self._topology.work_queue
+            )
 
     async def stop_consuming(self) -> None:
         """Take no more start messages (those already delivered stay ours to settle)."""

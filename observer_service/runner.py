@@ -40,8 +40,10 @@ class Runner:
     taken: Taken
     spec: KindSpec
     ctx: ObserverContext
-    message: AbstractIncomingMessage
-    generation: int
+    #: The unacked start message behind this copy; None for a directed start.
+    message: AbstractIncomingMessage | None
+    #: The broker session that delivered ``message`` (None for a directed start).
+    generation: int | None
     task: asyncio.Task[str] | None = None
     stop_reason: StopReason | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import asyncpg
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from contracts.kinds import KindSpec
-from contracts.messages import CancelMessage, StartMessage
+from contracts.messages import CONTROL_MESSAGE, DirectedStart, StartMessage
 from observer_service.broker import BrokerSession
 from observer_service.checkpoints import CheckpointWriter
 from observer_service.context import ObserverContext
@@ -65,8 +65,13 @@ class ObserverService:
 
     async def run(self) -> int:
         s = self.settings
+        # A query slower than a lease is useless: whatever it guarded has been fenced by then.
         self.pool = await asyncpg.create_pool(
-            s.asyncpg_dsn, min_size=1, max_size=min(20, 2 + s.worker_count), timeout=10
+            s.asyncpg_dsn,
+            min_size=1,
+            max_size=min(20, 2 + s.worker_count),
+            timeout=max(2.0, s.lease_ttl),
+            command_timeout=max(5.0, 2 * s.lease_ttl),
         )
         self.store = Store(self.pool, self.id)
         self.checkpoints = CheckpointWriter(self.pool)
@@ -128,7 +133,7 @@ class ObserverService:
             log.warning("could not release observers: %s", exc)
         for r in runners:
             if r.stop_reason is StopReason.SHUTDOWN:
-                await _settle_message(r, "nack")
+                await self._settle(r.taken, r.message, "nack")
         finished = [asyncio.create_task(r.finished.wait()) for r in runners]
         if finished:
             await asyncio.wait(finished, timeout=5)
@@ -180,20 +185,27 @@ class ObserverService:
         return s is not None and s.generation == generation and s.is_open
 
     # ----------------------------------------------------------------- start messages
-    async def _on_start(self, message: AbstractIncomingMessage, generation: int) -> None:
+    @contextlib.contextmanager
+    def _in_flight_start(self) -> Iterator[None]:
+        """Count a start being admitted, so that a graceful stop waits for it to settle."""
         self._in_flight += 1
         self._idle.clear()
         try:
-            await self._handle_start(message, generation)
-        except Exception:
-            log.exception("start message handling failed; requeueing it")
-            await asyncio.sleep(0.5)
-            if self._session_open(generation):
-                await _settle_message_raw(message, "nack")
+            yield
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    async def _on_start(self, message: AbstractIncomingMessage, generation: int) -> None:
+        with self._in_flight_start():
+            try:
+                await self._handle_start(message, generation)
+            except Exception:
+                log.exception("start message handling failed; requeueing it")
+                await asyncio.sleep(0.5)
+                if self._session_open(generation):
+                    await _settle_message_raw(message, "nack")
 
     async def _handle_start(self, message: AbstractIncomingMessage, generation: int) -> None:
         try:
@@ -202,19 +214,35 @@ class ObserverService:
             log.error("malformed start message sent to the error queue: %s", exc)
             await message.reject(requeue=False)
             return
+        await self._admit(start, message, generation)
+
+    async def _admit(
+        self,
+        start: StartMessage,
+        message: AbstractIncomingMessage | None,
+        generation: int | None,
+    ) -> None:
+        """Take the observer if the rule allows and a slot is free, then run it.
+
+        ``message`` is the work-queue delivery to hold while it runs; None for a directed start,
+        which is handed back to the work queue whenever it cannot run here.
+        """
         oid = start.observer_id
         if self.stopping:
-            await message.nack(requeue=True)
+            await self._give_back(message, start)
             return
         existing = self.runners.get(oid)
-        if existing is not None and existing.generation != generation:
+        if existing is not None and existing.generation not in (None, generation):
             # A copy delivered on a dead session: it is being stopped; never run two here.
             existing.stop(StopReason.CHANNEL_LOST)
             await existing.finished.wait()
             existing = None
         if not self.lease.valid():
             await asyncio.sleep(min(1.0, self.settings.lease_ttl / 5))
-            await message.nack(requeue=True)
+            await self._give_back(message, start)
+            return
+        if message is None and self.capacity.locked():
+            await self._give_back(None, start)  # directed here, but no room any more
             return
         await self.capacity.acquire()
         started = False
@@ -227,11 +255,25 @@ class ObserverService:
             if not started:
                 self.capacity.release()
 
+    async def _give_back(
+        self, message: AbstractIncomingMessage | None, start: StartMessage
+    ) -> None:
+        """Return a start we will not run: requeue the delivery, or publish a directed start
+        to the work queue (if that fails, the leader's audit re-dispatches it)."""
+        if message is not None:
+            await _settle_message_raw(message, "nack")
+            return
+        try:
+            assert self.session is not None
+            await self.session.publish(start.to_bytes())
+        except Exception as exc:
+            log.warning("could not hand %s back to the work queue: %s", start.observer_id, exc)
+
     async def _take_and_start(
         self,
         start: StartMessage,
-        message: AbstractIncomingMessage,
-        generation: int,
+        message: AbstractIncomingMessage | None,
+        generation: int | None,
         running_here: bool,
     ) -> bool:
         oid = start.observer_id
@@ -240,11 +282,13 @@ class ObserverService:
             result = await self.store.take(
                 oid,
                 start.dispatch_id,
-                redelivered=bool(message.redelivered),
+                redelivered=bool(message is not None and message.redelivered),
                 running_here_on_open_channel=running_here,
             )
             if result.decision is not Decision.WAIT:
                 break
+            assert message is not None
+            assert generation is not None
             if self.stopping or not self._session_open(generation):
                 if self._session_open(generation):
                     await message.nack(requeue=True)
@@ -254,20 +298,22 @@ class ObserverService:
             backoff = min(backoff * 2, 0.5)
         if result.decision is not Decision.TAKE:
             log.info("start message for %s: %s", oid, result.decision.value)
-            await message.ack()
+            if message is not None:
+                await message.ack()
             return False
         taken = result.taken
         assert taken is not None
-        if self.stopping or not self._session_open(generation) or not self.lease.valid():
+        delivery_dead = generation is not None and not self._session_open(generation)
+        if self.stopping or delivery_dead or not self.lease.valid():
             # Too late to run it here: let go at once so that another service takes it.
             await self.store.release([(oid, taken.epoch)], "taken while stopping")
-            if self._session_open(generation):
-                await message.nack(requeue=True)
+            if not delivery_dead:
+                await self._give_back(message, start)
             return False
         return self._start_runner(taken, message, generation)
 
     def _start_runner(
-        self, taken: Taken, message: AbstractIncomingMessage, generation: int
+        self, taken: Taken, message: AbstractIncomingMessage | None, generation: int | None
     ) -> bool:
         spec = self.kinds.get(taken.kind)
         error: str | None = None
@@ -312,13 +358,11 @@ class ObserverService:
         return True
 
     async def _fail_unrunnable(
-        self, taken: Taken, message: AbstractIncomingMessage, error: str
+        self, taken: Taken, message: AbstractIncomingMessage | None, error: str
     ) -> None:
         log.error("observer %s cannot run: %s", taken.observer_id, error)
-        if await self.store.mark_failed(taken.observer_id, taken.epoch, error):
-            await _settle_message_raw(message, "reject")
-        else:
-            await _settle_message_raw(message, "ack")
+        failed = await self.store.mark_failed(taken.observer_id, taken.epoch, error)
+        await self._settle(taken, message, "reject" if failed else "ack")
 
     # ----------------------------------------------------------------- settling
     async def _supervise(self, runner: Runner) -> None:
@@ -326,7 +370,7 @@ class ObserverService:
         assert task is not None
         try:
             await asyncio.wait([task])
-            await self._settle(runner, task)
+            await self._conclude(runner, task)
         except Exception:
             log.exception("settling observer %s failed", runner.observer_id)
         finally:
@@ -335,12 +379,31 @@ class ObserverService:
             self.capacity.release()
             runner.finished.set()
 
-    async def _settle(self, runner: Runner, task: asyncio.Task[str]) -> None:
+    async def _settle(
+        self, taken: Taken, message: AbstractIncomingMessage | None, how: str
+    ) -> None:
+        """Ack, requeue ("nack") or dead-letter ("reject") the start behind a stopped copy.
+
+        A directed start has no delivery: requeue and dead-letter publish it anew instead.
+        """
+        if message is not None:
+            await _settle_message_raw(message, how)
+            return
+        if how == "ack":
+            return
+        body = StartMessage(observer_id=taken.observer_id, dispatch_id=taken.dispatch_id)
+        try:
+            assert self.session is not None
+            await self.session.publish(body.to_bytes(), to_errors=how == "reject")
+        except Exception as exc:
+            log.warning("could not republish %s (the audit will): %s", taken.observer_id, exc)
+
+    async def _conclude(self, runner: Runner, task: asyncio.Task[str]) -> None:
         oid, epoch = runner.observer_id, runner.epoch
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, Fenced):
             runner.ctx.logger.warning("fenced: another service holds epoch > %d; stopped", epoch)
-            await _settle_message(runner, "ack")
+            await self._settle(runner.taken, runner.message, "ack")
             return
         reason = runner.stop_reason
         if reason is None and isinstance(exc, LeaseLost):
@@ -352,32 +415,41 @@ class ObserverService:
             error = task.result()
             runner.ctx.logger.error("failed after its last restart: %s", error)
             if await self.store.mark_failed(oid, epoch, error):
-                await _settle_message(runner, "reject")  # to the error queue
+                await self._settle(runner.taken, runner.message, "reject")  # to the error queue
             else:
-                await _settle_message(runner, "ack")
+                await self._settle(runner.taken, runner.message, "ack")
             return
         runner.ctx.logger.info("stopped: %s", reason.value)
         if reason is StopReason.DELETE:
             await self.store.mark_deleted(oid, epoch)
-            await _settle_message(runner, "ack")
+            await self._settle(runner.taken, runner.message, "ack")
         elif reason is StopReason.HANDOFF:
             await self.store.release([(oid, epoch)], reason.value)
-            await _settle_message(runner, "nack")
+            await self._settle(runner.taken, runner.message, "nack")
         elif reason in (StopReason.LEASE_LOST, StopReason.CHANNEL_LOST):
             self._needs_reconcile = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.store.release([(oid, epoch)], reason.value), 1.0)
-            await _settle_message(runner, "nack")
+            await self._settle(runner.taken, runner.message, "nack")
         # SHUTDOWN: released and requeued in one batch by _shutdown.
 
     # ----------------------------------------------------------------- control and lease
     async def _on_control(self, message: AbstractIncomingMessage, generation: int) -> None:
         try:
-            cancel = CancelMessage.model_validate_json(message.body)
+            control = CONTROL_MESSAGE.validate_json(message.body)
         except ValidationError as exc:
             log.error("malformed control message ignored: %s", exc)
             return
-        self._cancel(cancel.observer_id)
+        if isinstance(control, DirectedStart):
+            start = StartMessage(observer_id=control.observer_id, dispatch_id=control.dispatch_id)
+            with self._in_flight_start():
+                try:
+                    await self._admit(start, None, None)
+                except Exception:
+                    log.exception("directed start failed; handing it to the work queue")
+                    await self._give_back(None, start)
+        else:
+            self._cancel(control.observer_id)
 
     def _cancel(self, observer_id: uuid.UUID) -> None:
         runner = self.runners.get(observer_id)
@@ -413,10 +485,6 @@ class ObserverService:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-async def _settle_message(runner: Runner, how: str) -> None:
-    await _settle_message_raw(runner.message, how)
 
 
 async def _settle_message_raw(message: AbstractIncomingMessage, how: str) -> None:

@@ -24,6 +24,7 @@ class Taken:
     checkpoint: Any
     restart_policy: dict[str, Any] | None
     epoch: int
+    dispatch_id: uuid.UUID
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Store:
                         json.loads(row["restart_policy"]) if row["restart_policy"] else None
                     ),
                     epoch=epoch,
+                    dispatch_id=dispatch_id,
                 ),
             )
 

@@ -1,0 +1,307 @@
+"""At most one running copy, nothing lost, deleted stays deleted: under freeze, partition,
+broker faults, blackout and manager failover. The observers' own tick logs (written outside the
+fenced path) decide whether two copies ever ran at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import pytest
+
+from observer_service.kinds.recorder import overlap_seconds, read_ticks
+from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.proxy import Proxy
+
+
+def assert_no_overlap(cluster: Cluster) -> None:
+    ticks = read_ticks(cluster.tick_dir)
+    assert ticks, "no ticks recorded"
+    assert overlap_seconds(ticks) == {}, "two copies of an observer ran at the same time"
+
+
+def ticks_of(cluster: Cluster, pid: int, after: float) -> int:
+    return sum(1 for t in read_ticks(cluster.tick_dir) if t.pid == pid and t.at > after)
+
+
+def via(url: str, proxy: Proxy) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")
+    creds = netloc[0] + "@" if netloc[1] else ""
+    return urlunsplit(parts._replace(netloc=f"{creds}127.0.0.1:{proxy.port}"))
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(url: str) -> AsyncIterator[Proxy]:
+    parts = urlsplit(url)
+    p = await Proxy(parts.hostname or "127.0.0.1", parts.port or 0).start()
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def loaded(cluster: Cluster, n: int = 8) -> tuple[list[uuid.UUID], uuid.UUID]:
+    """A manager, service A running n recorders, and returns (ids, A's id)."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20)
+    ids = await cluster.create_recorders(n)
+    await cluster.wait_all_running(ids, timeout=15)
+    return ids, await cluster.service_id(a)
+
+
+async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
+    """SIGSTOP past the TTL: the observers run elsewhere; the resumed service stops its stale
+    copies before they tick or write again."""
+    ids, a_id = await loaded(cluster)
+    a = cluster.procs[-1]
+    b = await cluster.start_service("b", worker_count=20)
+    b_id = await cluster.service_id(b)
+    frozen_at = time.time()
+    a.signal(signal.SIGSTOP)
+    try:
+        await cluster.wait_all_running(
+            ids, timeout=cluster.lease_ttl + 2, on={b_id}, fresh_after=frozen_at
+        )
+        failover = time.time() - frozen_at
+    finally:
+        resumed_at = time.time()
+        a.signal(signal.SIGCONT)
+    await asyncio.sleep(1.0)  # let the resumed service run into its fence
+    assert ticks_of(cluster, a.pid, after=resumed_at) == 0, "a stale copy ticked after SIGCONT"
+    assert_no_overlap(cluster)
+    # No write of the stale epoch landed: each observer's history after the freeze shows
+    # only B's epoch, and every one is still on B.
+    rows = await cluster.q("SELECT service_id, epoch FROM observers WHERE id = ANY($1)", ids)
+    assert {r["service_id"] for r in rows} == {b_id}
+    assert all(r["epoch"] == 2 for r in rows)
+    # The resumed service rejoins the pool (its lease is renewed again).
+    await wait_for(
+        lambda: cluster.q("SELECT NOT is_deleted FROM services WHERE id = $1", a_id, one=True),
+        timeout=10,
+        what="frozen service rejoined",
+    )
+    assert failover <= cluster.lease_ttl + 2
+
+
+async def test_cut_off_from_the_broker(cluster: Cluster) -> None:
+    """A blackholed AMQP connection: the broker redelivers, the holder notices and lets go."""
+    await cluster.start_manager()
+    async with proxy_to(cluster.amqp_url) as proxy:
+        a = await cluster.start_service(
+            "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+        )
+        ids = await cluster.create_recorders(6)
+        await cluster.wait_all_running(ids, timeout=15)
+        b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+        b_id = await cluster.service_id(b)
+        cut_at = time.time()
+        proxy.cut()
+        await cluster.wait_all_running(ids, timeout=40, on={b_id}, fresh_after=cut_at)
+        await asyncio.sleep(0.5)
+        assert_no_overlap(cluster)
+        assert a.popen.poll() is None, "the cut-off service died instead of recovering"
+        proxy.heal()
+
+
+async def test_cut_off_from_postgres(cluster: Cluster) -> None:
+    """A blackholed database: the holder fences itself within the TTL; others take over."""
+    await cluster.start_manager()
+    async with proxy_to(cluster.database_url) as proxy:
+        a = await cluster.start_service(
+            "a", worker_count=20, database_url=via(cluster.database_url, proxy)
+        )
+        ids = await cluster.create_recorders(6)
+        await cluster.wait_all_running(ids, timeout=15)
+        b = await cluster.start_service("b", worker_count=20)
+        b_id = await cluster.service_id(b)
+        cut_at = time.time()
+        proxy.cut()
+        await cluster.wait_all_running(
+            ids, timeout=cluster.lease_ttl + 3, on={b_id}, fresh_after=cut_at
+        )
+        last_a = max((t.at for t in read_ticks(cluster.tick_dir) if t.pid == a.pid), default=0)
+        assert last_a - cut_at < cluster.lease_ttl, "A kept running past its lease"
+        assert_no_overlap(cluster)
+        proxy.heal()
+        await wait_for(
+            lambda: cluster.q(
+                "SELECT NOT is_deleted FROM services WHERE pid = $1", a.pid, one=True
+            ),
+            timeout=15,
+            what="cut-off service rejoined",
+        )
+        assert a.popen.poll() is None
+
+
+async def test_blackout_every_service_killed(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10)
+    b = await cluster.start_service("b", worker_count=10)
+    ids = await cluster.create_recorders(10)
+    await cluster.wait_all_running(ids, timeout=15)
+    a.signal(signal.SIGKILL)
+    b.signal(signal.SIGKILL)
+    killed_at = time.time()
+    await asyncio.sleep(0.5)
+    c = await cluster.start_service("c", worker_count=10)
+    d = await cluster.start_service("d", worker_count=10)
+    alive = {await cluster.service_id(c), await cluster.service_id(d)}
+    await cluster.wait_all_running(ids, timeout=15, on=alive, fresh_after=killed_at)
+    assert_no_overlap(cluster)
+
+
+async def test_delete_during_redistribution(cluster: Cluster) -> None:
+    """Delete while the holder is frozen and its observers are moving: never runs again."""
+    ids, _ = await loaded(cluster, n=4)
+    a = cluster.procs[-1]
+    await cluster.start_service("b", worker_count=20)
+    victim = ids[0]
+    a.signal(signal.SIGSTOP)
+    try:
+        async with cluster.api() as c:
+            r = await c.delete(f"/observers/{victim}")
+            assert r.status_code == 202
+
+        async def deleted() -> bool:
+            return (await cluster.observer(victim))["status"] == "deleted"
+
+        await wait_for(deleted, timeout=cluster.lease_ttl + 3, what="deleted after holder died")
+        deleted_at = time.time()
+        await cluster.wait_all_running(ids[1:], timeout=cluster.lease_ttl + 3)
+    finally:
+        a.signal(signal.SIGCONT)
+    await asyncio.sleep(1.5)
+    late = [
+        t for t in read_ticks(cluster.tick_dir) if t.observer == str(victim) and t.at > deleted_at
+    ]
+    assert late == [], "a deleted observer ran again"
+    assert (await cluster.observer(victim))["status"] == "deleted"
+    assert_no_overlap(cluster)
+
+
+async def test_kill_and_delete_race(cluster: Cluster) -> None:
+    """SIGKILL the holder and delete at once: the redelivered message must not revive it."""
+    ids, _ = await loaded(cluster, n=4)
+    a = cluster.procs[-1]
+    await cluster.start_service("b", worker_count=20)
+    a.signal(signal.SIGKILL)
+    async with cluster.api() as c:
+        await asyncio.gather(*(c.delete(f"/observers/{i}") for i in ids))
+
+    async def all_deleted() -> bool:
+        rows = await cluster.q("SELECT status FROM observers WHERE id = ANY($1)", ids)
+        return all(r["status"] == "deleted" for r in rows)
+
+    await wait_for(all_deleted, timeout=cluster.lease_ttl + 3, what="all deleted")
+    done_at = time.time()
+    await asyncio.sleep(1.0)
+    assert not [t for t in read_ticks(cluster.tick_dir) if t.at > done_at]
+    assert_no_overlap(cluster)
+
+
+async def test_two_managers_one_leader_and_failover(cluster: Cluster) -> None:
+    m1 = await cluster.start_manager()
+    m2 = await cluster.start_manager()
+
+    async def leaders() -> list[int]:
+        out = []
+        for p in (m1, m2):
+            if p.popen.poll() is not None:
+                continue
+            try:
+                async with httpx.AsyncClient() as c:
+                    r = await c.get(f"http://127.0.0.1:{_port_of(p)}/leader")
+            except httpx.HTTPError:
+                continue  # just killed
+            if r.json()["this_replica_leads"]:
+                out.append(p.pid)
+        return out
+
+    first = await wait_for(leaders, timeout=10, what="a leader")
+    await asyncio.sleep(cluster.lease_ttl)
+    assert len(await leaders()) == 1, "two managers lead at once"
+    leader = m1 if first[0] == m1.pid else m2
+    other = m2 if leader is m1 else m1
+    killed_at = time.monotonic()
+    leader.signal(signal.SIGKILL)
+    got = await wait_for(leaders, timeout=cluster.lease_ttl + 3, what="failover of the leader")
+    assert got == [other.pid]
+    assert time.monotonic() - killed_at <= cluster.lease_ttl + 3
+    # The new leader's loops work: an outbox row left behind is published by its relay.
+    cluster.api_port = _port_of(other)
+    await cluster.start_service("a")
+    oid = (await cluster.create("after-failover", interval=0.05))["id"]
+    await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
+
+
+def _port_of(proc: Proc) -> int:
+    args = list(proc.popen.args)  # type: ignore[arg-type]
+    return int(args[args.index("--port") + 1])
+
+
+# ---------------------------------------------------------------- broker-wide faults (slow)
+def rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+
+
+@pytest.mark.slow
+async def test_broker_restart(cluster: Cluster) -> None:
+    """The bus fails and comes back: every observer runs again, once."""
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=10)
+    await cluster.start_service("b", worker_count=10)
+    ids = await cluster.create_recorders(10)
+    await cluster.wait_all_running(ids, timeout=15)
+    try:
+        await asyncio.to_thread(rabbitmqctl, "stop_app")
+        stopped_at = time.time()
+    finally:
+        await asyncio.to_thread(rabbitmqctl, "start_app")
+    await cluster.wait_all_running(ids, timeout=60, fresh_after=stopped_at)
+    await asyncio.sleep(1.0)
+    assert_no_overlap(cluster)
+    assert all(p.popen.poll() is None for p in cluster.procs)
+
+
+@pytest.mark.slow
+async def test_consumer_timeout_fires(cluster: Cluster) -> None:
+    """The broker times out the never-acked deliveries and closes the channel: the service
+    stops those copies before anything runs them again, and every observer runs afterwards."""
+    original = rabbitmqctl("eval", "application:get_env(rabbit, consumer_timeout).").strip()
+    rabbitmqctl("eval", "application:set_env(rabbit, consumer_timeout, 10000).")
+    try:
+        await cluster.start_manager()
+        await cluster.start_service("a", worker_count=10)
+        ids = await cluster.create_recorders(5)
+        await cluster.wait_all_running(ids, timeout=15)
+        await cluster.start_service("b", worker_count=10)
+
+        async def channel_closed() -> bool:
+            n = await cluster.q(
+                "SELECT count(*) FROM observer_events WHERE event = 'released' "
+                "AND detail = 'broker channel lost'",
+                one=True,
+            )
+            return bool(n)
+
+        await wait_for(channel_closed, timeout=150, what="the consumer timeout to fire", every=1)
+    finally:
+        if original.startswith("{ok,"):
+            value = original.removeprefix("{ok,").removesuffix("}")
+            rabbitmqctl("eval", f"application:set_env(rabbit, consumer_timeout, {value}).")
+        else:
+            rabbitmqctl("eval", "application:unset_env(rabbit, consumer_timeout).")
+    fired_at = time.time()
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=fired_at)
+    await asyncio.sleep(1.0)
+    assert_no_overlap(cluster)
