@@ -1,4 +1,4 @@
-"""compose.yaml and the Dockerfile, checked without Docker: services, settings names, broker config."""
+"""compose.yaml and the Dockerfile, checked without Docker: services, settings, broker config."""
 
 from __future__ import annotations
 
