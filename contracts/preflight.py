@@ -42,7 +42,9 @@ async def check_broker(settings: CommonSettings) -> None:
     await conn.close()
 
 
-async def check_servers(settings: CommonSettings, *, wait: float = 0.0) -> None:
+async def check_servers(
+    settings: CommonSettings, *, wait: float = 0.0, need_schema: bool = True
+) -> None:
     """Check both servers, retrying for up to ``wait`` seconds (for containers starting up)."""
     async for attempt in AsyncRetrying(
         stop=stop_after_delay(wait),
@@ -51,7 +53,9 @@ async def check_servers(settings: CommonSettings, *, wait: float = 0.0) -> None:
         reraise=True,
     ):
         with attempt:
-            await asyncio.gather(check_database(settings), check_broker(settings))
+            await asyncio.gather(
+                check_database(settings, need_schema=need_schema), check_broker(settings)
+            )
 
 
 def _where(url: str) -> str:

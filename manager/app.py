@@ -104,17 +104,27 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
         }
         leadership = Leadership(engine, loops=loops, ttl=settings.lease_ttl)
         app.state.orch = AppState(settings, engine, publisher, box, kinds, leadership)
-        task: asyncio.Task[None] | None = None
+        tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(
+                background.every(0.1, box.delete_published, "outbox cleanup")(),
+                name="outbox-cleanup",
+            )
+        ]
         if settings.background:
-            task = asyncio.create_task(leadership.run(), name="leadership")
+            tasks.append(asyncio.create_task(leadership.run(), name="leadership"))
+        for task in tasks:
             task.add_done_callback(_die_loudly)
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
+                task.remove_done_callback(_die_loudly)
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if settings.background:
                 await leadership.release()
+            with contextlib.suppress(Exception):
+                await box.delete_published()
             await publisher.close()
             await engine.dispose()
 
@@ -135,7 +145,7 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
 def _die_loudly(task: asyncio.Task[None]) -> None:
     if task.cancelled():
         return
-    log.critical("the leadership task died (%r): stopping the manager", task.exception())
+    log.critical("%s died (%r): stopping the manager", task.get_name(), task.exception())
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from aio_pika.exceptions import AMQPError
 from sqlalchemy import text
@@ -20,12 +21,14 @@ from manager.repository import start_body
 
 log = logging.getLogger(__name__)
 
+#: Server errors a leader loop outlives (Postgres or RabbitMQ down or restarting); anything else
+#: is a bug and stops the manager loudly. ConnectionError is an OSError.
 TRANSIENT = (DBAPIError, OSError, AMQPError, TimeoutError)
 
 
 def every(
     seconds: float, once: Callable[[], Awaitable[object]], what: str
-) -> Callable[[], Awaitable[None]]:
+) -> Callable[[], Coroutine[Any, Any, None]]:
     """A loop calling ``once`` every ``seconds``; transient server errors are logged, not fatal."""
 
     async def loop() -> None:

@@ -13,7 +13,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -36,11 +37,7 @@ UPDATE leader_leases SET expires_at = clock_timestamp() + make_interval(secs => 
 RETURNING holder
 """
 
-Loop = Callable[[], Awaitable[None]]
-
-
-async def _as_coro(fn: Loop) -> None:
-    await fn()
+Loop = Callable[[], Coroutine[Any, Any, None]]
 
 
 def new_holder_id() -> str:
@@ -93,7 +90,7 @@ class Leadership:
         self.terms += 1
         log.info("%s leads (%s)", self.holder, ", ".join(self.loops))
         tasks: list[asyncio.Task[None]] = [
-            asyncio.create_task(_as_coro(fn), name=f"leader:{n}") for n, fn in self.loops.items()
+            asyncio.create_task(fn(), name=f"leader:{n}") for n, fn in self.loops.items()
         ]
         try:
             while True:

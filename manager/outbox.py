@@ -64,34 +64,48 @@ class Outbox:
     def __init__(self, engine: AsyncEngine, publisher: Publisher) -> None:
         self.engine = engine
         self.publisher = publisher
+        self._published: list[int] = []
+        self._flushed = asyncio.Event()
 
     async def _publish(self, rows: list[Pending]) -> list[int]:
         results = await asyncio.gather(
             *(self.publisher.publish(r.target, r.body) for r in rows), return_exceptions=True
         )
         done = [r.id for r, res in zip(rows, results, strict=True) if res is None]
-        failed = len(rows) - len(done)
+        failed = [res for res in results if res is not None]
         if failed:
             log.warning(
                 "%d outbox messages not published yet (the relay retries): %s",
-                failed,
-                next(r for r in results if r is not None),
+                len(failed),
+                failed[0],
             )
         return done
 
     async def publish_now(self, rows: list[Pending]) -> None:
-        """Publish rows just committed; whatever fails stays for the relay. Never raises."""
+        """Publish rows just committed; whatever fails stays for the relay. Never raises.
+
+        Published rows are deleted in batches by ``delete_published`` (every manager runs it):
+        a crash before that only makes the relay publish them again, a harmless duplicate.
+        """
         if not rows:
             return
         try:
-            done = await self._publish(rows)
-            if done:
-                async with self.engine.begin() as conn:
-                    await conn.execute(
-                        text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": done}
-                    )
+            self._published.extend(await self._publish(rows))
         except Exception as exc:
             log.warning("outbox fast path failed (the relay retries): %s", exc)
+
+    async def delete_published(self) -> int:
+        ids, self._published = self._published, []
+        if ids:
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.execute(
+                        text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": ids}
+                    )
+            except Exception:
+                self._published.extend(ids)
+                raise
+        return len(ids)
 
     async def relay_once(self, *, grace: float, limit: int = 500) -> int:
         """Publish rows older than ``grace`` seconds; returns how many were published."""
@@ -101,9 +115,10 @@ class Outbox:
                     text(
                         "SELECT id, target, body FROM outbox "
                         "WHERE created_at < now() - make_interval(secs => :g) "
+                        "AND NOT (id = ANY(:skip)) "
                         "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
                     ),
-                    {"g": grace, "n": limit},
+                    {"g": grace, "n": limit, "skip": self._published},
                 )
             ).all()
             if not rows:

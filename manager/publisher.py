@@ -8,7 +8,7 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
-from aio_pika.exceptions import DeliveryError
+from aio_pika.exceptions import AMQPError, DeliveryError
 
 from contracts.messages import DirectedStart, StartMessage
 from contracts.settings import CommonSettings
@@ -39,7 +39,7 @@ class Publisher:
         self._connection = await aio_pika.connect_robust(
             self.settings.amqp_url_with_heartbeat,
             timeout=10,
-            client_properties={"connection_name": "orchestrator manager"},
+            client_properties={"connection_name": f"{self.topology.prefix} manager"},
         )
         self.version = broker_version(self._connection)
         self._channel = await self._connection.channel(
@@ -88,9 +88,16 @@ class Publisher:
 
     async def work_queue_ready(self) -> int:
         """Messages ready (not delivered) in the work queue."""
-        assert self._channel is not None
-        queue = await self._channel.declare_queue(self.topology.work_queue, passive=True)
-        return int(queue.declaration_result.message_count or 0)
+        if self._channel is None or not self.connected:
+            raise ConnectionError("broker connection is down")
+        # Straight to the AMQP channel: a robust channel's declare_queue returns its cached queue
+        # object, whose message count is the one from the first declaration.
+        try:
+            raw = await self._channel.get_underlay_channel()
+            ok = await raw.queue_declare(self.topology.work_queue, passive=True)
+        except (AMQPError, RuntimeError) as exc:  # a channel closed under us
+            raise ConnectionError(f"broker channel unusable: {exc}") from exc
+        return int(ok.message_count or 0)
 
     async def close(self) -> None:
         if self._connection is not None:

@@ -52,6 +52,20 @@ def start_body(observer_id: uuid.UUID, dispatch_id: uuid.UUID) -> dict[str, Any]
     return StartMessage(observer_id=observer_id, dispatch_id=dispatch_id).model_dump(mode="json")
 
 
+_CREATE = f"""
+WITH o AS (
+    INSERT INTO observers AS o (id, name, kind, params, status, dispatch_id, restart_policy)
+    VALUES (:id, :name, :kind, CAST(:params AS jsonb), 'created', :d, CAST(:rp AS jsonb))
+    RETURNING {OBSERVER_COLUMNS}
+), e AS (
+    INSERT INTO observer_events (observer_id, event) SELECT id, 'created' FROM o
+), b AS (
+    INSERT INTO outbox (target, body) VALUES (:target, CAST(:body AS jsonb)) RETURNING id
+)
+SELECT o.*, b.id AS outbox_id FROM o, b
+"""
+
+
 async def create_observer(
     conn: AsyncConnection,
     *,
@@ -60,34 +74,31 @@ async def create_observer(
     params: dict[str, Any],
     restart_policy: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], outbox.Pending]:
+    """Row, history and outbox record in one statement (one round trip)."""
     observer_id, dispatch_id = uuid.uuid4(), uuid.uuid4()
+    body = start_body(observer_id, dispatch_id)
     try:
-        async with conn.begin_nested():
-            row = (
-                await conn.execute(
-                    text(
-                        "INSERT INTO observers AS o (id, name, kind, params, status, dispatch_id, "
-                        "restart_policy) VALUES (:id, :name, :kind, CAST(:params AS jsonb), "
-                        ":status, :d, CAST(:rp AS jsonb)) RETURNING " + OBSERVER_COLUMNS
-                    ),
-                    {
-                        "id": observer_id,
-                        "name": name,
-                        "kind": kind,
-                        "params": json.dumps(params),
-                        "status": ObserverStatus.CREATED.value,
-                        "d": dispatch_id,
-                        "rp": json.dumps(restart_policy) if restart_policy else None,
-                    },
-                )
-            ).one()
+        row = (
+            await conn.execute(
+                text(_CREATE),
+                {
+                    "id": observer_id,
+                    "name": name,
+                    "kind": kind,
+                    "params": json.dumps(params),
+                    "d": dispatch_id,
+                    "rp": json.dumps(restart_policy) if restart_policy else None,
+                    "target": START,
+                    "body": json.dumps(body),
+                },
+            )
+        ).one()
     except IntegrityError as exc:
         if "uq_observers_live_name" in str(exc.orig):
             raise NameTaken(name) from exc
         raise
-    await _event(conn, observer_id, "created")
-    pending = await outbox.add(conn, START, start_body(observer_id, dispatch_id))
-    return _row(row), pending
+    data = _row(row)
+    return data, outbox.Pending(data.pop("outbox_id"), START, body)
 
 
 async def get_observer(conn: AsyncConnection, observer_id: uuid.UUID) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class BrokerSession:
         self.connection = await aio_pika.connect(
             settings.amqp_url_with_heartbeat,
             timeout=10,
-            client_properties={"connection_name": f"observer-service {service_id}"},
+            client_properties={"connection_name": f"{topo.prefix} observer-service {service_id}"},
         )
         self.connection.close_callbacks.add(self._on_close)
         self.version = broker_version(self.connection)

@@ -1,5 +1,9 @@
 """The service's reads and writes in Postgres. Every write for a running observer is fenced by
-its epoch: it lands only while that epoch is still the observer's."""
+its epoch: it lands only while that epoch is still the observer's.
+
+Each write is one statement (its history event inserted in the same statement), so it costs one
+round trip and needs no explicit transaction.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ class TakeResult:
     holder_remaining: float = 0.0
 
 
-_FACTS_SQL = """
+_FACTS = """
 SELECT o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params, o.checkpoint,
        o.restart_policy, s.lock_key,
        (s.id IS NOT NULL AND NOT s.is_deleted AND s.lease_expires_at > clock_timestamp())
@@ -43,8 +47,68 @@ SELECT o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params,
        EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8 AS holder_remaining
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
  WHERE o.id = $1
-   FOR UPDATE OF o
 """
+
+
+def _with_event(update: str, event: str, detail: str) -> str:
+    """``update`` (returning id and epoch) plus one history row per updated observer."""
+    return f"""
+WITH u AS ({update}),
+     e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
+           SELECT u.id, '{event}', $2::uuid, u.epoch, {detail} FROM u)
+SELECT id, epoch FROM u
+"""
+
+
+# $1 observer, $2 me, $3 epoch seen, $4 dispatch seen, $5 status seen, $6 holder seen: the
+# compare-and-set stands in for a row lock (the epoch is the row's version).
+_UNCHANGED = (
+    "id = $1 AND epoch = $3 AND dispatch_id = $4 AND status = $5 "
+    "AND service_id IS NOT DISTINCT FROM $6"
+)
+_TAKE = _with_event(
+    "UPDATE observers SET status = 'processing', service_id = $2, epoch = epoch + 1, "
+    f"started_at = now(), modified_at = now() WHERE {_UNCHANGED} RETURNING id, epoch",
+    "taken",
+    "$7::text",
+)
+_DELETE_UNRUN = _with_event(
+    "UPDATE observers SET status = 'deleted', service_id = NULL, modified_at = now() "
+    f"WHERE {_UNCHANGED} RETURNING id, epoch",
+    "deleted",
+    "'not running'",
+)
+# $1 observers, $2 me, $3 epochs, $4 detail
+_RELEASE = _with_event(
+    "UPDATE observers o SET service_id = NULL, modified_at = now() "
+    "FROM unnest($1::uuid[], $3::bigint[]) AS v(id, epoch) "
+    "WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND o.status = 'processing' "
+    "RETURNING o.id, o.epoch",
+    "released",
+    "$4::text",
+)
+# $1 observer, $2 me, $3 epoch, $4 error
+_MARK_DELETED = _with_event(
+    "UPDATE observers SET status = 'deleted', service_id = NULL, modified_at = now() "
+    "WHERE id = $1 AND epoch = $3 AND status = 'on_deleting' "
+    "RETURNING id, epoch",
+    "deleted",
+    "$4::text",
+)
+_RESTARTED = _with_event(
+    "UPDATE observers SET restart_count = restart_count + 1, last_error = $4, "
+    "modified_at = now() WHERE id = $1 AND epoch = $3 AND status = 'processing' "
+    "RETURNING id, epoch",
+    "restarted",
+    "$4::text",
+)
+_FAILED = _with_event(
+    "UPDATE observers SET status = 'failed', service_id = NULL, last_error = $4, "
+    "modified_at = now() WHERE id = $1 AND epoch = $3 AND status = 'processing' "
+    "RETURNING id, epoch",
+    "failed",
+    "$4::text",
+)
 
 
 class Store:
@@ -60,9 +124,13 @@ class Store:
         redelivered: bool,
         running_here_on_open_channel: bool,
     ) -> TakeResult:
-        """Decide on a start message with the observer's row locked; on TAKE, bump the epoch."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(_FACTS_SQL, observer_id)
+        """Decide on a start message from the observer's row; on TAKE, bump the epoch.
+
+        Read, decide, then write only if the row is still as read; if it changed in between,
+        decide again on the new row.
+        """
+        while True:
+            row = await self.pool.fetchrow(_FACTS, observer_id)
             if row is None:
                 return TakeResult(Decision.DROP_MISSING)
             facts = Facts(
@@ -84,26 +152,29 @@ class Store:
             decision = decide_with(facts)
             if decision is Decision.CHECK_HOLDER_LOCK:
                 # The holder keeps a session-level advisory lock for as long as its process
-                # lives; getting it (for this transaction only) proves that session has ended.
-                gone = await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", row["lock_key"])
-                decision = decide_with(dataclasses.replace(facts, holder_gone=bool(gone)))
-            if decision is Decision.DROP_DELETED and row["status"] != ObserverStatus.DELETED:
-                await conn.execute(
-                    "UPDATE observers SET status = 'deleted', service_id = NULL, "
-                    "modified_at = now() WHERE id = $1",
-                    observer_id,
+                # lives; getting it proves that session has ended (and it never comes back:
+                # a new process takes a new key).
+                gone = await self.pool.fetchval(
+                    "SELECT pg_try_advisory_xact_lock($1)", row["lock_key"]
                 )
-                await self._event(conn, observer_id, "deleted", row["epoch"], "not running")
-            if decision is not Decision.TAKE:
-                return TakeResult(decision, holder_remaining=float(row["holder_remaining"] or 0))
-            epoch = await conn.fetchval(
-                "UPDATE observers SET status = 'processing', service_id = $2, epoch = epoch + 1, "
-                "started_at = now(), modified_at = now() WHERE id = $1 RETURNING epoch",
+                decision = decide_with(dataclasses.replace(facts, holder_gone=bool(gone)))
+            seen = (
                 observer_id,
                 self.me,
+                row["epoch"],
+                row["dispatch_id"],
+                row["status"],
+                row["service_id"],
             )
+            unrun = decision is Decision.DROP_DELETED and row["status"] != ObserverStatus.DELETED
+            if unrun and await self.pool.fetchrow(_DELETE_UNRUN, *seen) is None:
+                continue  # changed meanwhile: decide again
+            if decision is not Decision.TAKE:
+                return TakeResult(decision, holder_remaining=float(row["holder_remaining"] or 0))
             detail = f"from {row['service_id']}" if row["service_id"] else None
-            await self._event(conn, observer_id, "taken", epoch, detail)
+            taken = await self.pool.fetchrow(_TAKE, *seen, detail)
+            if taken is None:
+                continue
             return TakeResult(
                 decision,
                 Taken(
@@ -115,7 +186,7 @@ class Store:
                     restart_policy=(
                         json.loads(row["restart_policy"]) if row["restart_policy"] else None
                     ),
-                    epoch=epoch,
+                    epoch=taken["epoch"],
                     dispatch_id=dispatch_id,
                 ),
             )
@@ -124,20 +195,9 @@ class Store:
         """Let go of observers (still processing) so that others take them without a wait."""
         if not held:
             return set()
-        async with self.pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(
-                """
-                UPDATE observers o SET service_id = NULL, modified_at = now()
-                  FROM unnest($1::uuid[], $2::bigint[]) AS v(id, epoch)
-                 WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $3
-                   AND o.status = 'processing'
-                RETURNING o.id, o.epoch
-                """,
-                [h[0] for h in held],
-                [h[1] for h in held],
-                self.me,
-            )
-            await self._events(conn, [(r["id"], r["epoch"]) for r in rows], "released", reason)
+        rows = await self.pool.fetch(
+            _RELEASE, [h[0] for h in held], self.me, [h[1] for h in held], reason
+        )
         return {r["id"] for r in rows}
 
     async def release_orphans(self, keep: set[uuid.UUID]) -> int:
@@ -150,75 +210,14 @@ class Store:
         )
         return int(result.split()[-1])
 
+    async def _fenced(self, sql: str, observer_id: uuid.UUID, epoch: int, text: str) -> bool:
+        return await self.pool.fetchrow(sql, observer_id, self.me, epoch, text) is not None
+
     async def mark_deleted(self, observer_id: uuid.UUID, epoch: int) -> bool:
-        async with self.pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchval(
-                "UPDATE observers SET status = 'deleted', service_id = NULL, modified_at = now() "
-                "WHERE id = $1 AND epoch = $2 AND status = 'on_deleting' RETURNING true",
-                observer_id,
-                epoch,
-            )
-            if done:
-                await self._event(conn, observer_id, "deleted", epoch, "stopped by holder")
-        return bool(done)
+        return await self._fenced(_MARK_DELETED, observer_id, epoch, "stopped by holder")
 
     async def record_restart(self, observer_id: uuid.UUID, epoch: int, error: str) -> bool:
-        async with self.pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchval(
-                "UPDATE observers SET restart_count = restart_count + 1, last_error = $3, "
-                "modified_at = now() WHERE id = $1 AND epoch = $2 AND status = 'processing' "
-                "RETURNING true",
-                observer_id,
-                epoch,
-                error,
-            )
-            if done:
-                await self._event(conn, observer_id, "restarted", epoch, error)
-        return bool(done)
+        return await self._fenced(_RESTARTED, observer_id, epoch, error)
 
     async def mark_failed(self, observer_id: uuid.UUID, epoch: int, error: str) -> bool:
-        async with self.pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchval(
-                "UPDATE observers SET status = 'failed', service_id = NULL, last_error = $3, "
-                "modified_at = now() WHERE id = $1 AND epoch = $2 AND status = 'processing' "
-                "RETURNING true",
-                observer_id,
-                epoch,
-                error,
-            )
-            if done:
-                await self._event(conn, observer_id, "failed", epoch, error)
-        return bool(done)
-
-    async def _event(
-        self,
-        conn: asyncpg.Connection,
-        observer_id: uuid.UUID,
-        event: str,
-        epoch: int,
-        detail: str | None,
-    ) -> None:
-        await conn.execute(
-            "INSERT INTO observer_events (observer_id, event, service_id, epoch, detail) "
-            "VALUES ($1, $2, $3, $4, $5)",
-            observer_id,
-            event,
-            self.me,
-            epoch,
-            detail,
-        )
-
-    async def _events(
-        self, conn: asyncpg.Connection, held: list[tuple[uuid.UUID, int]], event: str, detail: str
-    ) -> None:
-        if held:
-            await conn.execute(
-                "INSERT INTO observer_events (observer_id, event, service_id, epoch, detail) "
-                "SELECT v.id, $3, $4, v.epoch, $5 FROM unnest($1::uuid[], $2::bigint[]) "
-                "AS v(id, epoch)",
-                [h[0] for h in held],
-                [h[1] for h in held],
-                event,
-                self.me,
-                detail,
-            )
+        return await self._fenced(_FAILED, observer_id, epoch, error)

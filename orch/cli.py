@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import signal
-import subprocess
-import sys
-import time
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -15,7 +13,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from contracts.kinds import KindLoadError
-from contracts.preflight import StartupError
+from contracts.preflight import StartupError, check_servers
 
 app = typer.Typer(
     help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
@@ -122,32 +120,58 @@ def up(
 ) -> None:
     """Migrate, then run a manager and N services on this machine until Ctrl-C."""
     migrate()
-    me = [sys.executable, "-m", "orch"]
-    env = {**os.environ, "ORCH_PORT": str(port)}
-    procs = [subprocess.Popen([*me, "manager"], env=env)]
-    for i in range(services):
-        procs.append(
-            subprocess.Popen(
-                [*me, "service", "--name", f"local-{i + 1}", "--worker-count", str(worker_count)],
-                env=env,
-            )
-        )
-    out.print(
-        f"API: http://127.0.0.1:{port}  (docs: http://127.0.0.1:{port}/docs); "
-        f"{services} services x {worker_count} workers. Ctrl-C stops everything."
-    )
     try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        err.print("[red]a process of the cluster exited; stopping the rest[/red]")
-    except KeyboardInterrupt:
+        asyncio.run(_up(services, worker_count, port))
+    except RuntimeError as exc:
+        _fail(str(exc))
+
+
+async def _up(services: int, worker_count: int, port: int) -> None:
+    from orch.cluster import LocalCluster
+
+    cluster = LocalCluster(env={})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start_manager(port)
+        for i in range(services):
+            await cluster.start_service(f"local-{i + 1}", worker_count)
+        out.print(
+            f"API: http://127.0.0.1:{port}  (docs: http://127.0.0.1:{port}/docs); "
+            f"{services} services x {worker_count} workers. Ctrl-C stops everything."
+        )
+        while not stop.is_set():
+            if not all(p.alive for p in cluster.procs):
+                err.print("[red]a process of the cluster exited; stopping the rest[/red]")
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
         out.print("stopping…")
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await cluster.stop()
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option(help="a small run (under two minutes)")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write JSON here")] = None,
+    only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
+) -> None:
+    """Start a throw-away local cluster and measure it against the targets."""
+    from contracts.settings import CommonSettings
+    from orch_bench.run import main
+    from orch_bench.scenarios import SCENARIOS
+
+    settings = _settings(CommonSettings)
+    assert isinstance(settings, CommonSettings)
+    names = [n.strip() for n in only.split(",")] if only else None
+    unknown = set(names or ()) - set(SCENARIOS)
+    if unknown:
+        _fail(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+    try:
+        asyncio.run(check_servers(settings, need_schema=False))
+    except StartupError as exc:
+        _fail(str(exc))
+    raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))

@@ -25,7 +25,7 @@ class AppState:
     leadership: Leadership
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:  # async: sync ones run in a thread pool
     state: AppState = request.app.state.orch
     return state
 

@@ -12,6 +12,7 @@ from contracts.kinds import get_kind
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import StateDep
+from manager.db import autocommit
 from manager.schemas import ObserverCreate, ObserverEventOut, ObserverOut, ObserverPage, Problem
 
 router = APIRouter(prefix="/observers", tags=["observers"])
@@ -39,7 +40,7 @@ async def create_observer(body: ObserverCreate, state: StateDep) -> dict[str, ob
             f"params are larger than {state.settings.max_params_bytes} bytes",
         )
     policy = body.restart_policy.model_dump() if body.restart_policy else None
-    async with state.engine.begin() as conn:
+    async with autocommit(state.engine) as conn:  # one statement: row, history, outbox
         row, pending = await repo.create_observer(
             conn, name=body.name, kind=body.kind, params=params, restart_policy=policy
         )

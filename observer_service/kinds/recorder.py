@@ -26,6 +26,7 @@ class RecorderParams(BaseModel):
 
     dir: str = Field(description="directory for the tick logs (one file per process)")
     interval: float = Field(default=0.1, ge=0.005, le=3600)
+    checkpoint_every: int = Field(default=1, ge=1, le=1_000_000, description="ticks per checkpoint")
 
 
 def _file(directory: str) -> IO[str]:
@@ -59,7 +60,8 @@ async def recorder(ctx: ObserverContext) -> None:
             )
             + "\n"
         )
-        await ctx.checkpoint({"count": count})
+        if count % params.checkpoint_every == 0 or count == 1:
+            await ctx.checkpoint({"count": count})
         await ctx.sleep(params.interval)
 
 
@@ -118,13 +120,16 @@ def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
     return result
 
 
-def failover_gaps(ticks: list[Tick], at: float) -> dict[str, float]:
-    """Per observer that ticked before ``at``: seconds from its last tick before ``at`` to the
-    first tick after ``at`` by another copy (inf when no other copy ever ticked)."""
+def failover_gaps(ticks: list[Tick], at: float, pid: int | None = None) -> dict[str, float]:
+    """Per observer that ticked before ``at`` (last in process ``pid``, if given): seconds from
+    its last tick before ``at`` to the first tick after ``at`` by another copy (inf when no
+    other copy ever ticked)."""
     last_before: dict[str, Tick] = {}
     for t in ticks:
         if t.at <= at:
             last_before[t.observer] = t
+    if pid is not None:
+        last_before = {o: t for o, t in last_before.items() if t.pid == pid}
     gaps = {o: float("inf") for o in last_before}
     for t in ticks:
         before = last_before.get(t.observer)

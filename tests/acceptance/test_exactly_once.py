@@ -243,8 +243,8 @@ async def test_two_managers_one_leader_and_failover(cluster: Cluster) -> None:
 
 
 def _port_of(proc: Proc) -> int:
-    args = list(proc.popen.args)  # type: ignore[arg-type]
-    return int(args[args.index("--port") + 1])
+    assert proc.port is not None
+    return proc.port
 
 
 # ---------------------------------------------------------------- broker-wide faults (slow)

@@ -30,13 +30,6 @@ def queue_counts(prefix: str) -> tuple[int, int]:
     raise AssertionError(f"no work queue for {prefix} in {out!r}")
 
 
-async def checkpoint_count(cluster: Cluster, oid: str | uuid.UUID) -> int:
-    row = await cluster.observer(oid)
-    import json
-
-    return int(json.loads(row["checkpoint"] or "{}").get("count", 0))
-
-
 async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
     await cluster.start_manager()
     svc = await cluster.start_service("a", worker_count=4)
@@ -49,7 +42,7 @@ async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
         return row["status"] == "processing" and row["service_id"] == await cluster.service_id(svc)
 
     await wait_for(processing, timeout=10, what="processing")
-    first = await checkpoint_count(cluster, oid)
+    first = await cluster.checkpoint_count(oid)
     await wait_for(lambda: _gt(cluster, oid, first + 3), timeout=10, what="checkpoint advancing")
     async with cluster.api() as c:
         got = (await c.get(f"/observers/{oid}")).json()
@@ -59,7 +52,7 @@ async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
 
 
 async def _gt(cluster: Cluster, oid: str, n: int) -> bool:
-    return await checkpoint_count(cluster, oid) > n
+    return await cluster.checkpoint_count(oid) > n
 
 
 async def test_delete_stops_the_task_and_acks_the_message(cluster: Cluster) -> None:
@@ -77,9 +70,9 @@ async def test_delete_stops_the_task_and_acks_the_message(cluster: Cluster) -> N
         return (await cluster.observer(oid))["status"] == "deleted"
 
     await wait_for(deleted, timeout=10, what="deleted")
-    stopped_at = await checkpoint_count(cluster, oid)
+    stopped_at = await cluster.checkpoint_count(oid)
     await asyncio.sleep(0.3)  # a running copy would tick 6 times meanwhile
-    assert await checkpoint_count(cluster, oid) == stopped_at
+    assert await cluster.checkpoint_count(oid) == stopped_at
     await wait_for(
         lambda: _async(queue_counts(cluster.prefix) == (0, 0)), timeout=10, what="queue empty"
     )
@@ -156,12 +149,12 @@ async def test_sigkill_moves_observers_resumed_from_checkpoint(cluster: Cluster)
     b = await cluster.start_service("b", worker_count=10)
     b_id = await cluster.service_id(b)
     await asyncio.sleep(0.3)
-    before = {i: await checkpoint_count(cluster, i) for i in ids}
+    before = {i: await cluster.checkpoint_count(i) for i in ids}
     killed_at = time.time()
     a.signal(signal.SIGKILL)
     await cluster.wait_all_running(ids, timeout=15, on={b_id}, fresh_after=killed_at)
     for i in ids:
-        assert await checkpoint_count(cluster, i) >= before[i], "resumed from zero"
+        assert await cluster.checkpoint_count(i) >= before[i], "resumed from zero"
         assert (await cluster.observer(i))["epoch"] == 2
 
 

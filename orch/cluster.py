@@ -1,0 +1,167 @@
+"""A local cluster of real processes (a manager and observer services), for ``orch up``, the
+benchmark and the acceptance tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import httpx
+
+T = TypeVar("T")
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[T | None]], *, timeout: float, what: str, every: float = 0.05
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = await check()
+        if last:
+            return last  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(every)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path | None
+    port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    def tail(self, lines: int = 30) -> str:
+        if self.log is None:
+            return ""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """Processes sharing one database and broker prefix. ``env`` holds the ORCH_* settings."""
+
+    env: dict[str, str]
+    #: Where process logs go; None lets them write to this terminal.
+    logdir: Path | None = None
+    procs: list[Proc] = field(default_factory=list)
+    db: asyncpg.Connection | None = None
+
+    @property
+    def database_dsn(self) -> str:
+        url = self.env["ORCH_DATABASE_URL"]
+        return "postgresql://" + url.partition("://")[2]
+
+    def spawn(self, name: str, args: list[str], **env: Any) -> Proc:
+        full_env = {**os.environ, **self.env, **{k: str(v) for k, v in env.items()}}
+        full_env["PYTHONUNBUFFERED"] = "1"
+        log = None if self.logdir is None else self.logdir / f"{name}-{len(self.procs)}.log"
+        with contextlib.ExitStack() as stack:
+            out = None if log is None else stack.enter_context(log.open("wb"))
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "orch", *args],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    async def connect(self) -> asyncpg.Connection:
+        if self.db is None:
+            self.db = await asyncpg.connect(self.database_dsn)
+        return self.db
+
+    async def start_manager(self, port: int | None = None, **env: Any) -> Proc:
+        port = port or free_port()
+        proc = self.spawn("manager", ["manager", "--port", str(port)], **env)
+        proc.port = port
+
+        async def ready() -> bool:
+            if not proc.alive:
+                raise RuntimeError(f"manager exited:\n{proc.tail()}")
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_for(ready, timeout=30, what="manager ready")
+        return proc
+
+    async def start_service(self, name: str, worker_count: int, **env: Any) -> Proc:
+        proc = self.spawn(
+            name, ["service", "--name", name, "--worker-count", str(worker_count)], **env
+        )
+        await self.service_id(proc, wait=30)
+        return proc
+
+    async def service_id(self, proc: Proc, *, wait: float = 0) -> uuid.UUID:
+        """The id of the service row a service process registered (waiting up to ``wait``)."""
+        db = await self.connect()
+
+        async def registered() -> uuid.UUID | None:
+            if not proc.alive and wait:
+                raise RuntimeError(f"service {proc.name} exited:\n{proc.tail()}")
+            sid: uuid.UUID | None = await db.fetchval(
+                "SELECT id FROM services WHERE pid = $1 ORDER BY created_at DESC LIMIT 1",
+                proc.pid,
+            )
+            return sid
+
+        if not wait:
+            sid = await registered()
+            assert sid is not None, f"{proc.name} has no service row"
+            return sid
+        return await wait_for(registered, timeout=wait, what=f"{proc.name} registered")
+
+    async def stop(self, timeout: float = 20) -> None:
+        """SIGTERM every process (resuming frozen ones first), SIGKILL what does not exit."""
+        for p in self.procs:
+            p.signal(signal.SIGCONT)
+            p.signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                await asyncio.to_thread(p.popen.wait, timeout)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                await asyncio.to_thread(p.popen.wait, 5)
+        if self.db is not None:
+            await self.db.close()
+            self.db = None

@@ -1,0 +1,1 @@
+"""``orch bench``: measures the orchestrator against its targets on this machine."""

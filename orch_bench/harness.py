@@ -1,0 +1,262 @@
+"""What every scenario needs: a fresh database and broker prefix, a local cluster, and probes
+(process memory and CPU, database and broker counters)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import asyncpg
+import httpx
+
+from contracts.settings import CommonSettings
+from contracts.topology import Topology
+from orch.cluster import LocalCluster, wait_for
+
+
+@dataclass
+class Figure:
+    scenario: str
+    name: str
+    value: float | None
+    unit: str
+    target: str = ""
+    passed: bool | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Bench:
+    """One benchmark run: settings from the environment, a template database migrated once."""
+
+    def __init__(self, settings: CommonSettings, *, lease_ttl: float) -> None:
+        self.settings = settings
+        self.lease_ttl = lease_ttl
+        self.run_id = uuid.uuid4().hex[:8]
+        base, _, _ = settings.asyncpg_dsn.rpartition("/")
+        self.server_dsn = base
+        self.template = f"orch_bench_{self.run_id}_tpl"
+        self.databases: list[str] = [self.template]
+        self.workdir = Path(tempfile.mkdtemp(prefix="orch-bench-"))
+
+    async def _admin(self) -> asyncpg.Connection:
+        return await asyncpg.connect(f"{self.server_dsn}/postgres")
+
+    async def prepare(self) -> None:
+        from alembic import command
+
+        from migrations import alembic_config
+
+        admin = await self._admin()
+        try:
+            await admin.execute(f'CREATE DATABASE "{self.template}"')
+        finally:
+            await admin.close()
+        url = f"postgresql+asyncpg://{self.server_dsn.partition('://')[2]}/{self.template}"
+        await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
+
+    @contextlib.asynccontextmanager
+    async def cluster(self, name: str, **env: Any) -> AsyncIterator[BenchCluster]:
+        """A fresh database (copy of the template), broker prefix and process cluster."""
+        db = f"orch_bench_{self.run_id}_{name}"
+        admin = await self._admin()
+        try:
+            await admin.execute(f'CREATE DATABASE "{db}" TEMPLATE "{self.template}"')
+        finally:
+            await admin.close()
+        self.databases.append(db)
+        prefix = f"bench-{self.run_id}-{name}"
+        workdir = self.workdir / name
+        workdir.mkdir()
+        cluster = BenchCluster(
+            env={
+                "ORCH_DATABASE_URL": f"{self.server_dsn}/{db}",
+                "ORCH_AMQP_URL": self.settings.amqp_url,
+                "ORCH_PREFIX": prefix,
+                "ORCH_LEASE_TTL": str(self.lease_ttl),
+                **{f"ORCH_{k.upper()}": str(v) for k, v in env.items()},
+            },
+            logdir=workdir,
+        )
+        cluster.workdir = workdir
+        cluster.prefix = prefix
+        try:
+            yield cluster
+        finally:
+            await cluster.stop()
+            await self._delete_broker_names(prefix)
+
+    async def _delete_broker_names(self, prefix: str) -> None:
+        topo = Topology(prefix)
+        with contextlib.suppress(Exception):
+            conn = await aio_pika.connect(self.settings.amqp_url, timeout=5)
+            async with conn:
+                for q in (topo.work_queue, topo.error_queue):
+                    with contextlib.suppress(Exception):
+                        await (await conn.channel()).queue_delete(q)
+                for x in (topo.dead_letter_exchange, topo.control_exchange):
+                    with contextlib.suppress(Exception):
+                        await (await conn.channel()).exchange_delete(x)
+
+    async def cleanup(self) -> None:
+        admin = await self._admin()
+        try:
+            for db in reversed(self.databases):
+                await admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+class BenchCluster(LocalCluster):
+    workdir: Path
+    prefix: str
+    api_port: int = 0
+
+    async def start(self, services: int, worker_count: int, **env: Any) -> None:
+        manager = await self.start_manager()
+        assert manager.port is not None
+        self.api_port = manager.port
+        for i in range(services):
+            await self.start_service(f"s{i + 1}", worker_count, **env)
+
+    def api(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{self.api_port}", timeout=60, limits=limits
+        )
+
+    async def create(
+        self, client: httpx.AsyncClient, name: str, kind: str, params: dict[str, Any]
+    ) -> uuid.UUID:
+        r = await client.post("/observers", json={"name": name, "kind": kind, "params": params})
+        r.raise_for_status()
+        return uuid.UUID(r.json()["id"])
+
+    async def create_many(
+        self,
+        n: int,
+        kind: str,
+        params: dict[str, Any],
+        *,
+        concurrency: int = 32,
+        tag: str = "o",
+        progress: Any = None,
+    ) -> list[uuid.UUID]:
+        ids: list[uuid.UUID] = []
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(n):
+            queue.put_nowait(i)
+        async with self.api() as client:
+
+            async def worker() -> None:
+                while not queue.empty():
+                    i = queue.get_nowait()
+                    ids.append(await self.create(client, f"{tag}-{i}", kind, params))
+                    if progress is not None:
+                        progress()
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return ids
+
+    async def running_count(self, ids: list[uuid.UUID] | None = None) -> int:
+        db = await self.connect()
+        if ids is None:
+            n = await db.fetchval(
+                "SELECT count(*) FROM observers WHERE status = 'processing' "
+                "AND service_id IS NOT NULL AND checkpointed_at IS NOT NULL"
+            )
+        else:
+            n = await db.fetchval(
+                "SELECT count(*) FROM observers WHERE id = ANY($1) AND status = 'processing' "
+                "AND service_id IS NOT NULL AND checkpointed_at IS NOT NULL",
+                ids,
+            )
+        return int(n)
+
+    async def wait_running(self, n: int, *, timeout: float) -> float:
+        """Seconds until ``n`` observers run (have checkpointed on a holder)."""
+        start = time.monotonic()
+
+        async def enough() -> bool:
+            return await self.running_count() >= n
+
+        await wait_for(enough, timeout=timeout, what=f"{n} observers running", every=0.2)
+        return time.monotonic() - start
+
+    async def busiest_service(self) -> tuple[int, uuid.UUID, int]:
+        """(pid, service id, running) of the service running the most observers."""
+        db = await self.connect()
+        row = await db.fetchrow(
+            "SELECT s.pid, s.id, count(o.id) AS n FROM services s JOIN observers o "
+            "ON o.service_id = s.id WHERE NOT s.is_deleted GROUP BY s.pid, s.id "
+            "ORDER BY n DESC LIMIT 1"
+        )
+        assert row is not None
+        return row["pid"], row["id"], row["n"]
+
+    def proc_by_pid(self, pid: int) -> Any:
+        return next(p for p in self.procs if p.pid == pid)
+
+    async def db_counters(self) -> tuple[float, int, int]:
+        db = await self.connect()
+        row = await db.fetchrow(
+            "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted AS writes "
+            "FROM pg_stat_database WHERE datname = current_database()"
+        )
+        assert row is not None
+        return time.monotonic(), int(row["xact_commit"]), int(row["writes"])
+
+    def broker_frames(self) -> int:
+        """Frames the broker sent and received on this cluster's connections (its counters)."""
+        out = subprocess.run(
+            ["rabbitmqctl", "-q", "list_connections", "client_properties", "recv_cnt", "send_cnt"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout
+        total = 0
+        for line in out.splitlines():
+            if self.prefix in line:
+                parts = line.split()
+                with contextlib.suppress(ValueError, IndexError):
+                    total += int(parts[-1]) + int(parts[-2])
+        return total
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -1,0 +1,377 @@
+"""The benchmark scenarios. Each takes the run's Bench and a Progress, and returns Figures."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from observer_service.kinds.recorder import failover_gaps, overlap_seconds, read_ticks
+from orch.cluster import wait_for
+from orch_bench.harness import (
+    Bench,
+    BenchCluster,
+    Figure,
+    cpu_seconds,
+    median,
+    percentile,
+    rss_bytes,
+)
+from orch_bench.loadgen import create_for
+
+IDLE_TICKER = {"interval": 3600}
+TICK = 0.02  # recorder interval in failover scenarios: the resolution of measured gaps
+
+
+@dataclass(frozen=True)
+class Size:
+    start_samples: int
+    throughput_seconds: float
+    cancel_running: int
+    cancel_samples: int
+    failover_observers: int
+    density_levels: tuple[int, ...]
+    cost_observers: tuple[int, ...]
+    cost_services: tuple[int, ...]
+    cost_seconds: float
+
+
+QUICK = Size(30, 5, 200, 40, 40, (1000,), (1000,), (1, 3), 5)
+FULL = Size(200, 30, 1000, 200, 200, (1000, 5000, 10000), (1000, 5000, 10000), (1, 3, 10), 10)
+
+Tick = Callable[..., None]
+
+
+async def _latencies(cluster: BenchCluster, t0: dict[uuid.UUID, float], sql: str) -> list[float]:
+    db = await cluster.connect()
+    rows = await db.fetch(sql, list(t0))
+    return [(float(r["at"]) - t0[r["id"]]) * 1000 for r in rows]
+
+
+async def start_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """POST → first checkpoint, one at a time on an idle cluster."""
+    async with bench.cluster("start") as c:
+        await c.start(services=2, worker_count=1000)
+        t0: dict[uuid.UUID, float] = {}
+        db = await c.connect()
+        async with c.api() as client:
+            for i in range(size.start_samples):
+                sent = time.time()
+                oid = await c.create(client, f"start-{i}", "ticker", IDLE_TICKER)
+                t0[oid] = sent
+
+                async def checkpointed(oid: uuid.UUID = oid) -> bool:
+                    return bool(
+                        await db.fetchval(
+                            "SELECT checkpointed_at IS NOT NULL FROM observers WHERE id = $1", oid
+                        )
+                    )
+
+                await wait_for(checkpointed, timeout=10, what="first checkpoint", every=0.002)
+                tick()
+        ms = await _latencies(
+            c,
+            t0,
+            "SELECT id, extract(epoch FROM checkpointed_at) AS at FROM observers "
+            "WHERE id = ANY($1)",
+        )
+    return _distribution("start latency", "POST → first checkpoint", ms, "ms", p99_target=50)
+
+
+async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """Creates per second through the API (32 keep-alive connections), and the time until all
+    of them run."""
+    async with bench.cluster("throughput") as c:
+        await c.start(services=2, worker_count=20_000)
+
+        def body(client: int, i: int) -> dict[str, Any]:
+            return {"name": f"tp-{client}-{i}", "kind": "ticker", "params": IDLE_TICKER}
+
+        created, elapsed, latencies = await create_for(
+            c.api_port,
+            size.throughput_seconds,
+            clients=32,
+            body=body,
+            progress=lambda: tick(advance=0),
+        )
+        all_running = await c.wait_running(created, timeout=300)
+        tick()
+    rate = created / elapsed
+    ms = [x * 1000 for x in latencies]
+    return [
+        Figure(
+            "create throughput",
+            "creates/s through the API",
+            round(rate, 1),
+            "1/s",
+            "≥ 1000",
+            rate >= 1000,
+            f"{created} in {elapsed:.1f} s, 32 connections",
+        ),
+        Figure(
+            "create throughput",
+            "POST latency under that load p99",
+            round(percentile(ms, 99), 1),
+            "ms",
+        ),
+        Figure("create throughput", "last create → all running", round(all_running, 2), "s"),
+    ]
+
+
+async def cancel_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """DELETE → task stopped (the holder's 'deleted' event), with many observers running."""
+    async with bench.cluster("cancel") as c:
+        await c.start(services=2, worker_count=size.cancel_running)
+        ids = await c.create_many(size.cancel_running, "ticker", IDLE_TICKER, tag="c")
+        await c.wait_running(size.cancel_running, timeout=120)
+        t0: dict[uuid.UUID, float] = {}
+        async with c.api() as client:
+            for oid in ids[: size.cancel_samples]:
+                t0[oid] = time.time()
+                (await client.delete(f"/observers/{oid}")).raise_for_status()
+                tick()
+        db = await c.connect()
+
+        async def all_deleted() -> bool:
+            n = await db.fetchval(
+                "SELECT count(*) FROM observer_events WHERE event = 'deleted' "
+                "AND observer_id = ANY($1)",
+                list(t0),
+            )
+            return bool(n == len(t0))
+
+        await wait_for(all_deleted, timeout=30, what="cancels")
+        ms = await _latencies(
+            c,
+            t0,
+            "SELECT observer_id AS id, extract(epoch FROM at) AS at FROM observer_events "
+            "WHERE event = 'deleted' AND observer_id = ANY($1)",
+        )
+    return _distribution(
+        "cancel latency",
+        f"DELETE → stopped ({size.cancel_running} running)",
+        ms,
+        "ms",
+        p99_target=50,
+    )
+
+
+async def _recorders(c: BenchCluster, n: int, services: int) -> list[uuid.UUID]:
+    await c.start(services=services, worker_count=n)
+    params = {"dir": str(c.workdir / "ticks"), "interval": TICK, "checkpoint_every": 50}
+    ids = await c.create_many(n, "recorder", params, tag="r")
+    await c.wait_running(n, timeout=60)
+    await asyncio.sleep(1.0)
+    return ids
+
+
+def _gap_figures(
+    scenario: str, c: BenchCluster, at: float, pid: int, target_ms: float, target: str
+) -> list[Figure]:
+    """Gaps of the observers that ran in process ``pid`` at ``at``, and overlap of all."""
+    ticks = read_ticks(c.workdir / "ticks")
+    gaps = failover_gaps(ticks, at, pid)
+    moved = len(gaps)
+    resumed = moved > 0 and all(g != float("inf") for g in gaps.values())
+    finite = [g * 1000 for g in gaps.values() if g != float("inf")]
+    overlap = overlap_seconds(ticks)
+    worst = max(finite, default=float("nan"))
+    return [
+        Figure(
+            scenario,
+            "max gap of the moved observers",
+            round(worst, 1),
+            "ms",
+            target,
+            resumed and worst < target_ms,
+            f"{moved} moved; tick every {TICK * 1000:.0f} ms",
+        ),
+        Figure(scenario, "median gap of the moved observers", round(median(finite), 1), "ms"),
+        Figure(scenario, "all resumed", float(resumed), "bool", "1", resumed),
+        Figure(
+            scenario,
+            "overlap (two copies at once)",
+            round(sum(overlap.values()), 3),
+            "s",
+            "0",
+            not overlap,
+            f"{len(overlap)} observers overlapped",
+        ),
+    ]
+
+
+async def crash_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    async with bench.cluster("crash") as c:
+        await _recorders(c, size.failover_observers, services=2)
+        # Even out: the busiest service is the one killed; every observer it ran must move.
+        pid, _, _ = await c.busiest_service()
+        at = time.time()
+        c.proc_by_pid(pid).signal(signal.SIGKILL)
+        await c.wait_running(size.failover_observers, timeout=60)
+        await asyncio.sleep(1.0)
+        tick()
+        return _gap_figures("crash failover (SIGKILL)", c, at, pid, 100, "< 100")
+
+
+async def freeze_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    async with bench.cluster("freeze") as c:
+        await _recorders(c, size.failover_observers, services=2)
+        pid, _, _ = await c.busiest_service()
+        proc = c.proc_by_pid(pid)
+        at = time.time()
+        proc.signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(bench.lease_ttl + 3)
+        finally:
+            proc.signal(signal.SIGCONT)
+        await asyncio.sleep(2.0)
+        tick()
+        limit = (bench.lease_ttl + 2) * 1000
+        return _gap_figures(
+            "freeze failover (SIGSTOP)", c, at, pid, limit, f"≤ {limit:.0f} (TTL + 2 s)"
+        )
+
+
+async def graceful_move(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    async with bench.cluster("graceful") as c:
+        await _recorders(c, size.failover_observers, services=2)
+        pid, _, _ = await c.busiest_service()
+        at = time.time()
+        c.proc_by_pid(pid).signal(signal.SIGTERM)
+        await c.wait_running(size.failover_observers, timeout=60)
+        await asyncio.sleep(1.0)
+        tick()
+        return _gap_figures("graceful move (SIGTERM)", c, at, pid, 1000, "< 1000")
+
+
+async def join_rebalance(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    tick()
+    return [
+        Figure(
+            "join rebalance",
+            "time to fair share",
+            None,
+            "s",
+            "< 30",
+            None,
+            "not implemented yet: running observers do not move to a joining service",
+        )
+    ]
+
+
+async def density(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    figures: list[Figure] = []
+    top = max(size.density_levels)
+    async with bench.cluster("density") as c:
+        await c.start(services=1, worker_count=top)
+        pid = c.procs[-1].pid
+        await asyncio.sleep(2.0)
+        base = rss_bytes(pid)
+        hosted = 0
+        for level in size.density_levels:
+            await c.create_many(level - hosted, "ticker", IDLE_TICKER, tag=f"d{level}")
+            await c.wait_running(level, timeout=300)
+            hosted = level
+            await asyncio.sleep(3.0)
+            rss = rss_bytes(pid)
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
+            await asyncio.sleep(5.0)
+            idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) * 100
+            figures += [
+                Figure(
+                    "density",
+                    f"{level} observers hosted by one process",
+                    float(level),
+                    "",
+                    "≥ 10000" if level == top else "",
+                    None if level != top else level >= 10000,
+                ),
+                Figure("density", f"RSS at {level}", round(rss / 2**20, 1), "MiB"),
+                Figure(
+                    "density",
+                    f"memory per observer at {level}",
+                    round((rss - base) / level / 1024, 2),
+                    "KiB",
+                ),
+                Figure("density", f"idle CPU at {level}", round(idle_cpu, 2), "% of a core"),
+            ]
+            tick()
+    return figures
+
+
+async def cost_growth(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    figures: list[Figure] = []
+    top = max(size.cost_observers)
+    for services in size.cost_services:
+        async with bench.cluster(f"cost{services}") as c:
+            await c.start(services=services, worker_count=top // services + 100)
+            hosted = 0
+            for level in size.cost_observers:
+                await c.create_many(level - hosted, "ticker", IDLE_TICKER, tag=f"k{level}")
+                await c.wait_running(level, timeout=300)
+                hosted = level
+                await asyncio.sleep(2.0)
+                t0, x0, w0 = await c.db_counters()
+                f0 = await asyncio.to_thread(c.broker_frames)
+                await asyncio.sleep(size.cost_seconds)
+                t1, x1, w1 = await c.db_counters()
+                f1 = await asyncio.to_thread(c.broker_frames)
+                dt = t1 - t0
+                label = f"{level} observers, {services} services"
+                figures += [
+                    Figure(
+                        "cost growth",
+                        f"db transactions/s ({label})",
+                        round((x1 - x0) / dt, 1),
+                        "1/s",
+                    ),
+                    Figure(
+                        "cost growth", f"db row writes/s ({label})", round((w1 - w0) / dt, 1), "1/s"
+                    ),
+                    Figure(
+                        "cost growth", f"broker frames/s ({label})", round((f1 - f0) / dt, 1), "1/s"
+                    ),
+                ]
+                tick()
+    return figures
+
+
+def _distribution(
+    scenario: str,
+    what: str,
+    ms: list[float],
+    unit: str,
+    *,
+    p99_target: float,
+) -> list[Figure]:
+    p99 = percentile(ms, 99)
+    return [
+        Figure(scenario, f"{what} p50", round(percentile(ms, 50), 2), unit),
+        Figure(
+            scenario,
+            f"{what} p99",
+            round(p99, 2),
+            unit,
+            f"< {p99_target}",
+            p99 < p99_target,
+            f"{len(ms)} samples",
+        ),
+        Figure(scenario, f"{what} max", round(max(ms, default=float("nan")), 2), unit),
+    ]
+
+
+SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
+    "start": (start_latency, lambda s: s.start_samples),
+    "throughput": (create_throughput, lambda s: 1),
+    "cancel": (cancel_latency, lambda s: s.cancel_samples),
+    "crash": (crash_failover, lambda s: 1),
+    "freeze": (freeze_failover, lambda s: 1),
+    "graceful": (graceful_move, lambda s: 1),
+    "join": (join_rebalance, lambda s: 1),
+    "density": (density, lambda s: len(s.density_levels)),
+    "cost": (cost_growth, lambda s: len(s.cost_observers) * len(s.cost_services)),
+}
