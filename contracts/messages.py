@@ -41,5 +41,21 @@ class DirectedStart(_Message):
     dispatch_id: uuid.UUID
 
 
-ControlMessage = Annotated[CancelMessage | DirectedStart, Field(discriminator="type")]
-CONTROL_MESSAGE: TypeAdapter[CancelMessage | DirectedStart] = TypeAdapter(ControlMessage)
+class HandoffMessage(_Message):
+    """Sent by the leader to a holder's control queue: hand this observer to service ``to``."""
+
+    type: Literal["handoff"] = "handoff"
+    observer_id: uuid.UUID
+    to: uuid.UUID
+
+
+class DrainMessage(_Message):
+    """Broadcast: service ``service_id`` stops taking work and hands all its observers over."""
+
+    type: Literal["drain"] = "drain"
+    service_id: uuid.UUID
+
+
+AnyControl = CancelMessage | DirectedStart | HandoffMessage | DrainMessage
+ControlMessage = Annotated[AnyControl, Field(discriminator="type")]
+CONTROL_MESSAGE: TypeAdapter[AnyControl] = TypeAdapter(ControlMessage)

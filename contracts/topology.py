@@ -5,6 +5,7 @@ Every name carries the deployment prefix, so tests and several deployments share
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from dataclasses import dataclass
@@ -95,3 +96,18 @@ async def declare_topology(
     )
     args["x-dead-letter-exchange"] = topology.dead_letter_exchange
     return await channel.declare_queue(topology.work_queue, durable=True, arguments=args)
+
+
+async def delete_topology(amqp_url: str, topology: Topology) -> None:
+    """Delete the shared queues and exchanges of a prefix (tests and benchmarks clean up with
+    it). Per-service control queues are exclusive and vanish with their connections."""
+    connection = await aio_pika.connect(amqp_url, timeout=5)
+    async with connection:
+        for queue in (topology.work_queue, topology.error_queue):
+            channel = await connection.channel()  # a failed delete closes its channel
+            with contextlib.suppress(aio_pika.exceptions.AMQPError):
+                await channel.queue_delete(queue)
+        for exchange in (topology.dead_letter_exchange, topology.control_exchange):
+            channel = await connection.channel()
+            with contextlib.suppress(aio_pika.exceptions.AMQPError):
+                await channel.exchange_delete(exchange)

@@ -24,6 +24,7 @@ from manager.db import make_engine
 from manager.leader import Leadership
 from manager.outbox import Outbox
 from manager.publisher import Publisher
+from manager.rebalance import Rebalancer
 from manager.repository import Conflict, NameTaken, NotFound
 from manager.settings import ManagerSettings
 
@@ -102,6 +103,17 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
                 "audit",
             ),
         }
+        if settings.rebalance:
+            rebalancer = Rebalancer(
+                engine,
+                box,
+                pace=settings.rebalance_pace,
+                min_age=settings.rebalance_min_age,
+                cooldown=settings.rebalance_cooldown,
+            )
+            loops["rebalance"] = background.every(
+                settings.rebalance_interval, rebalancer.once, "rebalance"
+            )
         leadership = Leadership(engine, loops=loops, ttl=settings.lease_ttl)
         app.state.orch = AppState(settings, engine, publisher, box, kinds, leadership)
         tasks: list[asyncio.Task[None]] = [
@@ -153,9 +165,7 @@ def _error_handlers(app: FastAPI) -> None:
     def problem(code: int) -> Any:
         async def handler(_: Request, exc: Exception) -> JSONResponse:
             detail = str(exc)
-            if isinstance(exc, NotFound):
-                detail = f"no observer with id {exc}"
-            elif isinstance(exc, NameTaken):
+            if isinstance(exc, NameTaken):
                 detail = f"an observer named {exc} already exists (and is not deleted)"
             return JSONResponse({"detail": detail}, status_code=code)
 

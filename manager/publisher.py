@@ -10,7 +10,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 from aio_pika.exceptions import AMQPError, DeliveryError
 
-from contracts.messages import DirectedStart, StartMessage
+from contracts.messages import CONTROL_MESSAGE, DirectedStart, StartMessage
 from contracts.settings import CommonSettings
 from contracts.topology import broker_version, declare_topology
 
@@ -80,9 +80,12 @@ class Publisher:
             try:
                 await self._channel.default_exchange.publish(message, routing_key=queue, timeout=10)
             except DeliveryError:
-                # That service is gone (its queue with it): let any service take it.
-                log.info("directed start to a vanished service; sent to the work queue")
-                await self.publish(START, _start_of(data))
+                # That service is gone, its queue with it. A directed start goes to the work
+                # queue instead; anything else for it (a handoff) has nobody left to act on it.
+                start = _start_of(data)
+                if start is not None:
+                    log.info("directed start to a vanished service; sent to the work queue")
+                    await self.publish(START, start)
         else:
             raise ValueError(f"unknown target {target!r}")
 
@@ -104,9 +107,12 @@ class Publisher:
             await self._connection.close()
 
 
-def _start_of(directed: bytes) -> bytes:
-    d = DirectedStart.model_validate_json(directed)
-    return StartMessage(observer_id=d.observer_id, dispatch_id=d.dispatch_id).to_bytes()
+def _start_of(body: bytes) -> bytes | None:
+    """The work-queue start message for a directed start (None for other control bodies)."""
+    control = CONTROL_MESSAGE.validate_json(body)
+    if not isinstance(control, DirectedStart):
+        return None
+    return StartMessage(observer_id=control.observer_id, dispatch_id=control.dispatch_id).to_bytes()
 
 
 def _json(body: dict[str, Any]) -> bytes:

@@ -11,7 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from contracts.messages import CancelMessage, StartMessage
+from contracts.messages import CancelMessage, DrainMessage, StartMessage
 from contracts.statuses import ObserverStatus
 from manager import outbox
 from manager.publisher import CONTROL, START
@@ -109,7 +109,7 @@ async def get_observer(conn: AsyncConnection, observer_id: uuid.UUID) -> dict[st
         )
     ).one_or_none()
     if row is None:
-        raise NotFound(observer_id)
+        raise NotFound(f"no observer with id {observer_id}")
     return _row(row)
 
 
@@ -171,7 +171,7 @@ async def delete_observer(
     """Deleted at once when nothing runs it; on_deleting plus a cancel broadcast otherwise."""
     row = (await conn.execute(text(_LOCK_WITH_HOLDER), {"id": observer_id})).one_or_none()
     if row is None:
-        raise NotFound(observer_id)
+        raise NotFound(f"no observer with id {observer_id}")
     status = ObserverStatus(row.status)
     pending: list[outbox.Pending] = []
     if status is ObserverStatus.DELETED:
@@ -205,7 +205,7 @@ async def restart_observer(
 ) -> tuple[dict[str, Any], outbox.Pending]:
     row = (await conn.execute(text(_LOCK_WITH_HOLDER), {"id": observer_id})).one_or_none()
     if row is None:
-        raise NotFound(observer_id)
+        raise NotFound(f"no observer with id {observer_id}")
     if row.status != ObserverStatus.FAILED:
         raise Conflict(f"only a failed observer can be restarted; this one is {row.status}")
     dispatch_id = uuid.uuid4()
@@ -221,17 +221,47 @@ async def restart_observer(
     return await get_observer(conn, observer_id), pending
 
 
+_SERVICE_COLUMNS = (
+    "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
+    "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, "
+    "(SELECT count(*) FROM observers o WHERE o.service_id = s.id "
+    " AND o.status IN ('processing', 'on_deleting')) AS running"
+)
+
+
 async def list_services(conn: AsyncConnection, *, include_deleted: bool) -> list[dict[str, Any]]:
     rows = (
         await conn.execute(
             text(
-                "SELECT s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
-                "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, "
-                "(SELECT count(*) FROM observers o WHERE o.service_id = s.id "
-                " AND o.status IN ('processing', 'on_deleting')) AS running "
-                "FROM services s WHERE :all OR NOT s.is_deleted ORDER BY s.created_at"
+                f"SELECT {_SERVICE_COLUMNS} FROM services s WHERE :all OR NOT s.is_deleted "
+                "ORDER BY s.created_at"
             ),
             {"all": include_deleted},
         )
     ).all()
     return [_row(r) for r in rows]
+
+
+async def drain_service(
+    conn: AsyncConnection, service_id: uuid.UUID
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """Mark a live service draining and tell it; it hands its observers over and takes none."""
+    done = (
+        await conn.execute(
+            text(
+                "UPDATE services SET draining = true, modified_at = now() "
+                "WHERE id = :id AND NOT is_deleted RETURNING id"
+            ),
+            {"id": service_id},
+        )
+    ).one_or_none()
+    if done is None:
+        raise NotFound(f"no live service with id {service_id}")
+    body = DrainMessage(service_id=service_id).model_dump(mode="json")
+    pending = [await outbox.add(conn, CONTROL, body)]
+    row = (
+        await conn.execute(
+            text(f"SELECT {_SERVICE_COLUMNS} FROM services s WHERE s.id = :id"), {"id": service_id}
+        )
+    ).one()
+    return _row(row), pending

@@ -25,5 +25,14 @@ class ManagerSettings(CommonSettings):
     #: An observer nobody holds for this long, while the work queue has nothing ready, has its
     #: message stuck at an unresponsive consumer (or lost): it is re-dispatched, seconds.
     audit_grace: float = Field(default=0.5, gt=0)
+    #: Move running observers to services that have fewer than their fair share.
+    rebalance: bool = True
+    rebalance_interval: float = Field(default=1.0, gt=0)
+    #: Fraction of the running observers in motion at once (at least one).
+    rebalance_pace: float = Field(default=0.1, gt=0, le=1)
+    #: A service receives moved observers only once it has lived this long, seconds.
+    rebalance_min_age: float = Field(default=10.0, ge=0)
+    #: An observer moved by a rebalance is not moved again within this many seconds.
+    rebalance_cooldown: float = Field(default=600.0, ge=0)
     #: Run the elected background loops in this process (off for a pure API replica).
     background: bool = True

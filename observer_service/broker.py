@@ -54,6 +54,7 @@ class BrokerSession:
         prefetch: int,
         on_start: OnMessage,
         on_control: OnMessage,
+        consume_work: bool = True,
     ) -> None:
         topo = settings.topology
         self.connection = await aio_pika.connect(
@@ -84,10 +85,13 @@ class BrokerSession:
         await cq.consume(lambda m: on_control(m, gen), no_ack=True)
         self._work_channel, self._work_queue = work, queue
         self._control_channel, self._topology = control, topo
-        self._work_tag = await queue.consume(lambda m: on_start(m, gen))
+        if consume_work:
+            self._work_tag = await queue.consume(lambda m: on_start(m, gen))
 
-    async def publish(self, body: bytes, *, to_errors: bool = False) -> None:
-        """Publish a start message to the work queue (or the dead-letter exchange)."""
+    async def publish(
+        self, body: bytes, *, to_errors: bool = False, to_service: uuid.UUID | None = None
+    ) -> None:
+        """Publish to the work queue, the dead-letter exchange, or a service's control queue."""
         if self._control_channel is None or self._topology is None or not self.is_open:
             raise ConnectionError("broker session is not open")
         message = aio_pika.Message(
@@ -96,6 +100,10 @@ class BrokerSession:
         if to_errors:
             dlx = await self._control_channel.get_exchange(self._topology.dead_letter_exchange)
             await dlx.publish(message, routing_key="")
+        elif to_service is not None:
+            await self._control_channel.default_exchange.publish(
+                message, routing_key=self._topology.control_queue(to_service)
+            )
         else:
             await self._control_channel.default_exchange.publish(
                 message, routing_key=self._topology.work_queue

@@ -26,7 +26,8 @@ UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2),
        last_heartbeat_at = clock_timestamp(), modified_at = now(), is_deleted = false
  WHERE id = $1
-RETURNING ARRAY(SELECT id FROM observers WHERE service_id = $1 AND status = 'on_deleting')
+RETURNING ARRAY(SELECT id FROM observers WHERE service_id = $1 AND status = 'on_deleting'),
+          draining
 """
 
 
@@ -44,7 +45,7 @@ class LeaseKeeper:
         renew_interval: float,
         margin: float,
         on_lost: Callable[[str], None],
-        on_renewed: Callable[[list[uuid.UUID], bool], Awaitable[None]],
+        on_renewed: Callable[[list[uuid.UUID], bool, bool], Awaitable[None]],
     ) -> None:
         self.dsn = dsn
         self.service_id = service_id
@@ -109,14 +110,14 @@ class LeaseKeeper:
             self.valid()
             sent = time.monotonic()
             try:
-                deleting = await self._renew(max(0.2, self.valid_until - sent))
+                renewed = await self._renew(max(0.2, self.valid_until - sent))
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
                 log.warning("lease renewal failed: %s", exc)
                 await self._drop_connection()
                 self.valid()
                 await asyncio.sleep(min(0.5, self.renew_interval))
                 continue
-            if deleting is None:
+            if renewed is None:
                 log.error("service row is gone; fencing")
                 self._fence("service row missing")
                 continue
@@ -125,15 +126,17 @@ class LeaseKeeper:
             self.valid_until = sent + self.ttl - self.margin
             self._fenced = False
             self.renewals += 1
-            await self._on_renewed(deleting, was_fenced)
+            deleting, draining = renewed
+            await self._on_renewed(deleting, was_fenced, draining)
 
-    async def _renew(self, limit: float) -> list[uuid.UUID] | None:
+    async def _renew(self, limit: float) -> tuple[list[uuid.UUID], bool] | None:
+        """Extend the lease; returns (own observers being deleted, draining?)."""
         conn = self._conn
         if conn is None or conn.is_closed():
             conn = self._conn = await asyncio.wait_for(self._connect(), limit)
         assert conn is not None
         row = await conn.fetchrow(_RENEW_SQL, self.service_id, self.ttl, timeout=limit)
-        return None if row is None else list(row[0])
+        return None if row is None else (list(row[0]), bool(row[1]))
 
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None

@@ -46,6 +46,8 @@ class Runner:
     generation: int | None
     task: asyncio.Task[str] | None = None
     stop_reason: StopReason | None = None
+    #: For a handoff: the service that should take it next (None: any, via the work queue).
+    handoff_to: uuid.UUID | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

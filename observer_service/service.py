@@ -19,7 +19,13 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from contracts.kinds import KindSpec
-from contracts.messages import CONTROL_MESSAGE, DirectedStart, StartMessage
+from contracts.messages import (
+    CONTROL_MESSAGE,
+    DirectedStart,
+    DrainMessage,
+    HandoffMessage,
+    StartMessage,
+)
 from observer_service.broker import BrokerSession
 from observer_service.checkpoints import CheckpointWriter
 from observer_service.context import ObserverContext
@@ -51,6 +57,8 @@ class ObserverService:
         self.capacity = asyncio.Semaphore(settings.worker_count)
         self.session: BrokerSession | None = None
         self.stopping = False
+        #: Draining: takes no new work, hands every observer over (POST /services/{id}/drain).
+        self.draining = False
         self._stop = asyncio.Event()
         self._needs_reconcile = False
         self._in_flight = 0
@@ -173,6 +181,7 @@ class ObserverService:
                         prefetch=self.settings.worker_count,
                         on_start=self._on_start,
                         on_control=self._on_control,
+                        consume_work=not self.draining,
                     )
                 except BaseException:
                     await session.close()
@@ -228,7 +237,7 @@ class ObserverService:
         which is handed back to the work queue whenever it cannot run here.
         """
         oid = start.observer_id
-        if self.stopping:
+        if self.stopping or self.draining:
             await self._give_back(message, start)
             return
         existing = self.runners.get(oid)
@@ -304,7 +313,7 @@ class ObserverService:
         taken = result.taken
         assert taken is not None
         delivery_dead = generation is not None and not self._session_open(generation)
-        if self.stopping or delivery_dead or not self.lease.valid():
+        if self.stopping or self.draining or delivery_dead or not self.lease.valid():
             # Too late to run it here: let go at once so that another service takes it.
             await self.store.release([(oid, taken.epoch)], "taken while stopping")
             if not delivery_dead:
@@ -424,14 +433,44 @@ class ObserverService:
             await self.store.mark_deleted(oid, epoch)
             await self._settle(runner.taken, runner.message, "ack")
         elif reason is StopReason.HANDOFF:
-            await self.store.release([(oid, epoch)], reason.value)
-            await self._settle(runner.taken, runner.message, "nack")
+            await self._hand_over(runner)
         elif reason in (StopReason.LEASE_LOST, StopReason.CHANNEL_LOST):
             self._needs_reconcile = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.store.release([(oid, epoch)], reason.value), 1.0)
             await self._settle(runner.taken, runner.message, "nack")
         # SHUTDOWN: released and requeued in one batch by _shutdown.
+
+    async def _hand_over(self, runner: Runner) -> None:
+        """Release a stopped observer and start it elsewhere: on the chosen service when there
+        is one (directed, so it cannot come straight back here), else through the work queue."""
+        taken = runner.taken
+        released = await self.store.release([(taken.observer_id, taken.epoch)], "handed off")
+        if not released:
+            await self._settle(taken, runner.message, "ack")  # fenced: someone else has it
+            return
+        if runner.handoff_to is None:
+            await self._settle(taken, runner.message, "nack")
+            return
+        body = DirectedStart(observer_id=taken.observer_id, dispatch_id=taken.dispatch_id)
+        try:
+            assert self.session is not None
+            await self.session.publish(body.to_bytes(), to_service=runner.handoff_to)
+        except Exception as exc:
+            log.warning(
+                "handoff of %s not sent (the audit re-dispatches it): %s", taken.observer_id, exc
+            )
+        await self._settle(taken, runner.message, "ack")
+
+    def drain(self) -> None:
+        """Take no more work and hand every observer to the other services."""
+        if self.draining:
+            return
+        self.draining = True
+        log.warning("draining: handing over %d observers", len(self.runners))
+        if self.session is not None:
+            self._spawn(self.session.stop_consuming())
+        self._stop_where(lambda r: True, StopReason.HANDOFF)
 
     # ----------------------------------------------------------------- control and lease
     async def _on_control(self, message: AbstractIncomingMessage, generation: int) -> None:
@@ -448,6 +487,14 @@ class ObserverService:
                 except Exception:
                     log.exception("directed start failed; handing it to the work queue")
                     await self._give_back(None, start)
+        elif isinstance(control, HandoffMessage):
+            runner = self.runners.get(control.observer_id)
+            if runner is not None and runner.stop_reason is None:
+                runner.handoff_to = control.to
+                runner.stop(StopReason.HANDOFF)
+        elif isinstance(control, DrainMessage):
+            if control.service_id == self.id:
+                self.drain()
         else:
             self._cancel(control.observer_id)
 
@@ -462,9 +509,13 @@ class ObserverService:
         self._needs_reconcile = True
         self._stop_where(lambda r: True, StopReason.LEASE_LOST)
 
-    async def _on_renewed(self, deleting: list[uuid.UUID], was_fenced: bool) -> None:
+    async def _on_renewed(
+        self, deleting: list[uuid.UUID], was_fenced: bool, draining: bool
+    ) -> None:
         for oid in deleting:
             self._cancel(oid)
+        if draining:
+            self.drain()  # in case the broadcast was missed
         if not (was_fenced or self._needs_reconcile):
             return
         if any(r.stop_reason is not None for r in self.runners.values()):

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -20,6 +20,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+services_app = typer.Typer(
+    help="Operate on observer services through the API.", no_args_is_help=True
+)
+app.add_typer(services_app, name="services")
 err = Console(stderr=True)
 out = Console()
 
@@ -175,3 +179,37 @@ def bench(
     except StartupError as exc:
         _fail(str(exc))
     raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))
+
+
+ApiOption = Annotated[str, typer.Option("--api", envvar="ORCH_API", help="manager URL")]
+
+
+@services_app.command("list")
+def services_list(api: ApiOption = "http://127.0.0.1:8000") -> None:
+    """Live services: id, name, running / worker_count, draining."""
+    for s in _call("GET", f"{api}/services"):
+        flag = " draining" if s["draining"] else ""
+        out.print(f"{s['id']}  {s['name']:<20} {s['running']:>6} / {s['worker_count']}{flag}")
+
+
+@services_app.command("drain")
+def services_drain(
+    service_id: Annotated[str, typer.Argument(help="id of the service (see `orch services list`)")],
+    api: ApiOption = "http://127.0.0.1:8000",
+) -> None:
+    """Move every observer off a service and stop it taking new ones (before scaling it down)."""
+    s = _call("POST", f"{api}/services/{service_id}/drain")
+    out.print(f"draining {s['name']} ({s['running']} observers to move)")
+
+
+def _call(method: str, url: str) -> Any:
+    import httpx
+
+    try:
+        r = httpx.request(method, url, timeout=30)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the manager at {url}: {exc}")
+    if r.status_code >= 400:
+        detail = r.json().get("detail") if "json" in r.headers.get("content-type", "") else r.text
+        _fail(f"{r.status_code}: {detail}")
+    return r.json()

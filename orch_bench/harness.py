@@ -16,12 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import asyncpg
 import httpx
 
 from contracts.settings import CommonSettings
-from contracts.topology import Topology
+from contracts.topology import Topology, delete_topology
 from orch.cluster import LocalCluster, wait_for
 
 
@@ -99,6 +98,8 @@ class Bench:
                 "ORCH_AMQP_URL": self.settings.amqp_url,
                 "ORCH_PREFIX": prefix,
                 "ORCH_LEASE_TTL": str(self.lease_ttl),
+                # Off unless a scenario measures it: moves would blur the other figures.
+                "ORCH_REBALANCE": "false",
                 **{f"ORCH_{k.upper()}": str(v) for k, v in env.items()},
             },
             logdir=workdir,
@@ -109,19 +110,8 @@ class Bench:
             yield cluster
         finally:
             await cluster.stop()
-            await self._delete_broker_names(prefix)
-
-    async def _delete_broker_names(self, prefix: str) -> None:
-        topo = Topology(prefix)
-        with contextlib.suppress(Exception):
-            conn = await aio_pika.connect(self.settings.amqp_url, timeout=5)
-            async with conn:
-                for q in (topo.work_queue, topo.error_queue):
-                    with contextlib.suppress(Exception):
-                        await (await conn.channel()).queue_delete(q)
-                for x in (topo.dead_letter_exchange, topo.control_exchange):
-                    with contextlib.suppress(Exception):
-                        await (await conn.channel()).exchange_delete(x)
+            with contextlib.suppress(Exception):
+                await delete_topology(self.settings.amqp_url, Topology(prefix))
 
     async def cleanup(self) -> None:
         admin = await self._admin()

@@ -204,17 +204,31 @@ def _gap_figures(
     ]
 
 
-async def crash_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
-    async with bench.cluster("crash") as c:
+async def _stop_busiest(
+    bench: Bench, size: Size, tick: Tick, *, sig: int, scenario: str, target_ms: float
+) -> list[Figure]:
+    """Signal the service running the most observers; every one of them must move."""
+    async with bench.cluster(scenario.split()[0]) as c:
         await _recorders(c, size.failover_observers, services=2)
-        # Even out: the busiest service is the one killed; every observer it ran must move.
         pid, _, _ = await c.busiest_service()
         at = time.time()
-        c.proc_by_pid(pid).signal(signal.SIGKILL)
+        c.proc_by_pid(pid).signal(sig)
         await c.wait_running(size.failover_observers, timeout=60)
         await asyncio.sleep(1.0)
         tick()
-        return _gap_figures("crash failover (SIGKILL)", c, at, pid, 100, "< 100")
+        return _gap_figures(scenario, c, at, pid, target_ms, f"< {target_ms:g}")
+
+
+async def crash_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    return await _stop_busiest(
+        bench, size, tick, sig=signal.SIGKILL, scenario="crash failover (SIGKILL)", target_ms=100
+    )
+
+
+async def graceful_move(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    return await _stop_busiest(
+        bench, size, tick, sig=signal.SIGTERM, scenario="graceful move (SIGTERM)", target_ms=1000
+    )
 
 
 async def freeze_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
@@ -236,30 +250,59 @@ async def freeze_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         )
 
 
-async def graceful_move(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
-    async with bench.cluster("graceful") as c:
-        await _recorders(c, size.failover_observers, services=2)
-        pid, _, _ = await c.busiest_service()
-        at = time.time()
-        c.proc_by_pid(pid).signal(signal.SIGTERM)
-        await c.wait_running(size.failover_observers, timeout=60)
-        await asyncio.sleep(1.0)
-        tick()
-        return _gap_figures("graceful move (SIGTERM)", c, at, pid, 1000, "< 1000")
-
-
 async def join_rebalance(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
-    tick()
+    """A fourth service joins three loaded ones: time until all are within ±10 % of their
+    share (default settings, so it includes ORCH_REBALANCE_MIN_AGE), moves and overlap."""
+    n = size.failover_observers * 3 // 2
+    async with bench.cluster("join", rebalance="true") as c:
+        await c.start(services=3, worker_count=n)
+        params = {"dir": str(c.workdir / "ticks"), "interval": 0.1, "checkpoint_every": 10}
+        await c.create_many(n, "recorder", params, tag="j")
+        await c.wait_running(n, timeout=60)
+        await c.start_service("s4", n)
+        joined = time.monotonic()
+        db = await c.connect()
+
+        async def fair() -> bool:
+            rows = await db.fetch(
+                "SELECT count(o.id) AS k FROM services s LEFT JOIN observers o "
+                "ON o.service_id = s.id AND o.status = 'processing' WHERE NOT s.is_deleted "
+                "GROUP BY s.id"
+            )
+            share = n / 4
+            return len(rows) == 4 and all(abs(r["k"] - share) <= 0.1 * share for r in rows)
+
+        await wait_for(fair, timeout=120, what="fair share", every=0.1)
+        took = time.monotonic() - joined
+        await c.wait_running(n, timeout=30)
+        await asyncio.sleep(2.0)
+        rows = await db.fetch(
+            "SELECT observer_id, count(*) AS k FROM observer_events "
+            "WHERE event = 'handoff requested' GROUP BY observer_id"
+        )
+        overlap = overlap_seconds(read_ticks(c.workdir / "ticks"))
+        tick()
+    twice = sum(1 for r in rows if r["k"] > 1)
     return [
         Figure(
             "join rebalance",
-            "time to fair share",
-            None,
+            "time to fair share (±10 %)",
+            round(took, 2),
             "s",
             "< 30",
-            None,
-            "not implemented yet: running observers do not move to a joining service",
-        )
+            took < 30,
+            f"{n} observers, 3 → 4 services, min age 10 s",
+        ),
+        Figure("join rebalance", "observers moved", float(len(rows)), "", f"≈ {n // 4}"),
+        Figure("join rebalance", "observers moved twice", float(twice), "", "0", twice == 0),
+        Figure(
+            "join rebalance",
+            "overlap (two copies at once)",
+            round(sum(overlap.values()), 3),
+            "s",
+            "0",
+            not overlap,
+        ),
     ]
 
 

@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aio_pika
 import asyncpg
 import pytest
 
-from contracts.topology import Topology
+from contracts.topology import Topology, delete_topology
 from tests.support.cluster import Cluster
 
 RUN = uuid.uuid4().hex[:8]
@@ -69,42 +68,34 @@ def servers() -> Iterator[Servers]:
     yield Servers(db, amqp or "amqp://guest:guest@127.0.0.1:5672/")
 
 
+async def _admin(servers: Servers, sql: str) -> None:
+    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
+    try:
+        await admin.execute(sql)
+    finally:
+        await admin.close()
+
+
 @pytest.fixture(scope="session")
 async def template_db(servers: Servers) -> AsyncIterator[str]:
     """A database migrated once per run; each test's database is a copy of it."""
+    from alembic import command
+
     from migrations import alembic_config
 
     name = f"orch_t_{RUN}_tpl"
-    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    from alembic import command
-
+    await _admin(servers, f'CREATE DATABASE "{name}"')
     await asyncio.to_thread(command.upgrade, alembic_config(servers.database_url(name)), "head")
     yield name
-    await _drop(servers, name)
-
-
-async def _drop(servers: Servers, name: str) -> None:
-    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    await _admin(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
 async def database_url(servers: Servers, template_db: str) -> AsyncIterator[str]:
     name = f"orch_t_{RUN}_{next(_counter)}"
-    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    finally:
-        await admin.close()
+    await _admin(servers, f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
     yield servers.database_url(name)
-    await _drop(servers, name)
+    await _admin(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
@@ -112,18 +103,8 @@ async def prefix(servers: Servers) -> AsyncIterator[str]:
     """A broker name prefix of this test alone; its queues and exchanges are deleted after."""
     value = f"t{RUN}.{next(_counter)}"
     yield value
-    topo = Topology(value)
     with contextlib.suppress(Exception):
-        conn = await aio_pika.connect(servers.amqp_url, timeout=5)
-        async with conn:
-            for q in (topo.work_queue, topo.error_queue):
-                ch = await conn.channel()
-                with contextlib.suppress(Exception):
-                    await ch.queue_delete(q)
-            for x in (topo.dead_letter_exchange, topo.control_exchange):
-                ch = await conn.channel()
-                with contextlib.suppress(Exception):
-                    await ch.exchange_delete(x)
+        await delete_topology(servers.amqp_url, Topology(value))
 
 
 @pytest.fixture

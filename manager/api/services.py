@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import APIRouter
 
 from manager import repository as repo
 from manager.api.deps import StateDep
 from manager.leader import current_leader
-from manager.schemas import KindOut, LeaderOut, ServiceOut
+from manager.schemas import KindOut, LeaderOut, Problem, ServiceOut
 
 router = APIRouter(tags=["cluster"])
 
@@ -16,6 +18,21 @@ router = APIRouter(tags=["cluster"])
 async def list_services(state: StateDep, include_deleted: bool = False) -> list[dict[str, object]]:
     async with state.engine.connect() as conn:
         return await repo.list_services(conn, include_deleted=include_deleted)
+
+
+@router.post(
+    "/services/{service_id}/drain",
+    status_code=202,
+    response_model=ServiceOut,
+    responses={404: {"model": Problem}},
+)
+async def drain_service(service_id: uuid.UUID, state: StateDep) -> dict[str, object]:
+    """Stop a service taking work and move every observer off it (each resumes elsewhere from
+    its checkpoint); afterwards it can be stopped with nothing moving again."""
+    async with state.engine.begin() as conn:
+        row, pending = await repo.drain_service(conn, service_id)
+    await state.outbox.publish_now(pending)
+    return row
 
 
 @router.get("/kinds", response_model=list[KindOut])

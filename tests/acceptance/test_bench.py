@@ -19,7 +19,7 @@ EXPECTED = {
     "crash failover (SIGKILL)": 4,
     "freeze failover (SIGSTOP)": 4,
     "graceful move (SIGTERM)": 4,
-    "join rebalance": 1,
+    "join rebalance": 4,
     "density": 4,
     "cost growth": 6,
 }

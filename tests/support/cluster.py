@@ -45,6 +45,7 @@ class Cluster(LocalCluster):
                 "ORCH_RELAY_GRACE": "0.5",
                 "ORCH_RELAY_INTERVAL": "0.2",
                 "ORCH_AMQP_HEARTBEAT": "5",
+                "ORCH_REBALANCE": "false",  # tests of rebalancing turn it on
             },
             logdir=workdir,
         )

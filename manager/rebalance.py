@@ -1,0 +1,149 @@
+"""Rebalance: move running observers until every live service runs its fair share, weighted by
+worker_count. Run by the leader; each move is one graceful handoff to a named service.
+
+Stability rules: targets are whole numbers that add up to what runs (no service is asked for a
+fraction), ties keep observers where they are, a round waits until the previous round's moves
+have landed, an observer moved once is not moved again within the cooldown, and a service must
+have lived ``min_age`` seconds before it receives work (a flapping service receives none).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from contracts.messages import HandoffMessage
+from manager import outbox
+from manager.outbox import Outbox
+from manager.publisher import direct
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    service_id: uuid.UUID
+    worker_count: int
+    running: int
+
+
+def targets(loads: list[Load]) -> dict[uuid.UUID, int]:
+    """Each service's whole-number share of what runs, by weight; the remainders go to the
+    largest fractions, ties to whoever already runs more (so nothing moves for a tie)."""
+    total = sum(s.running for s in loads)
+    weight = sum(s.worker_count for s in loads)
+    if not loads or weight == 0:
+        return {}
+    exact = {s.service_id: total * s.worker_count / weight for s in loads}
+    result = {sid: math.floor(x) for sid, x in exact.items()}
+    left = total - sum(result.values())
+    order = sorted(
+        loads, key=lambda s: (exact[s.service_id] - result[s.service_id], s.running), reverse=True
+    )
+    for s in order[:left]:
+        result[s.service_id] += 1
+    return result
+
+
+def plan_moves(loads: list[Load], *, max_moves: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """(from, to) moves, at most ``max_moves``, that bring services toward their targets."""
+    goal = targets(loads)
+    surplus = {s.service_id: s.running - goal[s.service_id] for s in loads}
+    donors = sorted((sid for sid, x in surplus.items() if x > 0), key=lambda k: -surplus[k])
+    takers = sorted((sid for sid, x in surplus.items() if x < 0), key=lambda k: surplus[k])
+    moves: list[tuple[uuid.UUID, uuid.UUID]] = []
+    while donors and takers and len(moves) < max_moves:
+        d, t = donors[0], takers[0]
+        moves.append((d, t))
+        surplus[d] -= 1
+        surplus[t] += 1
+        if surplus[d] == 0:
+            donors.pop(0)
+        if surplus[t] == 0:
+            takers.pop(0)
+    return moves
+
+
+@dataclass
+class Rebalancer:
+    engine: AsyncEngine
+    box: Outbox
+    #: Fraction of the running observers that may be in motion at once.
+    pace: float
+    min_age: float
+    cooldown: float
+    moved: dict[uuid.UUID, float] = field(default_factory=dict)  # observer -> when (monotonic)
+
+    async def once(self) -> int:
+        now = time.monotonic()
+        self.moved = {o: t for o, t in self.moved.items() if now - t < self.cooldown}
+        async with self.engine.begin() as conn:
+            if self.moved:
+                landing = (
+                    await conn.execute(
+                        text(
+                            "SELECT count(*) FROM observers WHERE id = ANY(:ids) "
+                            "AND status = 'processing' AND service_id IS NULL"
+                        ),
+                        {"ids": list(self.moved)},
+                    )
+                ).scalar_one()
+                if landing:
+                    return 0  # the previous round is still landing
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT s.id, s.worker_count, count(o.id) AS running FROM services s "
+                        "LEFT JOIN observers o ON o.service_id = s.id "
+                        "  AND o.status IN ('processing', 'on_deleting') "
+                        "WHERE NOT s.is_deleted AND NOT s.draining "
+                        "AND s.lease_expires_at > clock_timestamp() "
+                        "AND s.created_at < now() - make_interval(secs => :age) "
+                        "GROUP BY s.id, s.worker_count"
+                    ),
+                    {"age": self.min_age},
+                )
+            ).all()
+            loads = [Load(r.id, r.worker_count, r.running) for r in rows]
+            total = sum(x.running for x in loads)
+            moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
+            pending: list[outbox.Pending] = []
+            for donor in {d for d, _ in moves}:
+                to = [t for d, t in moves if d == donor]
+                picked = (
+                    (
+                        await conn.execute(
+                            text(
+                                "SELECT id FROM observers WHERE service_id = :s "
+                                "AND status = 'processing' AND NOT (id = ANY(:recent)) "
+                                "ORDER BY started_at DESC LIMIT :n"
+                            ),
+                            {"s": donor, "recent": list(self.moved), "n": len(to)},
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
+                for observer_id, target in zip(picked, to, strict=False):
+                    body = HandoffMessage(observer_id=observer_id, to=target)
+                    pending.append(
+                        await outbox.add(conn, direct(donor), body.model_dump(mode="json"))
+                    )
+                    await conn.execute(
+                        text(
+                            "INSERT INTO observer_events (observer_id, event, detail) "
+                            "VALUES (:o, 'handoff requested', :d)"
+                        ),
+                        {"o": observer_id, "d": f"from {donor} to {target}"},
+                    )
+                    self.moved[observer_id] = now
+        if pending:
+            log.info("rebalance: moving %d observers", len(pending))
+        await self.box.publish_now(pending)
+        return len(pending)
