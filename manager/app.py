@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from contracts import __version__
 from contracts.kinds import InvalidParams, UnknownKind, load_kinds
 from manager import background
 from manager.api import health, observers, services
@@ -142,7 +143,7 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="observer-orchestrator",
-        version="0.1.0",
+        version=__version__,
         description="Keeps infinite tasks (observers) running exactly once on a pool of services.",
         lifespan=lifespan,
     )

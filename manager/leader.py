@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -18,6 +17,8 @@ from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+
+from contracts.settings import default_host
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ Loop = Callable[[], Coroutine[Any, Any, None]]
 
 
 def new_holder_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{default_host()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Leadership:

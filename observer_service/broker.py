@@ -15,7 +15,9 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.exceptions import DeliveryError
 
+from contracts.messages import DirectedStart, StartMessage
 from contracts.settings import CommonSettings
 from contracts.topology import Topology, broker_version, declare_topology
 
@@ -74,7 +76,9 @@ class BrokerSession:
             queue_type=settings.queue_type,
             consumer_timeout_ms=settings.consumer_timeout_ms,
         )
-        control = await self.connection.channel(publisher_confirms=False)
+        # Confirms and returns: a directed start to a queue that does not exist (yet, or any
+        # more) must come back to us rather than vanish.
+        control = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
         control.close_callbacks.add(self._on_close)
         exchange = await control.get_exchange(topo.control_exchange)
         cq = await control.declare_queue(
@@ -89,25 +93,43 @@ class BrokerSession:
             self._work_tag = await queue.consume(lambda m: on_start(m, gen))
 
     async def publish(
-        self, body: bytes, *, to_errors: bool = False, to_service: uuid.UUID | None = None
+        self,
+        start: StartMessage,
+        *,
+        to_errors: bool = False,
+        to_service: uuid.UUID | None = None,
     ) -> None:
-        """Publish to the work queue, the dead-letter exchange, or a service's control queue."""
+        """Publish a start: to the work queue, the dead-letter exchange, or (directed) to one
+        service's control queue, falling back to the work queue if that queue does not exist."""
         if self._control_channel is None or self._topology is None or not self.is_open:
             raise ConnectionError("broker session is not open")
-        message = aio_pika.Message(
-            body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT
-        )
+        channel, topology = self._control_channel, self._topology
+
+        def message(body: bytes) -> aio_pika.Message:
+            return aio_pika.Message(
+                body,
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+
         if to_errors:
-            dlx = await self._control_channel.get_exchange(self._topology.dead_letter_exchange)
-            await dlx.publish(message, routing_key="")
-        elif to_service is not None:
-            await self._control_channel.default_exchange.publish(
-                message, routing_key=self._topology.control_queue(to_service)
-            )
-        else:
-            await self._control_channel.default_exchange.publish(
-                message, routing_key=self._topology.work_queue
-            )
+            dlx = await channel.get_exchange(topology.dead_letter_exchange)
+            await dlx.publish(message(start.to_bytes()), routing_key="")
+            return
+        if to_service is not None:
+            directed = DirectedStart(observer_id=start.observer_id, dispatch_id=start.dispatch_id)
+            try:
+                await channel.default_exchange.publish(
+                    message(directed.to_bytes()),
+                    routing_key=topology.control_queue(to_service),
+                    mandatory=True,
+                )
+                return
+            except DeliveryError:
+                log.info("service %s has no control queue; sent to the work queue", to_service)
+        await channel.default_exchange.publish(
+            message(start.to_bytes()), routing_key=topology.work_queue
+        )
 
     async def stop_consuming(self) -> None:
         """Take no more start messages (those already delivered stay ours to settle)."""

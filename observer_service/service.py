@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
+from contracts import __version__
 from contracts.kinds import KindSpec
 from contracts.messages import (
     CONTROL_MESSAGE,
@@ -26,10 +27,11 @@ from contracts.messages import (
     HandoffMessage,
     StartMessage,
 )
+from contracts.settings import default_host
 from observer_service.broker import BrokerSession
 from observer_service.checkpoints import CheckpointWriter
 from observer_service.context import ObserverContext
-from observer_service.errors import Fenced, LeaseLost
+from observer_service.errors import Fenced
 from observer_service.lease import LeaseKeeper
 from observer_service.runner import (
     Runner,
@@ -38,12 +40,11 @@ from observer_service.runner import (
     run_with_restarts,
 )
 from observer_service.settings import ServiceSettings
+from observer_service.settle import Settler, start_of
 from observer_service.store import Store, Taken
 from observer_service.take import Decision
 
 log = logging.getLogger(__name__)
-
-VERSION = "0.1.0"
 
 
 class ObserverService:
@@ -82,14 +83,15 @@ class ObserverService:
             command_timeout=max(5.0, 2 * s.lease_ttl),
         )
         self.store = Store(self.pool, self.id)
+        self.settler = Settler(self.store, lambda: self.session)
         self.checkpoints = CheckpointWriter(self.pool)
         self.lease = LeaseKeeper(
             dsn=s.asyncpg_dsn,
             service_id=self.id,
             name=s.name,
             worker_count=s.worker_count,
-            host=_hostname(),
-            version=VERSION,
+            host=default_host(),
+            version=__version__,
             ttl=s.lease_ttl,
             renew_interval=s.renew_every,
             margin=s.margin,
@@ -141,7 +143,7 @@ class ObserverService:
             log.warning("could not release observers: %s", exc)
         for r in runners:
             if r.stop_reason is StopReason.SHUTDOWN:
-                await self._settle(r.taken, r.message, "nack")
+                await self.settler.message(start_of(r.taken), r.message, "nack")
         finished = [asyncio.create_task(r.finished.wait()) for r in runners]
         if finished:
             await asyncio.wait(finished, timeout=5)
@@ -214,7 +216,7 @@ class ObserverService:
                 log.exception("start message handling failed; requeueing it")
                 await asyncio.sleep(0.5)
                 if self._session_open(generation):
-                    await _settle_message_raw(message, "nack")
+                    await self.settler.message(None, message, "nack")
 
     async def _handle_start(self, message: AbstractIncomingMessage, generation: int) -> None:
         try:
@@ -268,15 +270,8 @@ class ObserverService:
         self, message: AbstractIncomingMessage | None, start: StartMessage
     ) -> None:
         """Return a start we will not run: requeue the delivery, or publish a directed start
-        to the work queue (if that fails, the leader's audit re-dispatches it)."""
-        if message is not None:
-            await _settle_message_raw(message, "nack")
-            return
-        try:
-            assert self.session is not None
-            await self.session.publish(start.to_bytes())
-        except Exception as exc:
-            log.warning("could not hand %s back to the work queue: %s", start.observer_id, exc)
+        to the work queue."""
+        await self.settler.message(start, message, "nack")
 
     async def _take_and_start(
         self,
@@ -335,7 +330,7 @@ class ObserverService:
             except ValidationError as exc:
                 error = f"invalid params: {exc}"
         if spec is None or error is not None:
-            self._spawn(self._fail_unrunnable(taken, message, error or "unrunnable"))
+            self._spawn(self.settler.fail_unrunnable(taken, message, error or "unrunnable"))
             return False
         ctx = ObserverContext(
             observer_id=taken.observer_id,
@@ -366,20 +361,14 @@ class ObserverService:
         ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
 
-    async def _fail_unrunnable(
-        self, taken: Taken, message: AbstractIncomingMessage | None, error: str
-    ) -> None:
-        log.error("observer %s cannot run: %s", taken.observer_id, error)
-        failed = await self.store.mark_failed(taken.observer_id, taken.epoch, error)
-        await self._settle(taken, message, "reject" if failed else "ack")
-
     # ----------------------------------------------------------------- settling
     async def _supervise(self, runner: Runner) -> None:
         task = runner.task
         assert task is not None
         try:
             await asyncio.wait([task])
-            await self._conclude(runner, task)
+            if await self.settler.conclude(runner, task):
+                self._needs_reconcile = True
         except Exception:
             log.exception("settling observer %s failed", runner.observer_id)
         finally:
@@ -387,80 +376,6 @@ class ObserverService:
                 del self.runners[runner.observer_id]
             self.capacity.release()
             runner.finished.set()
-
-    async def _settle(
-        self, taken: Taken, message: AbstractIncomingMessage | None, how: str
-    ) -> None:
-        """Ack, requeue ("nack") or dead-letter ("reject") the start behind a stopped copy.
-
-        A directed start has no delivery: requeue and dead-letter publish it anew instead.
-        """
-        if message is not None:
-            await _settle_message_raw(message, how)
-            return
-        if how == "ack":
-            return
-        body = StartMessage(observer_id=taken.observer_id, dispatch_id=taken.dispatch_id)
-        try:
-            assert self.session is not None
-            await self.session.publish(body.to_bytes(), to_errors=how == "reject")
-        except Exception as exc:
-            log.warning("could not republish %s (the audit will): %s", taken.observer_id, exc)
-
-    async def _conclude(self, runner: Runner, task: asyncio.Task[str]) -> None:
-        oid, epoch = runner.observer_id, runner.epoch
-        exc = None if task.cancelled() else task.exception()
-        if isinstance(exc, Fenced):
-            runner.ctx.logger.warning("fenced: another service holds epoch > %d; stopped", epoch)
-            await self._settle(runner.taken, runner.message, "ack")
-            return
-        reason = runner.stop_reason
-        if reason is None and isinstance(exc, LeaseLost):
-            reason = StopReason.LEASE_LOST
-        if reason is None and exc is not None:
-            log.error("observer %s task ended with %r", oid, exc)
-            reason = StopReason.LEASE_LOST
-        if reason is None:
-            error = task.result()
-            runner.ctx.logger.error("failed after its last restart: %s", error)
-            if await self.store.mark_failed(oid, epoch, error):
-                await self._settle(runner.taken, runner.message, "reject")  # to the error queue
-            else:
-                await self._settle(runner.taken, runner.message, "ack")
-            return
-        runner.ctx.logger.info("stopped: %s", reason.value)
-        if reason is StopReason.DELETE:
-            await self.store.mark_deleted(oid, epoch)
-            await self._settle(runner.taken, runner.message, "ack")
-        elif reason is StopReason.HANDOFF:
-            await self._hand_over(runner)
-        elif reason in (StopReason.LEASE_LOST, StopReason.CHANNEL_LOST):
-            self._needs_reconcile = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.store.release([(oid, epoch)], reason.value), 1.0)
-            await self._settle(runner.taken, runner.message, "nack")
-        # SHUTDOWN: released and requeued in one batch by _shutdown.
-
-    async def _hand_over(self, runner: Runner) -> None:
-        """Release a stopped observer and start it elsewhere: on the chosen service when there
-        is one (directed, so it cannot come straight back here), else through the work queue."""
-        taken = runner.taken
-        released = await self.store.release([(taken.observer_id, taken.epoch)], "handed off")
-        if not released:
-            await self._settle(taken, runner.message, "ack")  # fenced: someone else has it
-            return
-        if runner.handoff_to is None:
-            await self._settle(taken, runner.message, "nack")
-            return
-        body = DirectedStart(observer_id=taken.observer_id, dispatch_id=taken.dispatch_id)
-        try:
-            assert self.session is not None
-            await self.session.publish(body.to_bytes(), to_service=runner.handoff_to)
-        except Exception as exc:
-            log.warning(
-                "handoff of %s not sent (the audit re-dispatches it): %s", taken.observer_id, exc
-            )
-        await self._settle(taken, runner.message, "ack")
 
     def drain(self) -> None:
         """Take no more work and hand every observer to the other services."""
@@ -536,22 +451,3 @@ class ObserverService:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-async def _settle_message_raw(message: AbstractIncomingMessage, how: str) -> None:
-    """Ack, nack (requeue) or reject (to the error queue); a dead channel makes it a no-op."""
-    try:
-        if how == "ack":
-            await message.ack()
-        elif how == "nack":
-            await message.nack(requeue=True)
-        else:
-            await message.reject(requeue=False)
-    except Exception as exc:
-        log.debug("could not %s a message (its channel is gone): %s", how, exc)
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()

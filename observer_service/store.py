@@ -7,7 +7,6 @@ round trip and needs no explicit transaction.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -39,14 +38,19 @@ class TakeResult:
     holder_remaining: float = 0.0
 
 
+# A live holder keeps a session-level advisory lock for as long as its process lives; getting
+# it (for this statement only) proves that session has ended. It never comes back: a new
+# process takes a new key. So the proof stays true after the statement.
 _FACTS = """
-SELECT o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params, o.checkpoint,
-       o.restart_policy, s.lock_key,
-       (s.id IS NOT NULL AND NOT s.is_deleted AND s.lease_expires_at > clock_timestamp())
-           AS holder_live,
-       EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8 AS holder_remaining
-  FROM observers o LEFT JOIN services s ON s.id = o.service_id
- WHERE o.id = $1
+SELECT f.*, CASE WHEN f.holder_live THEN pg_try_advisory_xact_lock(f.lock_key) END AS holder_gone
+  FROM (SELECT o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params,
+               o.checkpoint, o.restart_policy, s.lock_key,
+               (s.id IS NOT NULL AND NOT s.is_deleted
+                AND s.lease_expires_at > clock_timestamp()) AS holder_live,
+               EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8
+                   AS holder_remaining
+          FROM observers o LEFT JOIN services s ON s.id = o.service_id
+         WHERE o.id = $1) AS f
 """
 
 
@@ -139,25 +143,14 @@ class Store:
                 dispatch_current=row["dispatch_id"] == dispatch_id,
                 holder=row["service_id"],
                 holder_live=bool(row["holder_live"]),
+                holder_gone=bool(row["holder_gone"]),
             )
-
-            def decide_with(f: Facts) -> Decision:
-                return decide(
-                    f,
-                    me=self.me,
-                    redelivered=redelivered,
-                    running_here_on_open_channel=running_here_on_open_channel,
-                )
-
-            decision = decide_with(facts)
-            if decision is Decision.CHECK_HOLDER_LOCK:
-                # The holder keeps a session-level advisory lock for as long as its process
-                # lives; getting it proves that session has ended (and it never comes back:
-                # a new process takes a new key).
-                gone = await self.pool.fetchval(
-                    "SELECT pg_try_advisory_xact_lock($1)", row["lock_key"]
-                )
-                decision = decide_with(dataclasses.replace(facts, holder_gone=bool(gone)))
+            decision = decide(
+                facts,
+                me=self.me,
+                redelivered=redelivered,
+                running_here_on_open_channel=running_here_on_open_channel,
+            )
             seen = (
                 observer_id,
                 self.me,

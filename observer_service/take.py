@@ -21,7 +21,6 @@ class Decision(Enum):
     DROP_FAILED = "drop: failed"
     DROP_DUPLICATE = "drop: duplicate of a running copy"
     WAIT = "wait: held by a live service"
-    CHECK_HOLDER_LOCK = "check whether the holder's session is gone"
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class Facts:
     dispatch_current: bool = False
     holder: uuid.UUID | None = None
     holder_live: bool = False  # its lease has not expired and it is not deleted
-    holder_gone: bool | None = None  # its Postgres session ended (advisory lock free), if checked
+    holder_gone: bool = False  # its Postgres session ended (its advisory lock is free)
 
 
 def decide(
@@ -66,6 +65,4 @@ def decide(
     # the holder's channel close: the holder is gone, or cut off and stopping its copy.
     if not redelivered:
         return Decision.DROP_DUPLICATE
-    if facts.holder_gone is None:
-        return Decision.CHECK_HOLDER_LOCK
     return Decision.TAKE if facts.holder_gone else Decision.WAIT

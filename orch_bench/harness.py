@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ import httpx
 from contracts.settings import CommonSettings
 from contracts.topology import Topology, delete_topology
 from orch.cluster import LocalCluster, wait_for
+from orch_bench.loadgen import RawClient
 
 
 @dataclass
@@ -140,37 +142,32 @@ class BenchCluster(LocalCluster):
             base_url=f"http://127.0.0.1:{self.api_port}", timeout=60, limits=limits
         )
 
-    async def create(
-        self, client: httpx.AsyncClient, name: str, kind: str, params: dict[str, Any]
-    ) -> uuid.UUID:
-        r = await client.post("/observers", json={"name": name, "kind": kind, "params": params})
-        r.raise_for_status()
-        return uuid.UUID(r.json()["id"])
-
     async def create_many(
         self,
         n: int,
         kind: str,
         params: dict[str, Any],
         *,
-        concurrency: int = 32,
+        concurrency: int = 16,
         tag: str = "o",
-        progress: Any = None,
     ) -> list[uuid.UUID]:
+        """Create ``n`` observers through the API over ``concurrency`` connections."""
         ids: list[uuid.UUID] = []
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(n):
-            queue.put_nowait(i)
-        async with self.api() as client:
+        todo = iter(range(n))
 
-            async def worker() -> None:
-                while not queue.empty():
-                    i = queue.get_nowait()
-                    ids.append(await self.create(client, f"{tag}-{i}", kind, params))
-                    if progress is not None:
-                        progress()
+        async def worker() -> None:
+            client = RawClient(self.api_port)
+            try:
+                for i in todo:
+                    body = {"name": f"{tag}-{i}", "kind": kind, "params": params}
+                    status, text = await client.post("/observers", body)
+                    if status != 201:
+                        raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+                    ids.append(uuid.UUID(json.loads(text)["id"]))
+            finally:
+                await client.close()
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         return ids
 
     async def running_count(self, ids: list[uuid.UUID] | None = None) -> int:

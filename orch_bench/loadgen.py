@@ -17,7 +17,8 @@ class RawClient:
         self._writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        if self._writer is None:
+        if self._writer is None or self._reader is None or self._reader.at_eof():
+            # New, or the server closed an idle keep-alive connection.
             self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
         assert self._reader is not None
         data = json.dumps(body).encode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
@@ -21,7 +22,7 @@ from orch_bench.harness import (
     percentile,
     rss_bytes,
 )
-from orch_bench.loadgen import create_for
+from orch_bench.loadgen import RawClient, create_for
 
 IDLE_TICKER = {"interval": 3600}
 TICK = 0.02  # recorder interval in failover scenarios: the resolution of measured gaps
@@ -58,10 +59,15 @@ async def start_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         await c.start(services=2, worker_count=1000)
         t0: dict[uuid.UUID, float] = {}
         db = await c.connect()
-        async with c.api() as client:
+        client = RawClient(c.api_port)
+        try:
             for i in range(size.start_samples):
                 sent = time.time()
-                oid = await c.create(client, f"start-{i}", "ticker", IDLE_TICKER)
+                body = {"name": f"start-{i}", "kind": "ticker", "params": IDLE_TICKER}
+                status, text = await client.post("/observers", body)
+                if status != 201:
+                    raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+                oid = uuid.UUID(json.loads(text)["id"])
                 t0[oid] = sent
 
                 async def checkpointed(oid: uuid.UUID = oid) -> bool:
@@ -73,6 +79,8 @@ async def start_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
 
                 await wait_for(checkpointed, timeout=10, what="first checkpoint", every=0.002)
                 tick()
+        finally:
+            await client.close()
         ms = await _latencies(
             c,
             t0,

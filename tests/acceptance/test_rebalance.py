@@ -14,7 +14,7 @@ import httpx
 from observer_service.kinds.recorder import overlap_seconds, read_ticks
 from tests.support.cluster import Cluster, wait_for
 
-FAST = {"rebalance": "true", "rebalance_min_age": "1", "rebalance_interval": "0.3"}
+FAST = {"rebalance": "true", "rebalance_min_age": "2", "rebalance_interval": "0.3"}
 
 
 async def counts(cluster: Cluster) -> dict[uuid.UUID, int]:

@@ -61,8 +61,6 @@ def test_first_delivery_while_a_live_holder_runs_it_is_a_duplicate() -> None:
 
 
 def test_redelivery_from_a_live_holder_needs_proof_it_is_gone() -> None:
-    facts = live(S.PROCESSING, OTHER, holder_live=True)
-    assert run(facts, redelivered=True) is D.CHECK_HOLDER_LOCK
     gone = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=True)
     assert run(gone, redelivered=True) is D.TAKE
     alive = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=False)
