@@ -157,15 +157,26 @@ async def audit_once(
 ) -> int:
     """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
-    Only when the work queue has nothing ready: then the message of an unowned observer is not
-    waiting for capacity; it sits unacked at a consumer that does not take it (a frozen service
-    still has free prefetch slots, and the broker fills them) or it was lost. A new dispatch id
-    makes the stuck copy stale. Without a frozen consumer this never fires: takes finish in
-    milliseconds, well inside ``grace``.
+    Only when the work queue has nothing ready and nothing was taken for ``grace`` seconds: then
+    the message of an unowned observer is not waiting for capacity nor in a busy service's
+    backlog; it sits unacked at a consumer that does not take it (a frozen service still has
+    free prefetch slots, and the broker fills them) or it was lost. A new dispatch id makes the
+    stuck copy stale.
     """
     if await publisher.work_queue_ready() > 0:
         return 0
     async with engine.begin() as conn:
+        # A service working through a large prefetch backlog also leaves nothing ready while
+        # observers wait unowned; it takes observers all the while. Act only when nothing was
+        # taken lately: then the waiting ones really are stuck at a silent consumer.
+        busy = (
+            await conn.execute(
+                text("SELECT max(started_at) > now() - make_interval(secs => :g) FROM observers"),
+                {"g": grace},
+            )
+        ).scalar_one()
+        if busy:
+            return 0
         ids = (
             (
                 await conn.execute(
