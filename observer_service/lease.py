@@ -59,6 +59,7 @@ class LeaseKeeper:
         self._conn: asyncpg.Connection | None = None
         self.valid_until = 0.0  # monotonic
         self._fenced = True  # nothing runs before the first renewal
+        self._closing = False
         self.renewals = 0
 
     def valid(self) -> bool:
@@ -77,7 +78,9 @@ class LeaseKeeper:
     async def _connect(self) -> asyncpg.Connection:
         conn = await asyncpg.connect(self.dsn, timeout=max(1.0, self.ttl / 2))
         await conn.execute("SELECT pg_advisory_lock($1)", self.lock_key)
-        conn.add_termination_listener(lambda _c: log.warning("lease connection lost"))
+        conn.add_termination_listener(
+            lambda _c: None if self._closing else log.warning("lease connection lost")
+        )
         return conn
 
     async def register(self) -> None:
@@ -145,6 +148,7 @@ class LeaseKeeper:
 
     async def close(self, *, deleted: bool) -> None:
         """Mark the service deleted (graceful stop) and end the session, freeing the lock."""
+        self._closing = True
         conn, self._conn = self._conn, None
         if conn is None:
             return

@@ -84,8 +84,13 @@ class LocalCluster:
 
     @property
     def database_dsn(self) -> str:
-        url = self.env["ORCH_DATABASE_URL"]
-        return "postgresql://" + url.partition("://")[2]
+        """The database the processes use: from ``env``, else as the settings resolve it
+        (the environment, then the defaults)."""
+        from contracts.settings import CommonSettings
+
+        url = self.env.get("ORCH_DATABASE_URL")
+        settings = CommonSettings(database_url=url) if url else CommonSettings()
+        return settings.asyncpg_dsn
 
     def spawn(self, name: str, args: list[str], **env: Any) -> Proc:
         full_env = {**os.environ, **self.env, **{k: str(v) for k, v in env.items()}}
