@@ -64,8 +64,8 @@ class Outbox:
     def __init__(self, engine: AsyncEngine, publisher: Publisher) -> None:
         self.engine = engine
         self.publisher = publisher
-        self._published: list[int] = []
-        self._flushed = asyncio.Event()
+        self._published: list[int] = []  # confirmed, to be deleted by delete_published
+        self._in_flight: set[int] = set()  # being published here, not yet confirmed
 
     async def _publish(self, rows: list[Pending]) -> list[int]:
         results = await asyncio.gather(
@@ -89,22 +89,23 @@ class Outbox:
         """
         if not rows:
             return
+        ids = {r.id for r in rows}
+        self._in_flight |= ids  # a confirm can take longer than the relay's grace (fsync)
         try:
             self._published.extend(await self._publish(rows))
         except Exception as exc:
             log.warning("outbox fast path failed (the relay retries): %s", exc)
+        finally:
+            self._in_flight -= ids
 
     async def delete_published(self) -> int:
-        ids, self._published = self._published, []
+        """Delete confirmed rows; they stay in the relay's skip list until the delete commits."""
+        ids = list(self._published)
         if ids:
-            try:
-                async with self.engine.begin() as conn:
-                    await conn.execute(
-                        text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": ids}
-                    )
-            except Exception:
-                self._published.extend(ids)
-                raise
+            async with self.engine.begin() as conn:
+                await conn.execute(text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": ids})
+            done = set(ids)
+            self._published = [i for i in self._published if i not in done]
         return len(ids)
 
     async def relay_once(self, *, grace: float, limit: int = 500) -> int:
@@ -118,7 +119,7 @@ class Outbox:
                         "AND NOT (id = ANY(:skip)) "
                         "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
                     ),
-                    {"g": grace, "n": limit, "skip": self._published},
+                    {"g": grace, "n": limit, "skip": [*self._published, *self._in_flight]},
                 )
             ).all()
             if not rows:
