@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -67,16 +66,6 @@ class CommonSettings(BaseSettings):
     @property
     def topology(self) -> Topology:
         return Topology(self.prefix)
-
-    def redacted(self) -> dict[str, Any]:
-        """Settings for logs, with passwords hidden."""
-        data = self.model_dump()
-        for key in ("database_url", "amqp_url"):
-            scheme, sep, rest = str(data[key]).partition("://")
-            creds, at, host = rest.rpartition("@")
-            if at and ":" in creds:
-                data[key] = f"{scheme}{sep}{creds.split(':')[0]}:***@{host}"
-        return data
 
 
 def default_host() -> str:

@@ -11,7 +11,3 @@ class ObserverStatus(StrEnum):
     ON_DELETING = "on_deleting"
     DELETED = "deleted"
     FAILED = "failed"
-
-
-#: Statuses whose observer must be running somewhere (or be on its way there).
-LIVE_STATUSES = (ObserverStatus.CREATED, ObserverStatus.PROCESSING)

@@ -100,14 +100,16 @@ async def _redispatch(
         {"ids": [r.id for r in rows], "why": why},
     )
     targets = place(await _free_slots(conn, margin), len(rows))
-    pending = []
-    for r, target in zip(rows, targets, strict=True):
-        if target is None:
-            pending.append(await outbox.add(conn, START, start_body(r.id, r.dispatch_id)))
-        else:
-            body = DirectedStart(observer_id=r.id, dispatch_id=r.dispatch_id)
-            pending.append(await outbox.add(conn, direct(target), body.model_dump(mode="json")))
-    return pending
+    messages = [
+        (START, start_body(r.id, r.dispatch_id))
+        if target is None
+        else (
+            direct(target),
+            DirectedStart(observer_id=r.id, dispatch_id=r.dispatch_id).model_dump(mode="json"),
+        )
+        for r, target in zip(rows, targets, strict=True)
+    ]
+    return await outbox.add_many(conn, messages)
 
 
 async def sweep_once(engine: AsyncEngine, box: Outbox, *, margin: float) -> int:

@@ -63,7 +63,6 @@ class Leadership:
         self.renew_interval = ttl / 5
         self.margin = min(1.0, ttl / 5)
         self.is_leader = False
-        self.terms = 0
 
     async def _exec(self, sql: str) -> bool:
         async with self.engine.begin() as conn:
@@ -88,7 +87,6 @@ class Leadership:
 
     async def _lead(self, valid_until: float) -> None:
         self.is_leader = True
-        self.terms += 1
         log.info("%s leads (%s)", self.holder, ", ".join(self.loops))
         tasks: list[asyncio.Task[None]] = [
             asyncio.create_task(fn(), name=f"leader:{n}") for n, fn in self.loops.items()

@@ -40,24 +40,30 @@ async def add(conn: AsyncConnection, target: str, body: dict[str, Any]) -> Pendi
 
 
 async def add_many(
-    conn: AsyncConnection, target: str, bodies: list[dict[str, Any]]
+    conn: AsyncConnection, messages: list[tuple[str, dict[str, Any]]]
 ) -> list[Pending]:
-    if not bodies:
+    """Several outbox records, each with its own target, in one statement."""
+    if not messages:
         return []
-    rows = (
+    ids = (
         (
             await conn.execute(
                 text(
                     "INSERT INTO outbox (target, body) "
-                    "SELECT :t, CAST(b AS jsonb) FROM unnest(CAST(:bs AS text[])) AS b RETURNING id"
+                    "SELECT t, CAST(b AS jsonb) "
+                    "FROM unnest(CAST(:ts AS text[]), CAST(:bs AS text[])) AS m(t, b) "
+                    "RETURNING id"
                 ),
-                {"t": target, "bs": [json.dumps(b, default=str) for b in bodies]},
+                {
+                    "ts": [t for t, _ in messages],
+                    "bs": [json.dumps(b, default=str) for _, b in messages],
+                },
             )
         )
         .scalars()
         .all()
     )
-    return [Pending(i, target, b) for i, b in zip(rows, bodies, strict=True)]
+    return [Pending(i, t, b) for i, (t, b) in zip(ids, messages, strict=True)]
 
 
 class Outbox:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 from typing import Any
 
@@ -33,7 +33,6 @@ class Publisher:
         self._channel: AbstractChannel | None = None
         self._control: AbstractExchange | None = None
         self.version: tuple[int, ...] = (0,)
-        self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         self._connection = await aio_pika.connect_robust(
@@ -116,6 +115,4 @@ def _start_of(body: bytes) -> bytes | None:
 
 
 def _json(body: dict[str, Any]) -> bytes:
-    import json
-
     return json.dumps(body, separators=(",", ":"), default=str).encode()

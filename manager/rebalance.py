@@ -113,7 +113,7 @@ class Rebalancer:
             loads = [Load(r.id, r.worker_count, r.running) for r in rows]
             total = sum(x.running for x in loads)
             moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
-            pending: list[outbox.Pending] = []
+            handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]] = []  # observer, from, to
             for donor in {d for d, _ in moves}:
                 to = [t for d, t in moves if d == donor]
                 picked = (
@@ -130,19 +130,27 @@ class Rebalancer:
                     .scalars()
                     .all()
                 )
-                for observer_id, target in zip(picked, to, strict=False):
-                    body = HandoffMessage(observer_id=observer_id, to=target)
-                    pending.append(
-                        await outbox.add(conn, direct(donor), body.model_dump(mode="json"))
-                    )
-                    await conn.execute(
-                        text(
-                            "INSERT INTO observer_events (observer_id, event, detail) "
-                            "VALUES (:o, 'handoff requested', :d)"
-                        ),
-                        {"o": observer_id, "d": f"from {donor} to {target}"},
-                    )
-                    self.moved[observer_id] = now
+                handoffs += [(o, donor, t) for o, t in zip(picked, to, strict=False)]
+            pending = await outbox.add_many(
+                conn,
+                [
+                    (direct(d), HandoffMessage(observer_id=o, to=t).model_dump(mode="json"))
+                    for o, d, t in handoffs
+                ],
+            )
+            if handoffs:
+                await conn.execute(
+                    text(
+                        "INSERT INTO observer_events (observer_id, event, detail) "
+                        "SELECT o, 'handoff requested', d "
+                        "FROM unnest(CAST(:os AS uuid[]), CAST(:ds AS text[])) AS h(o, d)"
+                    ),
+                    {
+                        "os": [o for o, _, _ in handoffs],
+                        "ds": [f"from {d} to {t}" for _, d, t in handoffs],
+                    },
+                )
+            self.moved.update({o: now for o, _, _ in handoffs})
         if pending:
             log.info("rebalance: moving %d observers", len(pending))
         await self.box.publish_now(pending)

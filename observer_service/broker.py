@@ -32,7 +32,6 @@ class BrokerSession:
         self.generation = next(_generations)
         self.closed = asyncio.Event()
         self.connection: AbstractConnection | None = None
-        self._work_channel: AbstractChannel | None = None
         self._work_queue: AbstractQueue | None = None
         self._work_tag: str | None = None
         self._control_channel: AbstractChannel | None = None
@@ -87,7 +86,7 @@ class BrokerSession:
         await cq.bind(exchange)
         gen = self.generation
         await cq.consume(lambda m: on_control(m, gen), no_ack=True)
-        self._work_channel, self._work_queue = work, queue
+        self._work_queue = queue
         self._control_channel, self._topology = control, topo
         if consume_work:
             self._work_tag = await queue.consume(lambda m: on_start(m, gen))

@@ -60,7 +60,6 @@ class LeaseKeeper:
         self.valid_until = 0.0  # monotonic
         self._fenced = True  # nothing runs before the first renewal
         self._closing = False
-        self.renewals = 0
 
     def valid(self) -> bool:
         """True while this service surely holds its lease; fences everything the moment not."""
@@ -128,7 +127,6 @@ class LeaseKeeper:
             was_fenced = self._fenced
             self.valid_until = sent + self.ttl - self.margin
             self._fenced = False
-            self.renewals += 1
             deleting, draining = renewed
             await self._on_renewed(deleting, was_fenced, draining)
 

@@ -240,7 +240,7 @@ class ObserverService:
         """
         oid = start.observer_id
         if self.stopping or self.draining:
-            await self._give_back(message, start)
+            await self.settler.message(start, message, "nack")
             return
         existing = self.runners.get(oid)
         if existing is not None and existing.generation not in (None, generation):
@@ -250,10 +250,10 @@ class ObserverService:
             existing = None
         if not self.lease.valid():
             await asyncio.sleep(min(1.0, self.settings.lease_ttl / 5))
-            await self._give_back(message, start)
+            await self.settler.message(start, message, "nack")
             return
         if message is None and self.capacity.locked():
-            await self._give_back(None, start)  # directed here, but no room any more
+            await self.settler.message(start, None, "nack")  # directed here, but no room any more
             return
         await self.capacity.acquire()
         started = False
@@ -265,13 +265,6 @@ class ObserverService:
             self._cancel_while_taking.discard(oid)
             if not started:
                 self.capacity.release()
-
-    async def _give_back(
-        self, message: AbstractIncomingMessage | None, start: StartMessage
-    ) -> None:
-        """Return a start we will not run: requeue the delivery, or publish a directed start
-        to the work queue."""
-        await self.settler.message(start, message, "nack")
 
     async def _take_and_start(
         self,
@@ -312,7 +305,7 @@ class ObserverService:
             # Too late to run it here: let go at once so that another service takes it.
             await self.store.release([(oid, taken.epoch)], "taken while stopping")
             if not delivery_dead:
-                await self._give_back(message, start)
+                await self.settler.message(start, message, "nack")
             return False
         return self._start_runner(taken, message, generation)
 
@@ -401,7 +394,7 @@ class ObserverService:
                     await self._admit(start, None, None)
                 except Exception:
                     log.exception("directed start failed; handing it to the work queue")
-                    await self._give_back(None, start)
+                    await self.settler.message(start, None, "nack")
         elif isinstance(control, HandoffMessage):
             runner = self.runners.get(control.observer_id)
             if runner is not None and runner.stop_reason is None:
