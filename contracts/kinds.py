@@ -5,27 +5,46 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+import random
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from contracts.errors import InvalidParams, StartupError, UnknownKind
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
 
-RunFn = Callable[[Any], Awaitable[None]]
+RunFn = Callable[[Any], Coroutine[Any, Any, None]]
 T = TypeVar("T")
 
 
 class RestartPolicy(BaseModel):
-    """How an observer whose code raised is restarted in place: exponential backoff with jitter."""
+    """How an observer whose code raised is restarted in place: exponential backoff with jitter,
+    at most ``max_restarts`` restarts within a window. The window heals: after ``reset_after``
+    seconds without a restart the count starts again from zero, so an endless poller that hits
+    a transient error now and then is never failed for it. The count is kept in the database,
+    so it survives a move between services."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_restarts: int = Field(default=5, ge=0, le=1_000_000)
-    base_delay: float = Field(default=1.0, ge=0, le=3600)
-    max_delay: float = Field(default=60.0, ge=0, le=86_400)
+    max_restarts: int = Field(default=5, ge=0, le=1000)
+    base_delay: float = Field(default=1.0, ge=0.05, le=3600)
+    max_delay: float = Field(default=60.0, ge=0.05, le=86_400)
+    reset_after: float = Field(default=600.0, ge=1, le=30 * 86_400)
+
+    @model_validator(mode="after")
+    def _delays(self) -> Self:
+        if self.max_delay < self.base_delay:
+            raise ValueError("max_delay must be at least base_delay")
+        return self
+
+    def delay(self, restarts: int) -> float:
+        """Seconds to wait before restart number ``restarts`` (1 for the first)."""
+        exponential = self.base_delay * 2.0 ** min(max(restarts - 1, 0), 32)
+        return min(self.max_delay, exponential) + random.uniform(0, self.base_delay)
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,8 @@ class KindSpec:
     params_model: type[BaseModel] | None = None
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     description: str = ""
+    #: Where it was defined ("module:qualname"): the same kind imported twice is no duplicate.
+    origin: str = ""
 
     def validate_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Validated params as JSON-ready data; raises InvalidParams with a readable message."""
@@ -45,16 +66,14 @@ class KindSpec:
         except ValidationError as exc:
             raise InvalidParams(f"invalid params for kind {self.name!r}: {_readable(exc)}") from exc
 
-
-class UnknownKind(LookupError):
-    pass
-
-
-class InvalidParams(ValueError):
-    pass
+    def policy(self, override: dict[str, Any] | None) -> RestartPolicy:
+        """The kind's restart policy with an observer's own fields over it."""
+        if not override:
+            return self.restart_policy
+        return RestartPolicy.model_validate({**self.restart_policy.model_dump(), **override})
 
 
-class KindLoadError(RuntimeError):
+class KindLoadError(StartupError):
     pass
 
 
@@ -77,23 +96,24 @@ def observer_kind(
             async def run(ctx: Any) -> None:
                 await cls().run(ctx)
 
-            doc = obj.__doc__ or ""
         elif inspect.iscoroutinefunction(obj):
             run = obj
-            doc = obj.__doc__ or ""
         else:
             raise TypeError(f"observer kind {name!r} must be an async function or a class")
+        origin = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', '?')}"
         existing = _REGISTRY.get(name)
-        if existing is not None and getattr(existing.run, "__qualname__", None) != getattr(
-            run, "__qualname__", None
-        ):
-            raise KindLoadError(f"observer kind {name!r} is registered twice")
+        if existing is not None and existing.origin != origin:
+            raise KindLoadError(
+                f"observer kind {name!r} is registered twice: {existing.origin} and {origin}"
+            )
+        doc = (obj.__doc__ or "").strip()
         _REGISTRY[name] = KindSpec(
             name=name,
             run=run,
             params_model=params,
             restart_policy=restart or RestartPolicy(),
-            description=doc.strip().splitlines()[0] if doc.strip() else "",
+            description=doc.splitlines()[0] if doc else "",
+            origin=origin,
         )
         return obj
 
@@ -110,6 +130,8 @@ def load_kinds(modules: Iterable[str] = ()) -> dict[str, KindSpec]:
     for module in modules:
         try:
             importlib.import_module(module)
+        except KindLoadError:
+            raise
         except Exception as exc:
             raise KindLoadError(f"cannot import kind module {module!r}: {exc}") from exc
     return dict(_REGISTRY)

@@ -3,34 +3,37 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 
-class _Message(BaseModel):
+class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
 
-class StartMessage(_Message):
+
+class StartMessage(Message):
     """Sent to the work queue; the one whose dispatch_id matches the row may start the observer."""
 
     observer_id: uuid.UUID
     dispatch_id: uuid.UUID
 
 
-class CancelMessage(_Message):
+class CancelMessage(Message):
     """Broadcast on the control exchange: the holder of this observer stops it."""
 
     type: Literal["cancel"] = "cancel"
     observer_id: uuid.UUID
 
 
-class DirectedStart(_Message):
-    """Sent by the leader to one chosen service's control queue: start this observer.
+class DirectedStart(Message):
+    """Sent to one chosen service's control queue: start this observer.
 
     Recovery uses it instead of the work queue, where a frozen service's free prefetch slots
     would swallow the message until the broker notices the freeze.
@@ -40,8 +43,15 @@ class DirectedStart(_Message):
     observer_id: uuid.UUID
     dispatch_id: uuid.UUID
 
+    @classmethod
+    def of(cls, start: StartMessage) -> DirectedStart:
+        return cls(observer_id=start.observer_id, dispatch_id=start.dispatch_id)
 
-class HandoffMessage(_Message):
+    def start(self) -> StartMessage:
+        return StartMessage(observer_id=self.observer_id, dispatch_id=self.dispatch_id)
+
+
+class HandoffMessage(Message):
     """Sent by the leader to a holder's control queue: hand this observer to service ``to``."""
 
     type: Literal["handoff"] = "handoff"
@@ -49,7 +59,7 @@ class HandoffMessage(_Message):
     to: uuid.UUID
 
 
-class DrainMessage(_Message):
+class DrainMessage(Message):
     """Broadcast: service ``service_id`` stops taking work and hands all its observers over."""
 
     type: Literal["drain"] = "drain"

@@ -11,24 +11,21 @@ import aio_pika
 import asyncpg
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from contracts.settings import CommonSettings
-
-
-class StartupError(RuntimeError):
-    pass
+from contracts.errors import StartupError
+from contracts.settings import CommonSettings, where
 
 
 async def check_database(settings: CommonSettings, *, need_schema: bool = True) -> None:
     try:
         conn = await asyncpg.connect(settings.asyncpg_dsn, timeout=5)
-    except Exception as exc:
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StartupError(
-            f"cannot reach Postgres at {_where(settings.database_url)}: {exc}"
+            f"cannot reach Postgres at {where(settings.database_url)}: {exc}"
         ) from exc
     try:
         if need_schema and await conn.fetchval("SELECT to_regclass('observers')") is None:
             raise StartupError(
-                f"the database {_where(settings.database_url)} has no schema: run `orch migrate`"
+                f"the database {where(settings.database_url)} has no schema: run `orch migrate`"
             )
     finally:
         await conn.close()
@@ -37,8 +34,8 @@ async def check_database(settings: CommonSettings, *, need_schema: bool = True) 
 async def check_broker(settings: CommonSettings) -> None:
     try:
         conn = await aio_pika.connect(settings.amqp_url, timeout=5)
-    except Exception as exc:
-        raise StartupError(f"cannot reach RabbitMQ at {_where(settings.amqp_url)}: {exc}") from exc
+    except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
+        raise StartupError(f"cannot reach RabbitMQ at {where(settings.amqp_url)}: {exc}") from exc
     await conn.close()
 
 
@@ -56,8 +53,3 @@ async def check_servers(
             await asyncio.gather(
                 check_database(settings, need_schema=need_schema), check_broker(settings)
             )
-
-
-def _where(url: str) -> str:
-    rest = url.partition("://")[2]
-    return rest.rpartition("@")[2] or rest

@@ -1,17 +1,25 @@
-"""Settings both processes share. Each process has its own subclass; all read ORCH_* variables."""
+"""Settings both processes share. Each process has its own subclass; all read ORCH_* variables
+(only at the command line's edge: library classes take keyword arguments)."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+from typing import Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
+from contracts.deadline import LeaseTimings
 from contracts.topology import QueueType, Topology
 
 
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ORCH_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ORCH_", extra="ignore", validate_default=True, hide_input_in_errors=True
+    )
 
     database_url: str = "postgresql+asyncpg://postgres@127.0.0.1:5432/orchestrator"
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
@@ -20,37 +28,78 @@ class CommonSettings(BaseSettings):
     #: Comma-separated import paths of modules that define observer kinds.
     kind_modules: str = ""
     #: AMQP heartbeat, seconds: the broker requeues a silent consumer's deliveries after about
-    #: two of them, and the client notices a dead broker after about three.
+    #: one or two of them, and the client notices a dead broker after about three.
     amqp_heartbeat: int = Field(default=5, ge=1, le=600)
     queue_type: QueueType = "classic"
     #: Consumer timeout set on the work queue where the broker supports it (3.12+).
     consumer_timeout_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)
     #: Lease of a service (and of the manager leader), seconds.
     lease_ttl: float = Field(default=5.0, gt=0.5, le=300)
+    #: How often leases are renewed, seconds; default a fifth of the TTL.
+    renew_interval: float | None = Field(default=None, gt=0)
+    #: Work stops this long before a lease could expire in Postgres, seconds; default
+    #: min(1 s, TTL/5). It covers stopping the tasks and clock-rate drift, so it is never 0.
+    fence_margin: float | None = Field(default=None, ge=0.01)
+    #: Tests only: a file that makes the monotonic clock lag (a simulated suspend).
+    clock_hook: Path | None = None
 
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:
-        scheme, sep, rest = value.partition("://")
-        if not sep or scheme not in ("postgresql", "postgres", "postgresql+asyncpg"):
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            url = None
+        if url is None or url.get_backend_name() not in ("postgresql", "postgres"):
             raise ValueError(
-                f"ORCH_DATABASE_URL must look like postgresql://user@host:port/db, got {value!r}"
+                "ORCH_DATABASE_URL must look like postgresql://user@host:port/db, got "
+                f"{mask_url(value)!r}"
             )
-        return f"postgresql+asyncpg://{rest}"
+        return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
 
     @field_validator("amqp_url")
     @classmethod
     def _amqp_url(cls, value: str) -> str:
         if not value.startswith(("amqp://", "amqps://")):
             raise ValueError(
-                f"ORCH_AMQP_URL must look like amqp://user:pass@host:port/vhost, got {value!r}"
+                "ORCH_AMQP_URL must look like amqp://user:pass@host:port/vhost, got "
+                f"{mask_url(value)!r}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _timings(self) -> Self:
+        if self.renew_interval is None:
+            self.renew_interval = self.lease_ttl / 5
+        if self.fence_margin is None:
+            self.fence_margin = min(1.0, self.lease_ttl / 5)
+        if self.renew_interval + self.fence_margin >= self.lease_ttl:
+            raise ValueError(
+                "ORCH_RENEW_INTERVAL + ORCH_FENCE_MARGIN must be shorter than ORCH_LEASE_TTL"
+            )
+        if self.renew_interval + self.fence_margin >= self.amqp_heartbeat:
+            raise ValueError(
+                "ORCH_RENEW_INTERVAL + ORCH_FENCE_MARGIN must be shorter than "
+                "ORCH_AMQP_HEARTBEAT: a service paused for longer than a renewal waits for a "
+                "fresh one before its observers go on, and must do so before the broker could "
+                "have declared it gone"
+            )
+        return self
+
+    @property
+    def lease_timings(self) -> LeaseTimings:
+        assert self.renew_interval is not None
+        assert self.fence_margin is not None
+        return LeaseTimings(self.lease_ttl, self.renew_interval, self.fence_margin)
+
+    @property
+    def url(self) -> URL:
+        return make_url(self.database_url)
 
     @property
     def asyncpg_dsn(self) -> str:
         """The database URL as plain asyncpg takes it."""
-        return "postgresql://" + self.database_url.partition("://")[2]
+        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
     @property
     def amqp_url_with_heartbeat(self) -> str:
@@ -66,6 +115,24 @@ class CommonSettings(BaseSettings):
     @property
     def topology(self) -> Topology:
         return Topology(self.prefix)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for errors and logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    creds, at, host = netloc.rpartition("@")
+    if at and ":" in creds:
+        creds = creds.split(":", 1)[0] + ":***"
+    return f"{scheme}{sep}{creds}{at}{host}{slash}{path}"
+
+
+def where(url: str) -> str:
+    """Host, port and path of a URL, without its credentials."""
+    rest = url.partition("://")[2]
+    return rest.rpartition("@")[2] or rest
 
 
 def default_host() -> str:

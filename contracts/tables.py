@@ -22,6 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from contracts.routing import Route
 from contracts.statuses import ObserverStatus
 
 NAMING = {
@@ -88,7 +89,10 @@ class Observer(Base):
     dispatch_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
     checkpoint: Mapped[Any | None] = mapped_column(JSONB, nullable=True)
     checkpointed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: Restarts within the current window (see RestartPolicy.reset_after).
     restart_count: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    #: When the last restart was recorded; the window heals reset_after seconds after it.
+    restarted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_error: Mapped[str | None] = mapped_column(Text)
     #: Optional per-observer restart policy overriding the kind's (JSON of RestartPolicy).
     restart_policy: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
@@ -121,12 +125,20 @@ class OutboxMessage(Base):
     __tablename__ = "outbox"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    #: "start" (to the work queue) or "control" (to the control fanout exchange).
-    target: Mapped[str] = mapped_column(Text, nullable=False)
+    #: Where it goes: a ``contracts.routing.Route`` value.
+    route: Mapped[str] = mapped_column(Text, nullable=False)
+    #: For Route.SERVICE: the service whose control queue it goes to.
+    service_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     created_at: Mapped[datetime] = _now()
 
-    __table_args__ = (Index("ix_outbox_created_at", "created_at"),)
+    __table_args__ = (
+        Index("ix_outbox_created_at", "created_at"),
+        CheckConstraint(
+            "route IN (" + ", ".join(f"'{r.value}'" for r in Route) + ")", name="route_valid"
+        ),
+        CheckConstraint("(route = 'service') = (service_id IS NOT NULL)", name="service_route"),
+    )
 
 
 class ObserverEvent(Base):

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
+
+from contracts.errors import broker_errors
 
 QueueType = Literal["classic", "quorum"]
 
@@ -39,6 +42,26 @@ class Topology:
 
     def control_queue(self, service_id: uuid.UUID | str) -> str:
         return f"{self.prefix}.control.{service_id}"
+
+
+async def service_present(
+    connection: AbstractConnection, topology: Topology, service_id: uuid.UUID
+) -> bool:
+    """Whether a service's exclusive control queue exists, i.e. its broker connection lives.
+
+    A passive declare of a missing queue closes its channel, so each probe has one of its own.
+    Raises BrokerUnavailable."""
+    channel: AbstractChannel | None = None
+    with broker_errors():
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            await channel.declare_queue(topology.control_queue(service_id), passive=True)
+            return True
+        except ChannelNotFoundEntity:
+            return False
+        finally:
+            if channel is not None and not channel.is_closed:
+                await channel.close()
 
 
 def broker_version(connection: AbstractConnection) -> tuple[int, ...]:

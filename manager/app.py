@@ -3,30 +3,18 @@ and the leader election."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import os
-import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts import __version__
-from contracts.kinds import InvalidParams, UnknownKind, load_kinds
-from manager import background
+from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, Transient
 from manager.api import health, observers, services
-from manager.api.deps import AppState
-from manager.db import make_engine
-from manager.leader import Leadership
-from manager.outbox import Outbox
-from manager.publisher import Publisher
-from manager.rebalance import Rebalancer
-from manager.repository import Conflict, NameTaken, NotFound
+from manager.runtime import ManagerRuntime
 from manager.settings import ManagerSettings
 
 log = logging.getLogger(__name__)
@@ -73,73 +61,21 @@ async def _too_large(limit: int, send: Send) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-def create_app(settings: ManagerSettings | None = None) -> FastAPI:
+def create_app(
+    settings: ManagerSettings | None = None, *, runtime: ManagerRuntime | None = None
+) -> FastAPI:
+    """The API. ``runtime`` (built here unless given) is started and stopped with the app."""
     settings = settings or ManagerSettings()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        kinds = load_kinds(settings.kind_module_list)
-        engine = make_engine(settings)
-        publisher = Publisher(settings)
-        await publisher.start()
-        box = Outbox(engine, publisher)
-        # Directed starts go only to services whose lease outlives a renewal period.
-        margin = settings.lease_ttl / 2
-        loops = {
-            "outbox-relay": background.every(
-                settings.relay_interval,
-                lambda: box.relay_once(grace=settings.relay_grace),
-                "outbox relay",
-            ),
-            "sweeper": background.every(
-                settings.sweep_interval,
-                lambda: background.sweep_once(engine, box, margin=margin),
-                "sweeper",
-            ),
-            "audit": background.every(
-                settings.audit_interval,
-                lambda: background.audit_once(
-                    engine, box, publisher, grace=settings.audit_grace, margin=margin
-                ),
-                "audit",
-            ),
-        }
-        if settings.rebalance:
-            rebalancer = Rebalancer(
-                engine,
-                box,
-                pace=settings.rebalance_pace,
-                min_age=settings.rebalance_min_age,
-                cooldown=settings.rebalance_cooldown,
-            )
-            loops["rebalance"] = background.every(
-                settings.rebalance_interval, rebalancer.once, "rebalance"
-            )
-        leadership = Leadership(engine, loops=loops, ttl=settings.lease_ttl)
-        app.state.orch = AppState(settings, engine, publisher, box, kinds, leadership)
-        tasks: list[asyncio.Task[None]] = [
-            asyncio.create_task(
-                background.every(0.1, box.delete_published, "outbox cleanup")(),
-                name="outbox-cleanup",
-            )
-        ]
-        if settings.background:
-            tasks.append(asyncio.create_task(leadership.run(), name="leadership"))
-        for task in tasks:
-            task.add_done_callback(_die_loudly)
+        rt = runtime or ManagerRuntime(settings)
+        await rt.start()
+        app.state.orch = rt
         try:
             yield
         finally:
-            for task in tasks:
-                task.remove_done_callback(_die_loudly)
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if settings.background:
-                await leadership.release()
-            with contextlib.suppress(Exception):
-                await box.delete_published()
-            await publisher.close()
-            await engine.dispose()
+            await rt.stop()
 
     app = FastAPI(
         title="observer-orchestrator",
@@ -155,32 +91,21 @@ def create_app(settings: ManagerSettings | None = None) -> FastAPI:
     return app
 
 
-def _die_loudly(task: asyncio.Task[None]) -> None:
-    if task.cancelled():
-        return
-    log.critical("%s died (%r): stopping the manager", task.get_name(), task.exception())
-    os.kill(os.getpid(), signal.SIGTERM)
+_STATUS: list[tuple[type[OrchError], int]] = [
+    (NotFound, 404),
+    (Conflict, 409),
+    (InvalidInput, 422),
+    (Transient, 503),
+]
 
 
 def _error_handlers(app: FastAPI) -> None:
-    def problem(code: int) -> Any:
-        async def handler(_: Request, exc: Exception) -> JSONResponse:
-            detail = str(exc)
-            if isinstance(exc, NameTaken):
-                detail = f"an observer named {exc} already exists (and is not deleted)"
-            return JSONResponse({"detail": detail}, status_code=code)
+    for cls, code in _STATUS:
 
-        return handler
+        async def handler(_: Request, exc: Exception, code: int = code) -> JSONResponse:
+            if isinstance(exc, Transient):
+                log.warning("unavailable: %s", exc)
+                return JSONResponse({"detail": "database or broker unavailable, try again"}, 503)
+            return JSONResponse({"detail": str(exc)}, status_code=code)
 
-    app.add_exception_handler(NotFound, problem(404))
-    app.add_exception_handler(NameTaken, problem(409))
-    app.add_exception_handler(Conflict, problem(409))
-    app.add_exception_handler(UnknownKind, problem(422))
-    app.add_exception_handler(InvalidParams, problem(422))
-
-    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("database error: %s", exc)
-        return JSONResponse({"detail": "database unavailable, try again"}, status_code=503)
-
-    app.add_exception_handler(DBAPIError, unavailable)
-    app.add_exception_handler(OSError, unavailable)
+        app.add_exception_handler(cls, handler)

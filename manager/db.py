@@ -1,13 +1,19 @@
-"""The manager's database engine."""
+"""The manager's database engine and its one JSON encoder."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import AsyncIterator
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from contracts.errors import database_errors
 from contracts.settings import CommonSettings
+
+#: The one way the manager turns data into JSON for the database.
+to_json = functools.partial(json.dumps, separators=(",", ":"), default=str)
 
 
 def make_engine(settings: CommonSettings, *, pool_size: int = 20) -> AsyncEngine:
@@ -24,7 +30,16 @@ def make_engine(settings: CommonSettings, *, pool_size: int = 20) -> AsyncEngine
 
 
 @contextlib.asynccontextmanager
+async def transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A transaction; driver errors inside become the orchestrator's own."""
+    with database_errors():
+        async with engine.begin() as conn:
+            yield conn
+
+
+@contextlib.asynccontextmanager
 async def autocommit(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A connection without BEGIN/COMMIT round trips, for work done in one (atomic) statement."""
-    async with engine.connect() as conn:
-        yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+    with database_errors():
+        async with engine.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")

@@ -1,8 +1,9 @@
 """Leader election over a Postgres lease: exactly one manager runs the background loops.
 
 Acquire takes the row only when it has expired (or is already ours); renew extends it only while
-we still hold it. The loops are cancelled the moment a renewal fails or the local deadline
-(monotonic, from when the renewal was sent) passes.
+we still hold it. The loops are cancelled the moment the lease is lost or the local deadline
+(``contracts.deadline``, on a suspend-aware clock, from when the renewal was sent) passes. A
+renewal that fails for want of the database is retried until that deadline.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -18,27 +18,20 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from contracts.clock import Clock
+from contracts.deadline import LeaseDeadline, LeaseTimings
+from contracts.errors import OrchError, Transient
 from contracts.settings import default_host
+from manager import queries as q
+from manager.db import transaction
 
 log = logging.getLogger(__name__)
 
-_ACQUIRE = """
-INSERT INTO leader_leases AS l (name, holder, acquired_at, expires_at)
-VALUES (:name, :holder, now(), clock_timestamp() + make_interval(secs => :ttl))
-ON CONFLICT (name) DO UPDATE
-   SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at,
-       acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END
- WHERE l.expires_at <= clock_timestamp() OR l.holder = EXCLUDED.holder
-RETURNING holder
-"""
-
-_RENEW = """
-UPDATE leader_leases SET expires_at = clock_timestamp() + make_interval(secs => :ttl)
- WHERE name = :name AND holder = :holder AND expires_at > clock_timestamp()
-RETURNING holder
-"""
-
 Loop = Callable[[], Coroutine[Any, Any, None]]
+
+
+class LoopDied(OrchError):
+    """A leader loop ended with a bug: the manager stops loudly rather than limp on."""
 
 
 def new_holder_id() -> str:
@@ -51,93 +44,89 @@ class Leadership:
         engine: AsyncEngine,
         *,
         loops: dict[str, Loop],
-        ttl: float,
+        timings: LeaseTimings,
+        clock: Clock,
         name: str = "manager",
         holder: str | None = None,
     ) -> None:
         self.engine = engine
         self.loops = loops
-        self.ttl = ttl
+        self.timings = timings
+        self.deadline = LeaseDeadline(clock, timings)
+        self.clock = clock
         self.name = name
         self.holder = holder or new_holder_id()
-        self.renew_interval = ttl / 5
-        self.margin = min(1.0, ttl / 5)
         self.is_leader = False
 
     async def _exec(self, sql: str) -> bool:
-        async with self.engine.begin() as conn:
-            row = (
-                await conn.execute(
-                    text(sql), {"name": self.name, "holder": self.holder, "ttl": self.ttl}
-                )
-            ).one_or_none()
+        params = {"name": self.name, "holder": self.holder, "ttl": self.timings.ttl}
+        async with transaction(self.engine) as conn:
+            row = (await conn.execute(text(sql), params)).one_or_none()
         return row is not None
 
     async def run(self) -> None:
+        """Stand for election for ever; lead while elected. Raises LoopDied."""
         while True:
-            sent = time.monotonic()
+            sent = self.clock.now()
             try:
-                won = await asyncio.wait_for(self._exec(_ACQUIRE), self.ttl / 2)
-            except Exception as exc:
+                won = await asyncio.wait_for(self._exec(q.LEADER_ACQUIRE), self.timings.ttl / 2)
+            except (Transient, TimeoutError) as exc:
                 log.warning("leader election failed: %s", exc)
                 won = False
             if won:
-                await self._lead(sent + self.ttl - self.margin)
-            await asyncio.sleep(self.renew_interval)
+                self.deadline.renewed(sent)
+                await self._lead()
+            await asyncio.sleep(self.timings.renew_interval)
 
-    async def _lead(self, valid_until: float) -> None:
+    async def _lead(self) -> None:
         self.is_leader = True
         log.info("%s leads (%s)", self.holder, ", ".join(self.loops))
-        tasks: list[asyncio.Task[None]] = [
-            asyncio.create_task(fn(), name=f"leader:{n}") for n, fn in self.loops.items()
-        ]
+        tasks = [asyncio.create_task(fn(), name=f"leader:{n}") for n, fn in self.loops.items()]
         try:
-            while True:
-                done, _ = await asyncio.wait(
-                    tasks,
-                    timeout=max(0.0, min(self.renew_interval, valid_until - time.monotonic())),
-                )
-                for t in done:
-                    raise RuntimeError(f"leader loop {t.get_name()} died") from t.exception()
-                sent = time.monotonic()
-                try:
-                    ok = await asyncio.wait_for(self._exec(_RENEW), max(0.05, valid_until - sent))
-                except Exception as exc:
-                    log.warning("leader renewal failed: %s", exc)
-                    ok = False
-                if not ok or time.monotonic() >= valid_until:
-                    log.warning(
-                        "%s lost the leadership; stopping the background loops", self.holder
-                    )
-                    return
-                valid_until = sent + self.ttl - self.margin
+            while await self._renewed(tasks):
+                pass
+            log.warning("%s lost the leadership; stopping the background loops", self.holder)
         finally:
             self.is_leader = False
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _renewed(self, tasks: list[asyncio.Task[None]]) -> bool:
+        """Wait for the next renewal and make it; False once the lease is lost."""
+        due = self.timings.renew_interval - (self.clock.now() - self.deadline.confirmed)
+        done, _ = await asyncio.wait(tasks, timeout=max(0.0, min(due, self.deadline.remaining())))
+        for t in done:
+            raise LoopDied(f"leader loop {t.get_name()} died") from t.exception()
+        backoff = 0.02
+        while self.deadline.valid():
+            sent = self.clock.now()
+            try:
+                ok = await asyncio.wait_for(
+                    self._exec(q.LEADER_RENEW), max(0.05, self.deadline.remaining())
+                )
+            except (Transient, TimeoutError) as exc:
+                log.warning("leader renewal failed (%s); retrying", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(0.25, backoff * 2)
+                continue
+            if not ok or not self.deadline.valid():
+                return False
+            self.deadline.renewed(sent)
+            return True
+        return False
+
     async def release(self) -> None:
         try:
-            async with self.engine.begin() as conn:
+            async with transaction(self.engine) as conn:
                 await conn.execute(
-                    text("DELETE FROM leader_leases WHERE name = :name AND holder = :holder"),
-                    {"name": self.name, "holder": self.holder},
+                    text(q.LEADER_RELEASE), {"name": self.name, "holder": self.holder}
                 )
-        except Exception as exc:
+        except Transient as exc:
             log.warning("could not release the leadership: %s", exc)
 
 
 async def current_leader(engine: AsyncEngine, name: str = "manager") -> dict[str, object] | None:
-    async with engine.connect() as conn:
-        row = (
-            await conn.execute(
-                text(
-                    "SELECT holder, acquired_at, expires_at, "
-                    "expires_at > clock_timestamp() AS live "
-                    "FROM leader_leases WHERE name = :name"
-                ),
-                {"name": name},
-            )
-        ).one_or_none()
+    async with transaction(engine) as conn:
+        row = (await conn.execute(text(q.LEADER), {"name": name})).one_or_none()
     return None if row is None else dict(row._mapping)

@@ -9,61 +9,68 @@ never lose one; consumers drop duplicates by dispatch id.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from contracts.errors import Transient
+from contracts.messages import CONTROL_MESSAGE, Message, StartMessage
+from contracts.routing import Destination, Route
+from manager import queries as q
+from manager.db import to_json, transaction
 from manager.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
+_START: TypeAdapter[StartMessage] = TypeAdapter(StartMessage)
+
 
 @dataclass(frozen=True)
 class Pending:
+    """An outbox record committed and not yet confirmed by the broker."""
+
     id: int
-    target: str
-    body: dict[str, Any]
+    to: Destination
+    message: Message
 
 
-async def add(conn: AsyncConnection, target: str, body: dict[str, Any]) -> Pending:
-    row_id = (
-        await conn.execute(
-            text("INSERT INTO outbox (target, body) VALUES (:t, CAST(:b AS jsonb)) RETURNING id"),
-            {"t": target, "b": json.dumps(body, default=str)},
-        )
-    ).scalar_one()
-    return Pending(row_id, target, body)
+def parse(route: str, service_id: uuid.UUID | None, body: dict[str, Any]) -> Pending:
+    to = Destination(Route(route), service_id)
+    message: Message = (
+        _START.validate_python(body)
+        if to.route in (Route.WORK, Route.ERRORS)
+        else CONTROL_MESSAGE.validate_python(body)
+    )
+    return Pending(0, to, message)
 
 
 async def add_many(
-    conn: AsyncConnection, messages: list[tuple[str, dict[str, Any]]]
+    conn: AsyncConnection, messages: Sequence[tuple[Destination, Message]]
 ) -> list[Pending]:
-    """Several outbox records, each with its own target, in one statement."""
+    """Outbox records, each with its own destination, in one statement: the one way in."""
     if not messages:
         return []
     ids = (
         (
             await conn.execute(
-                text(
-                    "INSERT INTO outbox (target, body) "
-                    "SELECT t, CAST(b AS jsonb) "
-                    "FROM unnest(CAST(:ts AS text[]), CAST(:bs AS text[])) AS m(t, b) "
-                    "RETURNING id"
-                ),
+                text(q.OUTBOX_ADD),
                 {
-                    "ts": [t for t, _ in messages],
-                    "bs": [json.dumps(b, default=str) for _, b in messages],
+                    "routes": [to.route.value for to, _ in messages],
+                    "services": [to.service_id for to, _ in messages],
+                    "bodies": [to_json(m.to_json()) for _, m in messages],
                 },
             )
         )
         .scalars()
         .all()
     )
-    return [Pending(i, t, b) for i, (t, b) in zip(ids, messages, strict=True)]
+    return [Pending(i, to, m) for i, (to, m) in zip(ids, messages, strict=True)]
 
 
 class Outbox:
@@ -73,12 +80,15 @@ class Outbox:
         self._published: list[int] = []  # confirmed, to be deleted by delete_published
         self._in_flight: set[int] = set()  # being published here, not yet confirmed
 
-    async def _publish(self, rows: list[Pending]) -> list[int]:
+    async def _publish(self, rows: Sequence[Pending]) -> list[int]:
         results = await asyncio.gather(
-            *(self.publisher.publish(r.target, r.body) for r in rows), return_exceptions=True
+            *(self.publisher.deliver(r.to, r.message) for r in rows), return_exceptions=True
         )
         done = [r.id for r, res in zip(rows, results, strict=True) if res is None]
         failed = [res for res in results if res is not None]
+        for res in failed:
+            if not isinstance(res, Transient):
+                raise res  # a bug, not a broker outage
         if failed:
             log.warning(
                 "%d outbox messages not published yet (the relay retries): %s",
@@ -87,8 +97,9 @@ class Outbox:
             )
         return done
 
-    async def publish_now(self, rows: list[Pending]) -> None:
-        """Publish rows just committed; whatever fails stays for the relay. Never raises.
+    async def publish_now(self, rows: Sequence[Pending]) -> None:
+        """Publish rows just committed; whatever fails stays for the relay. Never raises for an
+        unavailable broker.
 
         Published rows are deleted in batches by ``delete_published`` (every manager runs it):
         a crash before that only makes the relay publish them again, a harmless duplicate.
@@ -99,8 +110,6 @@ class Outbox:
         self._in_flight |= ids  # a confirm can take longer than the relay's grace (fsync)
         try:
             self._published.extend(await self._publish(rows))
-        except Exception as exc:
-            log.warning("outbox fast path failed (the relay retries): %s", exc)
         finally:
             self._in_flight -= ids
 
@@ -108,28 +117,28 @@ class Outbox:
         """Delete confirmed rows; they stay in the relay's skip list until the delete commits."""
         ids = list(self._published)
         if ids:
-            async with self.engine.begin() as conn:
-                await conn.execute(text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": ids})
+            async with transaction(self.engine) as conn:
+                await conn.execute(text(q.OUTBOX_DELETE), {"ids": ids})
             done = set(ids)
             self._published = [i for i in self._published if i not in done]
         return len(ids)
 
     async def relay_once(self, *, grace: float, limit: int = 500) -> int:
         """Publish rows older than ``grace`` seconds; returns how many were published."""
-        async with self.engine.begin() as conn:
+        async with transaction(self.engine) as conn:
             rows = (
                 await conn.execute(
-                    text(
-                        "SELECT id, target, body FROM outbox "
-                        "WHERE created_at < now() - make_interval(secs => :g) "
-                        "AND NOT (id = ANY(:skip)) "
-                        "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
-                    ),
+                    text(q.OUTBOX_DUE),
                     {"g": grace, "n": limit, "skip": [*self._published, *self._in_flight]},
                 )
             ).all()
             if not rows:
                 return 0
-            done = await self._publish([Pending(r.id, r.target, r.body) for r in rows])
-            await conn.execute(text("DELETE FROM outbox WHERE id = ANY(:ids)"), {"ids": done})
+            pending = [
+                Pending(r.id, p.to, p.message)
+                for r in rows
+                for p in (parse(r.route, r.service_id, r.body),)
+            ]
+            done = await self._publish(pending)
+            await conn.execute(text(q.OUTBOX_DELETE), {"ids": done})
             return len(done)

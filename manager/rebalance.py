@@ -19,9 +19,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts.messages import HandoffMessage
+from contracts.routing import Destination
+from contracts.statuses import Event
 from manager import outbox
+from manager import queries as q
+from manager.db import transaction
 from manager.outbox import Outbox
-from manager.publisher import direct
+from manager.repository import record_events
 
 log = logging.getLogger(__name__)
 
@@ -83,33 +87,14 @@ class Rebalancer:
     async def once(self) -> int:
         now = time.monotonic()
         self.moved = {o: t for o, t in self.moved.items() if now - t < self.cooldown}
-        async with self.engine.begin() as conn:
+        async with transaction(self.engine) as conn:
             if self.moved:
                 landing = (
-                    await conn.execute(
-                        text(
-                            "SELECT count(*) FROM observers WHERE id = ANY(:ids) "
-                            "AND status = 'processing' AND service_id IS NULL"
-                        ),
-                        {"ids": list(self.moved)},
-                    )
+                    await conn.execute(text(q.IN_MOTION), {"ids": list(self.moved)})
                 ).scalar_one()
                 if landing:
                     return 0  # the previous round is still landing
-            rows = (
-                await conn.execute(
-                    text(
-                        "SELECT s.id, s.worker_count, count(o.id) AS running FROM services s "
-                        "LEFT JOIN observers o ON o.service_id = s.id "
-                        "  AND o.status IN ('processing', 'on_deleting') "
-                        "WHERE NOT s.is_deleted AND NOT s.draining "
-                        "AND s.lease_expires_at > clock_timestamp() "
-                        "AND s.created_at < now() - make_interval(secs => :age) "
-                        "GROUP BY s.id, s.worker_count"
-                    ),
-                    {"age": self.min_age},
-                )
-            ).all()
+            rows = (await conn.execute(text(q.LOADS), {"age": self.min_age})).all()
             loads = [Load(r.id, r.worker_count, r.running) for r in rows]
             total = sum(x.running for x in loads)
             moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
@@ -119,11 +104,7 @@ class Rebalancer:
                 picked = (
                     (
                         await conn.execute(
-                            text(
-                                "SELECT id FROM observers WHERE service_id = :s "
-                                "AND status = 'processing' AND NOT (id = ANY(:recent)) "
-                                "ORDER BY started_at DESC LIMIT :n"
-                            ),
+                            text(q.PICK_TO_MOVE),
                             {"s": donor, "recent": list(self.moved), "n": len(to)},
                         )
                     )
@@ -134,22 +115,16 @@ class Rebalancer:
             pending = await outbox.add_many(
                 conn,
                 [
-                    (direct(d), HandoffMessage(observer_id=o, to=t).model_dump(mode="json"))
+                    (Destination.service(d), HandoffMessage(observer_id=o, to=t))
                     for o, d, t in handoffs
                 ],
             )
-            if handoffs:
-                await conn.execute(
-                    text(
-                        "INSERT INTO observer_events (observer_id, event, detail) "
-                        "SELECT o, 'handoff requested', d "
-                        "FROM unnest(CAST(:os AS uuid[]), CAST(:ds AS text[])) AS h(o, d)"
-                    ),
-                    {
-                        "os": [o for o, _, _ in handoffs],
-                        "ds": [f"from {d} to {t}" for _, d, t in handoffs],
-                    },
-                )
+            await record_events(
+                conn,
+                [o for o, _, _ in handoffs],
+                Event.HANDOFF_REQUESTED,
+                [f"from {d} to {t}" for _, d, t in handoffs],
+            )
             self.moved.update({o: now for o, _, _ in handoffs})
         if pending:
             log.info("rebalance: moving %d observers", len(pending))

@@ -8,13 +8,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from observer_service.errors import LeaseLost
-
-CheckpointFn = Callable[[uuid.UUID, int, Any], Awaitable[None]]
+from contracts.errors import LeaseLost
 
 
 class ObserverContext:
-    """Handed to a kind's ``run``. Every await through it checks that this copy still may run."""
+    """Handed to a kind's ``run``. Every await of the kind's own coroutine is checked against
+    the service's lease before it resumes, so the kind never goes on after others took it."""
 
     def __init__(
         self,
@@ -26,12 +25,15 @@ class ObserverContext:
         service_id: uuid.UUID,
         params: Any,
         last_checkpoint: Any,
-        write_checkpoint: CheckpointFn,
-        lease_valid: Callable[[], bool],
+        save: Callable[[Any], Awaitable[None]],
+        alive: Callable[[], bool],
+        logger: logging.LoggerAdapter[logging.Logger] | None = None,
     ) -> None:
         self.observer_id = observer_id
         self.name = name
         self.kind = kind
+        #: The fencing token of this copy: give it to external systems that can refuse writes
+        #: carrying an older one.
         self.epoch = epoch
         self.service_id = service_id
         #: The params, as the kind's params model (or a dict when it declares none).
@@ -40,28 +42,30 @@ class ObserverContext:
         self.last_checkpoint = last_checkpoint
         #: Set when this observer is asked to stop; the task is also cancelled.
         self.stopping = asyncio.Event()
-        self.logger = logging.LoggerAdapter(
+        self.logger = logger or logging.LoggerAdapter(
             logging.getLogger(f"observer.{kind}"),
             {"observer_id": str(observer_id), "epoch": epoch},
         )
-        self._write_checkpoint = write_checkpoint
-        self._lease_valid = lease_valid
+        self._save = save
+        self._alive = alive
 
     def ensure_alive(self) -> None:
         """Raise LeaseLost when this service can no longer be sure it still holds the observer.
 
         Call it right before a side effect the orchestrator cannot fence (sending an order,
-        writing a file): it narrows the window for a stale copy to the code that follows it.
+        writing a file). Awaits after it are guarded too; what remains unguarded is the
+        synchronous code between this call and the side effect.
         """
         if self.stopping.is_set():
             raise asyncio.CancelledError()
-        if not self._lease_valid():
+        if not self._alive():
             raise LeaseLost("service lease is no longer valid")
 
     async def checkpoint(self, state: Any) -> None:
-        """Save JSON ``state``; a stale epoch raises Fenced and this copy stops at once."""
+        """Save JSON ``state``; a stale epoch raises Fenced and this copy stops at once. While
+        the orchestrator's database is unavailable it waits (the lease decides how long)."""
         self.ensure_alive()
-        await self._write_checkpoint(self.observer_id, self.epoch, state)
+        await self._save(state)
         self.last_checkpoint = state
 
     async def sleep(self, seconds: float) -> None:

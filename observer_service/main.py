@@ -1,25 +1,85 @@
-"""Process entry of an observer service: settings, kinds, checks, signals, run."""
+"""Process entry of an observer service: build the real parts from settings, run, exit."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import uuid
 
-from contracts.kinds import load_kinds
-from contracts.preflight import check_servers
-from observer_service.service import ObserverService
+import asyncpg
+
+from contracts import __version__
+from contracts.clock import Clock
+from contracts.errors import DatabaseUnavailable, StartupError
+from contracts.kinds import KindSpec
+from contracts.settings import default_host
+from observer_service.broker import AmqpBroker
+from observer_service.lease import LeaseKeeper
+from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
+from observer_service.store import PgLeaseDatabase, PgStore
+
+log = logging.getLogger(__name__)
 
 
-async def serve(settings: ServiceSettings) -> int:
-    kinds = load_kinds(settings.kind_module_list)
-    await check_servers(settings)
-    service = ObserverService(settings, kinds)
+async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
+    """Run one service until SIGTERM/SIGINT; returns the exit code.
+
+    If a graceful stop leaves copies running (a kind that does not stop in time), the process
+    exits at once instead of returning: the copies must end with it."""
+    service_id = uuid.uuid4()
+    clock = Clock(settings.clock_hook)
+    timings = settings.lease_timings
+    # A query slower than a lease is useless: whatever it guarded has been fenced by then.
+    pool = await asyncpg.create_pool(
+        settings.asyncpg_dsn,
+        min_size=1,
+        max_size=min(20, 2 + settings.worker_count),
+        timeout=max(2.0, timings.ttl),
+        command_timeout=max(5.0, 2 * timings.ttl),
+    )
+    lease = LeaseKeeper(
+        PgLeaseDatabase(
+            settings.asyncpg_dsn,
+            service_id=service_id,
+            name=settings.name,
+            worker_count=settings.worker_count,
+            host=default_host(),
+            version=__version__,
+            connect_timeout=max(1.0, timings.ttl / 2),
+        ),
+        timings=timings,
+        clock=clock,
+    )
+    service = ObserverService(
+        service_id=service_id,
+        config=ServiceConfig(
+            name=settings.name,
+            worker_count=settings.worker_count,
+            shutdown_timeout=settings.shutdown_timeout,
+            check_every=settings.check_every,
+        ),
+        kinds=kinds,
+        store=PgStore(pool, service_id),
+        broker=AmqpBroker(settings),
+        lease=lease,
+        clock=clock,
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
-    return await service.run()
+    try:
+        code = await service.run()
+    except DatabaseUnavailable as exc:
+        await pool.close()
+        raise StartupError(f"cannot register the service: {exc}") from exc
+    if not service.clean:
+        logging.shutdown()
+        os._exit(code or 1)
+    await pool.close()
+    return code
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -29,3 +89,5 @@ def configure_logging(level: str = "INFO") -> None:
     )
     logging.getLogger("aiormq").setLevel(logging.WARNING)
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
+    # Its pool logs a traceback for every failed reconnect; ours says the database is down.
+    logging.getLogger("asyncpg.pool").setLevel(logging.ERROR)

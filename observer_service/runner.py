@@ -1,4 +1,8 @@
-"""One running observer: its kind's code under the restart policy, and why it stopped."""
+"""One running copy of an observer: its kind's code under the restart budget, and why it stopped.
+
+The kind's coroutine is driven through ``guarded``: it never resumes while the lease may be gone.
+Its errors are its own; the orchestrator's own database trouble never reaches it as one.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from aio_pika.abc import AbstractIncomingMessage
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random,
-)
-
+from contracts.errors import Fenced
 from contracts.kinds import KindSpec, RestartPolicy
 from observer_service.context import ObserverContext
-from observer_service.store import Taken
+from observer_service.guard import Gate, guarded
+from observer_service.ports import Copy, Delivery, ErrorRecord, Taken
 
 
 class StopReason(Enum):
+    """Why the service stopped a copy; it decides where the observer goes next, when the row is
+    still live once the copy has stopped (a delete or pause always wins: the row decides)."""
+
     DELETE = "deleted"
     SHUTDOWN = "service stopping"
+    DRAIN = "service draining"
     HANDOFF = "handed off"
     LEASE_LOST = "lease lost"
     CHANNEL_LOST = "broker channel lost"
@@ -41,12 +41,10 @@ class Runner:
     spec: KindSpec
     ctx: ObserverContext
     #: The unacked start message behind this copy; None for a directed start.
-    message: AbstractIncomingMessage | None
-    #: The broker session that delivered ``message`` (None for a directed start).
-    generation: int | None
+    delivery: Delivery | None
     task: asyncio.Task[str] | None = None
     stop_reason: StopReason | None = None
-    #: For a handoff: the service that should take it next (None: any, via the work queue).
+    #: For a handoff: the service that should take it next.
     handoff_to: uuid.UUID | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -58,56 +56,65 @@ class Runner:
     def epoch(self) -> int:
         return self.taken.epoch
 
-    def stop(self, reason: StopReason) -> None:
-        """Ask the observer to stop now; the first reason given wins."""
+    @property
+    def copy(self) -> Copy:
+        return self.taken.copy
+
+    @property
+    def generation(self) -> int | None:
+        """The broker session its delivery came on (None: a directed start)."""
+        return None if self.delivery is None else self.delivery.generation
+
+    def stop(self, reason: StopReason, *, to: uuid.UUID | None = None) -> None:
+        """Ask the copy to stop now. The first reason given decides where it goes next."""
         if self.stop_reason is None:
             self.stop_reason = reason
+            self.handoff_to = to
         self.ctx.stopping.set()
         if self.task is not None:
             self.task.cancel()
 
 
-def effective_policy(spec: KindSpec, override: dict[str, object] | None) -> RestartPolicy:
-    if not override:
-        return spec.restart_policy
-    return RestartPolicy.model_validate({**spec.restart_policy.model_dump(), **override})
+RecordError = Callable[[str], Awaitable[ErrorRecord]]
 
 
-async def run_with_restarts(
+async def run_observer(
     spec: KindSpec,
     ctx: ObserverContext,
     policy: RestartPolicy,
-    on_restart: Callable[[str, float], Awaitable[None]],
+    *,
+    gate: Gate,
+    record_error: RecordError,
 ) -> str:
-    """Run the kind, restarting it in place after an error with exponential backoff and jitter.
+    """Run the kind; after an error, record it (the database counts restarts in a window that
+    heals) and restart in place after a backoff with jitter. Returns the last error once the
+    budget is spent (the row is failed by then).
 
-    Returns the last error once ``policy.max_restarts`` restarts are used up. Cancellation,
-    Fenced and LeaseLost are BaseExceptions: they pass straight through, never retried.
+    Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through.
     """
-
-    async def before_sleep(state: RetryCallState) -> None:
-        assert state.outcome is not None
-        assert state.next_action is not None
-        await on_restart(_describe(state.outcome.exception()), state.next_action.sleep)
-
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(policy.max_restarts + 1),
-        wait=wait_exponential(multiplier=policy.base_delay, max=policy.max_delay)
-        + wait_random(0, policy.base_delay),
-        retry=retry_if_exception_type(Exception),
-        before_sleep=before_sleep,
-        sleep=ctx.sleep,
-        reraise=True,
-    )
-    try:
-        async for attempt in retrying:
-            with attempt:
-                await spec.run(ctx)
-                raise ObserverReturned("run() returned; an observer must run until stopped")
-    except Exception as exc:
-        return _describe(exc)
-    raise AssertionError("unreachable")  # pragma: no cover
+    while True:
+        try:
+            await guarded(spec.run(ctx), gate)
+            error = describe(ObserverReturned("run() returned; an observer must run until stopped"))
+        except Exception as exc:
+            error = describe(exc)
+        record = await record_error(error)
+        if record.failed:
+            return error
+        delay = policy.delay(record.restarts)
+        ctx.logger.warning(
+            "raised (%s); restart %d of %d in %.2fs",
+            error,
+            record.restarts,
+            policy.max_restarts,
+            delay,
+        )
+        await ctx.sleep(delay)
 
 
-def _describe(exc: BaseException | None) -> str:
+def describe(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def refused(what: str) -> Fenced:
+    return Fenced(f"{what} refused: another copy holds a newer epoch")

@@ -1,7 +1,8 @@
 """The observer service: takes start messages, runs observers, stops them when it must.
 
-Side tasks (lease, broker session, checkpoint writer) are named and supervised: if one dies,
-the service stops every observer and exits non-zero rather than limp on.
+It is given its store, broker, lease and clock (``main`` builds the real ones, ``fakes`` has
+in-memory ones). Its side tasks (lease, batch writers, broker session, renewals, recovery) are
+named and supervised: if one dies, the service stops every observer and exits non-zero.
 """
 
 from __future__ import annotations
@@ -10,61 +11,78 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
-from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
-from contracts import __version__
+from contracts.clock import Clock
 from contracts.kinds import KindSpec
 from contracts.messages import (
     CONTROL_MESSAGE,
+    CancelMessage,
     DirectedStart,
     DrainMessage,
     HandoffMessage,
-    StartMessage,
 )
-from contracts.settings import default_host
-from observer_service.broker import BrokerSession
-from observer_service.checkpoints import CheckpointWriter
-from observer_service.context import ObserverContext
-from observer_service.errors import Fenced
+from contracts.statuses import ObserverStatus
+from observer_service.admission import Admission
+from observer_service.batching import Batcher
+from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
-from observer_service.runner import (
-    Runner,
-    StopReason,
-    effective_policy,
-    run_with_restarts,
-)
-from observer_service.settings import ServiceSettings
-from observer_service.settle import Settler, start_of
-from observer_service.store import Store, Taken
-from observer_service.take import Decision
+from observer_service.ports import Broker, BrokerSession, Copy, Store
+from observer_service.retry import until_done
+from observer_service.runner import Runner, StopReason
+from observer_service.settle import Settler
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ServiceConfig:
+    name: str
+    worker_count: int
+    #: How long a graceful stop waits for starts in flight, and then for copies to stop.
+    shutdown_timeout: float = 10.0
+    #: How often the rows this service holds are compared with what it runs, seconds.
+    check_every: float = 30.0
+
+
 class ObserverService:
-    def __init__(self, settings: ServiceSettings, kinds: dict[str, KindSpec]) -> None:
-        self.settings = settings
-        self.kinds = kinds
-        self.id = uuid.uuid4()
+    def __init__(
+        self,
+        *,
+        service_id: uuid.UUID,
+        config: ServiceConfig,
+        kinds: dict[str, KindSpec],
+        store: Store,
+        broker: Broker,
+        lease: LeaseKeeper,
+        clock: Clock,
+    ) -> None:
+        self.id = service_id
+        self.config = config
+        self.store = store
+        self.broker = broker
+        self.lease = lease
+        lease.on_lost = self._on_lease_lost
+        lease.witness = lambda: self.session if self.session and self.session.is_open else None
+        self.clock = clock
         self.runners: dict[uuid.UUID, Runner] = {}
-        self.taking: set[uuid.UUID] = set()
-        self._cancel_while_taking: set[uuid.UUID] = set()
-        self.capacity = asyncio.Semaphore(settings.worker_count)
+        self.admission = Admission(config.worker_count)
         self.session: BrokerSession | None = None
         self.stopping = False
         #: Draining: takes no new work, hands every observer over (POST /services/{id}/drain).
         self.draining = False
+        #: False when a graceful stop left copies running: the process must exit at once.
+        self.clean = True
+        self.checkpoints = Batcher(store.checkpoint_many)
+        self._let_go = Batcher(self._let_go_batch)
+        self.settler = Settler(let_go=self.let_go, session=lambda: self.session)
+        self.intake = Intake(self, kinds)
         self._stop = asyncio.Event()
-        self._needs_reconcile = False
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._lease_lost = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
 
     # ----------------------------------------------------------------- lifecycle
@@ -73,43 +91,24 @@ class ObserverService:
         self._stop.set()
 
     async def run(self) -> int:
-        s = self.settings
-        # A query slower than a lease is useless: whatever it guarded has been fenced by then.
-        self.pool = await asyncpg.create_pool(
-            s.asyncpg_dsn,
-            min_size=1,
-            max_size=min(20, 2 + s.worker_count),
-            timeout=max(2.0, s.lease_ttl),
-            command_timeout=max(5.0, 2 * s.lease_ttl),
-        )
-        self.store = Store(self.pool, self.id)
-        self.settler = Settler(self.store, lambda: self.session)
-        self.checkpoints = CheckpointWriter(self.pool)
-        self.lease = LeaseKeeper(
-            dsn=s.asyncpg_dsn,
-            service_id=self.id,
-            name=s.name,
-            worker_count=s.worker_count,
-            host=default_host(),
-            version=__version__,
-            ttl=s.lease_ttl,
-            renew_interval=s.renew_every,
-            margin=s.margin,
-            on_lost=self._on_lease_lost,
-            on_renewed=self._on_renewed,
-        )
-        await self.lease.register()
+        await self.lease.start()
         log.info(
-            "service %s (%s) up: worker_count=%d prefix=%s",
+            "service %s (%s) up: worker_count=%d",
             self.id,
-            s.name,
-            s.worker_count,
-            s.prefix,
+            self.config.name,
+            self.config.worker_count,
         )
         side = [
-            asyncio.create_task(self.lease.run(), name="lease"),
-            asyncio.create_task(self.checkpoints.run(), name="checkpoint-writer"),
-            asyncio.create_task(self._broker_loop(), name="broker"),
+            asyncio.create_task(coro, name=name)
+            for name, coro in (
+                ("lease", self.lease.run()),
+                ("take-writer", self.intake.takes.run()),
+                ("checkpoint-writer", self.checkpoints.run()),
+                ("let-go-writer", self._let_go.run()),
+                ("broker", self._broker_loop()),
+                ("renewals", self._renewals()),
+                ("recovery", self._recovery()),
+            )
         ]
         stop = asyncio.create_task(self._stop.wait(), name="stop-signal")
         done, _ = await asyncio.wait([*side, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -123,252 +122,105 @@ class ObserverService:
         return code
 
     async def _shutdown(self, side: list[asyncio.Task[Any]]) -> None:
-        """Stop taking work, stop every observer, release them, requeue their messages."""
+        """Stop taking work, stop every observer, release what stopped, requeue its message.
+
+        A copy that has not stopped within the timeout is never released: the service leaves
+        ``clean`` False and the process exits at once, so its database session and broker
+        connection end with it and others take the rest over (the lock is free and the control
+        queue gone: the process is provably gone)."""
         self.stopping = True
-        session = self.session
-        if session is not None:
-            await session.stop_consuming()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), self.settings.shutdown_timeout)
+        timeout = self.config.shutdown_timeout
+        if self.session is not None:
+            await self.session.stop_consuming()
+        await self.admission.idle(timeout)
         runners = list(self.runners.values())
-        for r in runners:
-            r.stop(StopReason.SHUTDOWN)
-        tasks = [r.task for r in runners if r.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.settings.shutdown_timeout)
-        held = [(r.observer_id, r.epoch) for r in runners if r.stop_reason is StopReason.SHUTDOWN]
-        try:
-            await self.store.release(held, StopReason.SHUTDOWN.value)
-        except Exception as exc:
-            log.warning("could not release observers: %s", exc)
-        for r in runners:
-            if r.stop_reason is StopReason.SHUTDOWN:
-                await self.settler.message(start_of(r.taken), r.message, "nack")
-        finished = [asyncio.create_task(r.finished.wait()) for r in runners]
-        if finished:
-            await asyncio.wait(finished, timeout=5)
-        log.info("released %d observers; leaving", len(held))
+        self._stop_where(lambda r: True, StopReason.SHUTDOWN)
+        if runners:
+            waits = [asyncio.create_task(r.finished.wait()) for r in runners]
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for w in pending:
+                w.cancel()
+        hung = [r for r in runners if not r.finished.is_set()]
+        if hung:
+            self.clean = False
+            log.error(
+                "%d observers did not stop within %.1fs; leaving without releasing them "
+                "(the process exit frees them)",
+                len(hung),
+                timeout,
+            )
+            return
+        log.info("released %d observers; leaving", len(runners))
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
         await self.lease.close(deleted=True)
-        if session is not None:
-            await session.close()
-        await self.pool.close()
+        if self.session is not None:
+            await self.session.close()
 
     # ----------------------------------------------------------------- broker
     async def _broker_loop(self) -> None:
+        backoff = 0.05
         while not self.stopping:
-            session = await self._open_session()
+            try:
+                session = await self.broker.open(
+                    service_id=self.id,
+                    prefetch=self.config.worker_count,
+                    consume_work=not self.draining,
+                    on_start=self.intake.on_start,
+                    on_control=self._on_control,
+                )
+            except Exception as exc:  # any failure to open is retried
+                log.warning("broker unreachable (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            backoff = 0.05
             self.session = session
             await session.closed.wait()
-            gen = session.generation
-            self._stop_where(lambda r, gen=gen: r.generation == gen, StopReason.CHANNEL_LOST)
+            self.lease.broker_lost(session.generation)
+            self._stop_where(_delivered_on(session.generation), StopReason.CHANNEL_LOST)
             await session.close()
 
-    async def _open_session(self) -> BrokerSession:
-        async for attempt in AsyncRetrying(
-            wait=wait_exponential_jitter(initial=0.1, max=5.0),
-            retry=retry_if_exception_type(Exception),
-            before_sleep=lambda st: log.warning(
-                "broker unreachable (%s); retrying", st.outcome and st.outcome.exception()
-            ),
-        ):
-            with attempt:
-                session = BrokerSession()
-                try:
-                    await session.open(
-                        self.settings,
-                        service_id=self.id,
-                        prefetch=self.settings.worker_count,
-                        on_start=self._on_start,
-                        on_control=self._on_control,
-                        consume_work=not self.draining,
-                    )
-                except BaseException:
-                    await session.close()
-                    raise
-                return session
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _session_open(self, generation: int) -> bool:
+    def session_open(self, generation: int | None) -> bool:
+        """Whether the session of that generation is the current one and open (None: no
+        delivery behind it, always true)."""
+        if generation is None:
+            return True
         s = self.session
         return s is not None and s.generation == generation and s.is_open
 
-    # ----------------------------------------------------------------- start messages
-    @contextlib.contextmanager
-    def _in_flight_start(self) -> Iterator[None]:
-        """Count a start being admitted, so that a graceful stop waits for it to settle."""
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+    # ----------------------------------------------------------------- runners
+    def add_runner(self, runner: Runner) -> None:
+        self.runners[runner.observer_id] = runner
+        self.spawn(self._supervise(runner))
 
-    async def _on_start(self, message: AbstractIncomingMessage, generation: int) -> None:
-        with self._in_flight_start():
-            try:
-                await self._handle_start(message, generation)
-            except Exception:
-                log.exception("start message handling failed; requeueing it")
-                await asyncio.sleep(0.5)
-                if self._session_open(generation):
-                    await self.settler.message(None, message, "nack")
-
-    async def _handle_start(self, message: AbstractIncomingMessage, generation: int) -> None:
-        try:
-            start = StartMessage.model_validate_json(message.body)
-        except ValidationError as exc:
-            log.error("malformed start message sent to the error queue: %s", exc)
-            await message.reject(requeue=False)
-            return
-        await self._admit(start, message, generation)
-
-    async def _admit(
-        self,
-        start: StartMessage,
-        message: AbstractIncomingMessage | None,
-        generation: int | None,
-    ) -> None:
-        """Take the observer if the rule allows and a slot is free, then run it.
-
-        ``message`` is the work-queue delivery to hold while it runs; None for a directed start,
-        which is handed back to the work queue whenever it cannot run here.
-        """
-        oid = start.observer_id
-        if self.stopping or self.draining:
-            await self.settler.message(start, message, "nack")
-            return
-        existing = self.runners.get(oid)
-        if existing is not None and existing.generation not in (None, generation):
-            # A copy delivered on a dead session: it is being stopped; never run two here.
-            existing.stop(StopReason.CHANNEL_LOST)
-            await existing.finished.wait()
-            existing = None
-        if not self.lease.valid():
-            await asyncio.sleep(min(1.0, self.settings.lease_ttl / 5))
-            await self.settler.message(start, message, "nack")
-            return
-        if message is None and self.capacity.locked():
-            await self.settler.message(start, None, "nack")  # directed here, but no room any more
-            return
-        await self.capacity.acquire()
-        started = False
-        self.taking.add(oid)
-        try:
-            started = await self._take_and_start(start, message, generation, existing is not None)
-        finally:
-            self.taking.discard(oid)
-            self._cancel_while_taking.discard(oid)
-            if not started:
-                self.capacity.release()
-
-    async def _take_and_start(
-        self,
-        start: StartMessage,
-        message: AbstractIncomingMessage | None,
-        generation: int | None,
-        running_here: bool,
-    ) -> bool:
-        oid = start.observer_id
-        backoff = 0.05
-        while True:
-            result = await self.store.take(
-                oid,
-                start.dispatch_id,
-                redelivered=bool(message is not None and message.redelivered),
-                running_here_on_open_channel=running_here,
-            )
-            if result.decision is not Decision.WAIT:
-                break
-            assert message is not None
-            assert generation is not None
-            if self.stopping or not self._session_open(generation):
-                if self._session_open(generation):
-                    await message.nack(requeue=True)
-                return False
-            # The holder lost its channel but not (yet) its lease: it is stopping its copy.
-            await asyncio.sleep(min(backoff, max(0.01, result.holder_remaining + 0.01)))
-            backoff = min(backoff * 2, 0.5)
-        if result.decision is not Decision.TAKE:
-            log.info("start message for %s: %s", oid, result.decision.value)
-            if message is not None:
-                await message.ack()
-            return False
-        taken = result.taken
-        assert taken is not None
-        delivery_dead = generation is not None and not self._session_open(generation)
-        if self.stopping or self.draining or delivery_dead or not self.lease.valid():
-            # Too late to run it here: let go at once so that another service takes it.
-            await self.store.release([(oid, taken.epoch)], "taken while stopping")
-            if not delivery_dead:
-                await self.settler.message(start, message, "nack")
-            return False
-        return self._start_runner(taken, message, generation)
-
-    def _start_runner(
-        self, taken: Taken, message: AbstractIncomingMessage | None, generation: int | None
-    ) -> bool:
-        spec = self.kinds.get(taken.kind)
-        error: str | None = None
-        params: Any = taken.params
-        if spec is None:
-            error = f"kind {taken.kind!r} is not installed on service {self.settings.name}"
-        elif spec.params_model is not None:
-            try:
-                params = spec.params_model.model_validate(taken.params)
-            except ValidationError as exc:
-                error = f"invalid params: {exc}"
-        if spec is None or error is not None:
-            self._spawn(self.settler.fail_unrunnable(taken, message, error or "unrunnable"))
-            return False
-        ctx = ObserverContext(
-            observer_id=taken.observer_id,
-            name=taken.name,
-            kind=taken.kind,
-            epoch=taken.epoch,
-            service_id=self.id,
-            params=params,
-            last_checkpoint=taken.checkpoint,
-            write_checkpoint=self.checkpoints.write,
-            lease_valid=self.lease.valid,
-        )
-        runner = Runner(taken=taken, spec=spec, ctx=ctx, message=message, generation=generation)
-        policy = effective_policy(spec, taken.restart_policy)
-
-        async def on_restart(err: str, delay: float) -> None:
-            ctx.logger.warning("observer raised (%s); restarting in %.2fs", err, delay)
-            if not await self.store.record_restart(taken.observer_id, taken.epoch, err):
-                raise Fenced("restart record refused")
-
-        runner.task = asyncio.create_task(
-            run_with_restarts(spec, ctx, policy, on_restart), name=f"observer-{taken.observer_id}"
-        )
-        self.runners[taken.observer_id] = runner
-        self._spawn(self._supervise(runner))
-        if taken.observer_id in self._cancel_while_taking:
-            runner.stop(StopReason.DELETE)
-        ctx.logger.info("running (epoch %d)", taken.epoch)
-        return True
-
-    # ----------------------------------------------------------------- settling
     async def _supervise(self, runner: Runner) -> None:
         task = runner.task
         assert task is not None
         try:
             await asyncio.wait([task])
-            if await self.settler.conclude(runner, task):
-                self._needs_reconcile = True
-        except Exception:
+            await self.settler.conclude(runner)
+        except Exception:  # a bug: the periodic check reconciles the row
             log.exception("settling observer %s failed", runner.observer_id)
         finally:
             if self.runners.get(runner.observer_id) is runner:
                 del self.runners[runner.observer_id]
-            self.capacity.release()
+            self.admission.slots.release()
             runner.finished.set()
+
+    async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
+        """Release a stopped copy (or complete its delete); None where it was fenced."""
+        return await self._let_go.submit((copy, detail))
+
+    async def _let_go_batch(self, items: list[tuple[Copy, str]]) -> list[ObserverStatus | None]:
+        out: list[ObserverStatus | None] = [None] * len(items)
+        for detail in {d for _, d in items}:
+            idx = [i for i, (_, d) in enumerate(items) if d == detail]
+            done = await self.store.let_go_many([items[i][0] for i in idx], detail)
+            for i, status in zip(idx, done, strict=True):
+                out[i] = status
+        return out
 
     def drain(self) -> None:
         """Take no more work and hand every observer to the other services."""
@@ -377,70 +229,98 @@ class ObserverService:
         self.draining = True
         log.warning("draining: handing over %d observers", len(self.runners))
         if self.session is not None:
-            self._spawn(self.session.stop_consuming())
-        self._stop_where(lambda r: True, StopReason.HANDOFF)
+            self.spawn(self.session.stop_consuming())
+        self._stop_where(lambda r: True, StopReason.DRAIN)
 
-    # ----------------------------------------------------------------- control and lease
-    async def _on_control(self, message: AbstractIncomingMessage, generation: int) -> None:
-        try:
-            control = CONTROL_MESSAGE.validate_json(message.body)
-        except ValidationError as exc:
-            log.error("malformed control message ignored: %s", exc)
-            return
-        if isinstance(control, DirectedStart):
-            start = StartMessage(observer_id=control.observer_id, dispatch_id=control.dispatch_id)
-            with self._in_flight_start():
-                try:
-                    await self._admit(start, None, None)
-                except Exception:
-                    log.exception("directed start failed; handing it to the work queue")
-                    await self.settler.message(start, None, "nack")
-        elif isinstance(control, HandoffMessage):
-            runner = self.runners.get(control.observer_id)
-            if runner is not None and runner.stop_reason is None:
-                runner.handoff_to = control.to
-                runner.stop(StopReason.HANDOFF)
-        elif isinstance(control, DrainMessage):
-            if control.service_id == self.id:
-                self.drain()
-        else:
-            self._cancel(control.observer_id)
-
-    def _cancel(self, observer_id: uuid.UUID) -> None:
-        runner = self.runners.get(observer_id)
-        if runner is not None:
-            runner.stop(StopReason.DELETE)
-        elif observer_id in self.taking:
-            self._cancel_while_taking.add(observer_id)
-
-    def _on_lease_lost(self, reason: str) -> None:
-        self._needs_reconcile = True
-        self._stop_where(lambda r: True, StopReason.LEASE_LOST)
-
-    async def _on_renewed(
-        self, deleting: list[uuid.UUID], was_fenced: bool, draining: bool
-    ) -> None:
-        for oid in deleting:
-            self._cancel(oid)
-        if draining:
-            self.drain()  # in case the broadcast was missed
-        if not (was_fenced or self._needs_reconcile):
-            return
-        if any(r.stop_reason is not None for r in self.runners.values()):
-            return  # wait until the stopping copies have settled
-        released = await self.store.release_orphans(set(self.runners) | self.taking)
-        self._needs_reconcile = False
-        if released:
-            log.info("released %d observers this service no longer runs", released)
-
-    def _stop_where(self, pred: Any, reason: StopReason) -> None:
+    def _stop_where(self, pred: Callable[[Runner], bool], reason: StopReason) -> None:
         stopped = [r for r in self.runners.values() if pred(r)]
         for r in stopped:
             r.stop(reason)
         if stopped:
             log.warning("stopping %d observers: %s", len(stopped), reason.value)
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    # ----------------------------------------------------------------- control
+    async def _on_control(self, body: bytes) -> None:
+        try:
+            control = CONTROL_MESSAGE.validate_json(body)
+        except ValidationError as exc:
+            log.error("malformed control message ignored: %s", exc)
+            return
+        if isinstance(control, DirectedStart):
+            await self.intake.admit(control.start(), None)
+        elif isinstance(control, HandoffMessage):
+            runner = self.runners.get(control.observer_id)
+            if runner is not None:
+                runner.stop(StopReason.HANDOFF, to=control.to)
+        elif isinstance(control, DrainMessage):
+            if control.service_id == self.id:
+                self.drain()
+        elif isinstance(control, CancelMessage):
+            self.cancel(control.observer_id)
+
+    def cancel(self, observer_id: uuid.UUID) -> None:
+        runner = self.runners.get(observer_id)
+        if runner is not None:
+            runner.stop(StopReason.DELETE)
+        else:
+            self.admission.cancel(observer_id)
+
+    # ----------------------------------------------------------------- lease
+    def _on_lease_lost(self, reason: str) -> None:
+        self._stop_where(lambda r: True, StopReason.LEASE_LOST)
+        self._lease_lost.set()
+
+    async def _renewals(self) -> None:
+        """What renewals learn: own observers being deleted (a missed broadcast), a drain; and
+        now and then, whether the rows we hold are the copies we run."""
+        checked = self.clock.now()
+        while True:
+            renewal = await self.lease.renewals.get()
+            for oid in renewal.deleting:
+                self.cancel(oid)
+            if renewal.draining:
+                self.drain()
+            if self.clock.now() - checked >= self.config.check_every:
+                checked = self.clock.now()
+                await self._check_held()
+
+    async def _check_held(self) -> None:
+        held = await until_done(self.store.held_count, "counting held observers")
+        if held <= len(self.runners) + self.admission.in_flight:
+            return
+        log.warning("the database says we hold %d observers; we run %d", held, len(self.runners))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reconcile(), self.lease.timings.ttl)
+
+    async def _recovery(self) -> None:
+        """After a fence: wait until every copy has stopped and settled, let go of whatever the
+        database still says we hold, then let the lease come back (on a new session)."""
+        while True:
+            await self._lease_lost.wait()
+            self._lease_lost.clear()
+            while self.runners:
+                await asyncio.wait(
+                    [asyncio.create_task(r.finished.wait()) for r in list(self.runners.values())]
+                )
+            await self._reconcile()
+            if self._lease_lost.is_set():
+                continue
+            self.lease.allow_rejoin()
+
+    async def _reconcile(self) -> None:
+        async with self.admission.paused():
+            released = await until_done(
+                lambda: self.store.reconcile(set(self.runners)), "letting go of what we hold"
+            )
+        if released:
+            log.info("let go of %d observers this service no longer runs", released)
+
+    # ----------------------------------------------------------------- helpers
+    def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _delivered_on(generation: int) -> Callable[[Runner], bool]:
+    return lambda r: r.generation == generation

@@ -1,216 +1,293 @@
-"""The service's reads and writes in Postgres. Every write for a running observer is fenced by
-its epoch: it lands only while that epoch is still the observer's.
-
-Each write is one statement (its history event inserted in the same statement), so it costs one
-round trip and needs no explicit transaction.
+"""The service's database edge: ``PgStore`` (observer rows) and ``PgLeaseDatabase`` (the lease
+and the session that holds the service's advisory lock). SQL lives in ``queries``; driver errors
+become ``DatabaseUnavailable`` here and nowhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import secrets
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import asyncpg
 
+from contracts.errors import DatabaseUnavailable, database_errors
+from contracts.kinds import RestartPolicy
 from contracts.statuses import ObserverStatus
+from observer_service import queries as q
+from observer_service.ports import (
+    Checkpoint,
+    Copy,
+    ErrorRecord,
+    Renewal,
+    StartRequest,
+    Taken,
+    TakeResult,
+)
 from observer_service.take import Decision, Facts, decide
 
-
-@dataclass(frozen=True)
-class Taken:
-    observer_id: uuid.UUID
-    name: str
-    kind: str
-    params: dict[str, Any]
-    checkpoint: Any
-    restart_policy: dict[str, Any] | None
-    epoch: int
-    dispatch_id: uuid.UUID
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TakeResult:
-    decision: Decision
-    taken: Taken | None = None
-    #: For WAIT: seconds until the holder's lease expires.
-    holder_remaining: float = 0.0
-
-
-# A live holder keeps a session-level advisory lock for as long as its process lives; getting
-# it (for this statement only) proves that session has ended. It never comes back: a new
-# process takes a new key. So the proof stays true after the statement.
-_FACTS = """
-SELECT f.*, CASE WHEN f.holder_live THEN pg_try_advisory_xact_lock(f.lock_key) END AS holder_gone
-  FROM (SELECT o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params,
-               o.checkpoint, o.restart_policy, s.lock_key,
-               (s.id IS NOT NULL AND NOT s.is_deleted
-                AND s.lease_expires_at > clock_timestamp()) AS holder_live,
-               EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8
-                   AS holder_remaining
-          FROM observers o LEFT JOIN services s ON s.id = o.service_id
-         WHERE o.id = $1) AS f
-"""
-
-
-def _with_event(update: str, event: str, detail: str) -> str:
-    """``update`` (returning id and epoch) plus one history row per updated observer."""
-    return f"""
-WITH u AS ({update}),
-     e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
-           SELECT u.id, '{event}', $2::uuid, u.epoch, {detail} FROM u)
-SELECT id, epoch FROM u
-"""
-
-
-# $1 observer, $2 me, $3 epoch seen, $4 dispatch seen, $5 status seen, $6 holder seen: the
-# compare-and-set stands in for a row lock (the epoch is the row's version).
-_UNCHANGED = (
-    "id = $1 AND epoch = $3 AND dispatch_id = $4 AND status = $5 "
-    "AND service_id IS NOT DISTINCT FROM $6"
-)
-_TAKE = _with_event(
-    "UPDATE observers SET status = 'processing', service_id = $2, epoch = epoch + 1, "
-    f"started_at = now(), modified_at = now() WHERE {_UNCHANGED} RETURNING id, epoch",
-    "taken",
-    "$7::text",
-)
-_DELETE_UNRUN = _with_event(
-    "UPDATE observers SET status = 'deleted', service_id = NULL, modified_at = now() "
-    f"WHERE {_UNCHANGED} RETURNING id, epoch",
-    "deleted",
-    "'not running'",
-)
-# $1 observers, $2 me, $3 epochs, $4 detail
-_RELEASE = _with_event(
-    "UPDATE observers o SET service_id = NULL, modified_at = now() "
-    "FROM unnest($1::uuid[], $3::bigint[]) AS v(id, epoch) "
-    "WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND o.status = 'processing' "
-    "RETURNING o.id, o.epoch",
-    "released",
-    "$4::text",
-)
-# $1 observer, $2 me, $3 epoch, $4 error
-_MARK_DELETED = _with_event(
-    "UPDATE observers SET status = 'deleted', service_id = NULL, modified_at = now() "
-    "WHERE id = $1 AND epoch = $3 AND status = 'on_deleting' "
-    "RETURNING id, epoch",
-    "deleted",
-    "$4::text",
-)
-_RESTARTED = _with_event(
-    "UPDATE observers SET restart_count = restart_count + 1, last_error = $4, "
-    "modified_at = now() WHERE id = $1 AND epoch = $3 AND status = 'processing' "
-    "RETURNING id, epoch",
-    "restarted",
-    "$4::text",
-)
-_FAILED = _with_event(
-    "UPDATE observers SET status = 'failed', service_id = NULL, last_error = $4, "
-    "modified_at = now() WHERE id = $1 AND epoch = $3 AND status = 'processing' "
-    "RETURNING id, epoch",
-    "failed",
-    "$4::text",
-)
-
-
-class Store:
-    def __init__(self, pool: asyncpg.Pool, service_id: uuid.UUID) -> None:
+class PgStore:
+    def __init__(self, pool: asyncpg.Pool, me: uuid.UUID) -> None:
         self.pool = pool
-        self.me = service_id
+        self.me = me
 
-    async def take(
-        self,
-        observer_id: uuid.UUID,
-        dispatch_id: uuid.UUID,
-        *,
-        redelivered: bool,
-        running_here_on_open_channel: bool,
-    ) -> TakeResult:
-        """Decide on a start message from the observer's row; on TAKE, bump the epoch.
+    async def take_many(
+        self, requests: Sequence[StartRequest], *, off_broker: frozenset[uuid.UUID] = frozenset()
+    ) -> list[TakeResult]:
+        """Decide on every start message with one read, then write every take (and every delete
+        of an unrun observer) with one compare-and-set each. A row that changed in between is
+        read and decided again. ``off_broker``: holders the caller found gone from the broker."""
+        results: dict[int, TakeResult] = {}
+        todo = list(enumerate(requests))
+        while todo:
+            with database_errors():
+                rows = await self.pool.fetch(q.FACTS, [r.observer_id for _, r in todo], self.me)
+            by_id = {row["id"]: row for row in rows}
+            writes: dict[Decision, list[tuple[int, StartRequest, asyncpg.Record]]] = {
+                Decision.TAKE: [],
+                Decision.DROP_DELETED: [],
+            }
+            for i, req in todo:
+                row = by_id.get(req.observer_id)
+                decision = self._decide(req, row, off_broker)
+                if row is not None and decision in writes and row["status"] != "deleted":
+                    writes[decision].append((i, req, row))
+                    continue
+                results[i] = TakeResult(
+                    decision,
+                    holder=None if row is None else row["service_id"],
+                    holder_remaining=0.0 if row is None else float(row["holder_remaining"] or 0),
+                )
+            todo = []
+            for decision, sql in ((Decision.TAKE, q.TAKE), (Decision.DROP_DELETED, q.DELETE_UNRUN)):
+                batch = writes[decision]
+                if not batch:
+                    continue
+                done = await self._compare_and_set(sql, batch)
+                for i, req, row in batch:
+                    epoch = done.get(req.observer_id)
+                    if epoch is None:
+                        todo.append((i, req))  # changed meanwhile: decide again
+                    elif decision is Decision.TAKE:
+                        results[i] = TakeResult(decision, _taken(row, epoch, req))
+                    else:
+                        results[i] = TakeResult(decision)
+        return [results[i] for i in range(len(requests))]
 
-        Read, decide, then write only if the row is still as read; if it changed in between,
-        decide again on the new row.
-        """
-        while True:
-            row = await self.pool.fetchrow(_FACTS, observer_id)
-            if row is None:
-                return TakeResult(Decision.DROP_MISSING)
-            facts = Facts(
-                exists=True,
-                status=ObserverStatus(row["status"]),
-                dispatch_current=row["dispatch_id"] == dispatch_id,
-                holder=row["service_id"],
-                holder_live=bool(row["holder_live"]),
-                holder_gone=bool(row["holder_gone"]),
-            )
-            decision = decide(
-                facts,
-                me=self.me,
-                redelivered=redelivered,
-                running_here_on_open_channel=running_here_on_open_channel,
-            )
-            seen = (
-                observer_id,
+    def _decide(
+        self, req: StartRequest, row: asyncpg.Record | None, off_broker: frozenset[uuid.UUID]
+    ) -> Decision:
+        if row is None:
+            return decide(Facts(exists=False), me=self.me, redelivered=False, running_here=False)
+        holder = row["service_id"]
+        facts = Facts(
+            exists=True,
+            status=ObserverStatus(row["status"]),
+            dispatch_current=row["dispatch_id"] == req.start.dispatch_id,
+            holder=holder,
+            holder_live=bool(row["holder_live"]),
+            holder_lock_free=bool(row["holder_lock_free"]),
+            holder_off_broker=True if holder in off_broker else None,
+        )
+        return decide(facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here)
+
+    async def _compare_and_set(
+        self, sql: str, batch: list[tuple[int, StartRequest, asyncpg.Record]]
+    ) -> dict[uuid.UUID, int]:
+        def detail(row: asyncpg.Record) -> str | None:
+            return f"from {row['service_id']}" if row["service_id"] else None
+
+        with database_errors():
+            rows = await self.pool.fetch(
+                sql,
+                [r["id"] for _, _, r in batch],
                 self.me,
-                row["epoch"],
-                row["dispatch_id"],
-                row["status"],
-                row["service_id"],
+                [r["epoch"] for _, _, r in batch],
+                [r["dispatch_id"] for _, _, r in batch],
+                [r["status"] for _, _, r in batch],
+                [r["service_id"] for _, _, r in batch],
+                [detail(r) for _, _, r in batch],
             )
-            unrun = decision is Decision.DROP_DELETED and row["status"] != ObserverStatus.DELETED
-            if unrun and await self.pool.fetchrow(_DELETE_UNRUN, *seen) is None:
-                continue  # changed meanwhile: decide again
-            if decision is not Decision.TAKE:
-                return TakeResult(decision, holder_remaining=float(row["holder_remaining"] or 0))
-            detail = f"from {row['service_id']}" if row["service_id"] else None
-            taken = await self.pool.fetchrow(_TAKE, *seen, detail)
-            if taken is None:
-                continue
-            return TakeResult(
-                decision,
-                Taken(
-                    observer_id=observer_id,
-                    name=row["name"],
-                    kind=row["kind"],
-                    params=json.loads(row["params"]),
-                    checkpoint=json.loads(row["checkpoint"]) if row["checkpoint"] else None,
-                    restart_policy=(
-                        json.loads(row["restart_policy"]) if row["restart_policy"] else None
-                    ),
-                    epoch=taken["epoch"],
-                    dispatch_id=dispatch_id,
-                ),
+        return {r["id"]: r["epoch"] for r in rows}
+
+    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
+        """One statement for every checkpoint; one row per copy (observer and epoch), the
+        newest state of each copy winning, so a stale copy's write never hides the current's."""
+        newest = {(c.observer_id, c.epoch): c for c in items}
+        with database_errors():
+            rows = await self.pool.fetch(
+                q.CHECKPOINT,
+                [c.observer_id for c in newest.values()],
+                self.me,
+                [c.epoch for c in newest.values()],
+                [c.state_json for c in newest.values()],
             )
+        accepted = {(r["id"], r["epoch"]) for r in rows}
+        return [(c.observer_id, c.epoch) in accepted for c in items]
 
-    async def release(self, held: list[tuple[uuid.UUID, int]], reason: str) -> set[uuid.UUID]:
-        """Let go of observers (still processing) so that others take them without a wait."""
-        if not held:
-            return set()
-        rows = await self.pool.fetch(
-            _RELEASE, [h[0] for h in held], self.me, [h[1] for h in held], reason
+    async def let_go_many(self, copies: Sequence[Copy], detail: str) -> list[ObserverStatus | None]:
+        """Release stopped copies (or complete their delete); None where the copy was fenced."""
+        with database_errors():
+            rows = await self.pool.fetch(
+                q.LET_GO, [c[0] for c in copies], self.me, [c[1] for c in copies], detail
+            )
+        done = {(r["id"], r["epoch"]): ObserverStatus(r["status"]) for r in rows}
+        return [done.get(c) for c in copies]
+
+    async def record_error(
+        self, copy: Copy, error: str, policy: RestartPolicy
+    ) -> ErrorRecord | None:
+        with database_errors():
+            row = await self.pool.fetchrow(
+                q.RECORD_ERROR,
+                copy[0],
+                self.me,
+                copy[1],
+                error,
+                policy.reset_after,
+                policy.max_restarts,
+            )
+        if row is None:
+            return None
+        return ErrorRecord(restarts=row["restart_count"], failed=row["status"] == "failed")
+
+    async def fail(self, copy: Copy, error: str) -> bool:
+        with database_errors():
+            row = await self.pool.fetchrow(q.FAIL, copy[0], self.me, copy[1], error)
+        return row is not None
+
+    async def reconcile(self, running: set[uuid.UUID]) -> int:
+        with database_errors():
+            rows = await self.pool.fetch(q.RECONCILE, list(running), self.me)
+        return len(rows)
+
+    async def held_count(self) -> int:
+        with database_errors():
+            return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
+
+
+def _taken(row: asyncpg.Record, epoch: int, req: StartRequest) -> Taken:
+    return Taken(
+        observer_id=row["id"],
+        name=row["name"],
+        kind=row["kind"],
+        params=json.loads(row["params"]),
+        checkpoint=json.loads(row["checkpoint"]) if row["checkpoint"] else None,
+        restart_policy=json.loads(row["restart_policy"]) if row["restart_policy"] else None,
+        epoch=epoch,
+        dispatch_id=req.start.dispatch_id,
+    )
+
+
+# ----------------------------------------------------------------------------------- lease
+class SessionEnded(DatabaseUnavailable):
+    """The lease session is gone: its lock is free, so whatever it proved no longer holds."""
+
+
+class PgLeaseSession:
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        lock_key: int,
+        service_id: uuid.UUID,
+        row: tuple[object, ...],
+        on_end: Callable[[], None],
+    ) -> None:
+        self.conn = conn
+        self.lock_key = lock_key
+        self.service_id = service_id
+        self._row = row
+        self._on_end = on_end
+        self._closing = False
+        conn.add_termination_listener(self._terminated)
+
+    def _terminated(self, _: object) -> None:
+        if not self._closing:
+            self._on_end()
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.conn.is_closed())
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            with database_errors():
+                yield
+        except DatabaseUnavailable as exc:
+            if self.conn.is_closed():
+                raise SessionEnded(str(exc)) from exc
+            raise
+
+    async def join(self, ttl: float) -> bool:
+        """Register (or come back) with this session's lock key; returns draining."""
+        with self._errors():
+            row = await self.conn.fetchrow(q.JOIN, self.service_id, *self._row, self.lock_key, ttl)
+        return bool(row["draining"])
+
+    async def renew(self, ttl: float, timeout: float) -> Renewal | None:
+        with self._errors():
+            row = await self.conn.fetchrow(
+                q.RENEW, self.service_id, ttl, self.lock_key, timeout=timeout
+            )
+        return None if row is None else Renewal(deleting=list(row[0]), draining=bool(row[1]))
+
+    async def close(self, *, deleted: bool) -> None:
+        """Leave (graceful stop) and end the session, freeing the lock."""
+        self._closing = True
+        try:
+            with self._errors():
+                if deleted:
+                    await self.conn.execute(q.LEAVE, self.service_id, timeout=5)
+                await self.conn.close(timeout=5)
+        except DatabaseUnavailable as exc:
+            log.warning("could not close the lease session cleanly: %s", exc)
+            self.conn.terminate()
+
+    def terminate(self) -> None:
+        self._closing = True
+        self.conn.terminate()
+
+
+class PgLeaseDatabase:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        service_id: uuid.UUID,
+        name: str,
+        worker_count: int,
+        host: str,
+        version: str,
+        connect_timeout: float,
+    ) -> None:
+        self.dsn = dsn
+        self.service_id = service_id
+        self._row = (name, worker_count, host, os.getpid(), version)
+        self.connect_timeout = connect_timeout
+
+    async def connect(self, on_end: Callable[[], None]) -> PgLeaseSession:
+        """A new session holding a new advisory lock key for as long as it lives."""
+        lock_key = secrets.randbits(63)
+        with database_errors():
+            conn = await asyncpg.connect(
+                self.dsn,
+                timeout=self.connect_timeout,
+                server_settings={"application_name": f"orch lease {self.service_id}"},
+            )
+            try:
+                await conn.execute("SELECT pg_advisory_lock($1)", lock_key, timeout=5)
+            except BaseException:
+                conn.terminate()
+                raise
+        return PgLeaseSession(
+            conn, lock_key=lock_key, service_id=self.service_id, row=self._row, on_end=on_end
         )
-        return {r["id"] for r in rows}
-
-    async def release_orphans(self, keep: set[uuid.UUID]) -> int:
-        """Release what the database says we hold but we do not run (after a fence)."""
-        result = await self.pool.execute(
-            "UPDATE observers SET service_id = NULL, modified_at = now() "
-            "WHERE service_id = $1 AND status = 'processing' AND NOT (id = ANY($2::uuid[]))",
-            self.me,
-            list(keep),
-        )
-        return int(result.split()[-1])
-
-    async def _fenced(self, sql: str, observer_id: uuid.UUID, epoch: int, text: str) -> bool:
-        return await self.pool.fetchrow(sql, observer_id, self.me, epoch, text) is not None
-
-    async def mark_deleted(self, observer_id: uuid.UUID, epoch: int) -> bool:
-        return await self._fenced(_MARK_DELETED, observer_id, epoch, "stopped by holder")
-
-    async def record_restart(self, observer_id: uuid.UUID, epoch: int, error: str) -> bool:
-        return await self._fenced(_RESTARTED, observer_id, epoch, error)
-
-    async def mark_failed(self, observer_id: uuid.UUID, epoch: int, error: str) -> bool:
-        return await self._fenced(_FAILED, observer_id, epoch, error)

@@ -1,6 +1,7 @@
-"""The take rule: what a service does with a start message, decided from the locked row.
+"""The take rule: what a service does with a start message, decided from the observer's row.
 
-Pure so that every branch has a unit test; ``store.take`` supplies the facts in one transaction.
+Pure so that every branch has a unit test; ``Store.take_many`` supplies the facts and writes the
+decision with a compare-and-set.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ class Decision(Enum):
     DROP_FAILED = "drop: failed"
     DROP_DUPLICATE = "drop: duplicate of a running copy"
     WAIT = "wait: held by a live service"
+    #: The holder's database session has ended; ask the broker whether its process is gone too.
+    PROBE = "probe: is the holder gone from the broker too?"
 
 
 @dataclass(frozen=True)
 class Facts:
-    """What the take transaction knows about the observer and its current holder."""
+    """What the take statement knows about the observer and its current holder."""
 
     exists: bool
     status: ObserverStatus | None = None
     dispatch_current: bool = False
     holder: uuid.UUID | None = None
-    holder_live: bool = False  # its lease has not expired and it is not deleted
-    holder_gone: bool = False  # its Postgres session ended (its advisory lock is free)
+    #: Its lease has not expired in the database and it is not deleted.
+    holder_live: bool = False
+    #: Its lease session has ended: the advisory lock that session held is free.
+    holder_lock_free: bool = False
+    #: Its exclusive control queue is gone from the broker (None: not asked yet).
+    holder_off_broker: bool | None = None
 
 
 def decide(
@@ -40,29 +47,39 @@ def decide(
     *,
     me: uuid.UUID,
     redelivered: bool,
-    running_here_on_open_channel: bool,
+    running_here: bool,
 ) -> Decision:
+    """``running_here``: a copy of this observer runs in this process on a live broker session.
+
+    A holder other than me whose lease is live may be taken over before its lease expires only
+    when its process is provably gone: its database session ended (the lock is free) *and* its
+    broker connection closed (its exclusive control queue is gone). Either alone happens to a
+    live process (a pooler, a database restart, a broker restart), and that process may still
+    run its copy until it notices.
+    """
     if not facts.exists:
         return Decision.DROP_MISSING
     if not facts.dispatch_current:
         return Decision.DROP_STALE
     if facts.status is ObserverStatus.FAILED:
         return Decision.DROP_FAILED
-    holder_is_other_and_live = facts.holder not in (None, me) and facts.holder_live
+    if facts.holder == me and running_here:
+        return Decision.DROP_DUPLICATE
+    other_live = facts.holder not in (None, me) and facts.holder_live
     if facts.status in (ObserverStatus.ON_DELETING, ObserverStatus.DELETED):
-        if facts.status is ObserverStatus.ON_DELETING and holder_is_other_and_live:
+        if facts.status is ObserverStatus.ON_DELETING and other_live:
             return Decision.DROP_DELETING_ELSEWHERE
         return Decision.DROP_DELETED
     # created or processing
-    if facts.holder is None:
-        return Decision.TAKE
-    if facts.holder == me:
-        return Decision.DROP_DUPLICATE if running_here_on_open_channel else Decision.TAKE
-    if not facts.holder_live:
+    if not other_live:
         return Decision.TAKE
     # Held by another live service. A first delivery can only be a duplicate publish: the
-    # holder's own delivery is still unacked on its channel. A redelivery means the broker saw
-    # the holder's channel close: the holder is gone, or cut off and stopping its copy.
+    # holder's own delivery is still unacked on its channel. A redelivery may mean the holder's
+    # channel closed (it is stopping its copy and will release it), or a requeued duplicate.
     if not redelivered:
         return Decision.DROP_DUPLICATE
-    return Decision.TAKE if facts.holder_gone else Decision.WAIT
+    if not facts.holder_lock_free:
+        return Decision.WAIT
+    if facts.holder_off_broker is None:
+        return Decision.PROBE
+    return Decision.TAKE if facts.holder_off_broker else Decision.WAIT

@@ -12,8 +12,8 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from contracts.kinds import KindLoadError
-from contracts.preflight import StartupError, check_servers
+from contracts.errors import StartupError
+from contracts.preflight import check_servers
 
 app = typer.Typer(
     help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
@@ -68,10 +68,7 @@ def manager(
     wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
 ) -> None:
     """Run the HTTP API (and, if elected, the background loops)."""
-    import uvicorn
-
-    from contracts.preflight import check_servers
-    from manager.app import create_app
+    from contracts.kinds import load_kinds
     from manager.settings import ManagerSettings
     from observer_service.main import configure_logging
 
@@ -79,19 +76,39 @@ def manager(
     assert isinstance(settings, ManagerSettings)
     configure_logging()
     try:
+        kinds = load_kinds(settings.kind_module_list)
         asyncio.run(check_servers(settings, wait=wait))
-        from contracts.kinds import load_kinds
-
-        load_kinds(settings.kind_module_list)
-    except (StartupError, KindLoadError) as exc:
+        code = asyncio.run(_serve_manager(settings, kinds))
+    except StartupError as exc:
         _fail(str(exc))
-    uvicorn.run(
-        create_app(settings),
+    raise typer.Exit(code)
+
+
+async def _serve_manager(settings: Any, kinds: Any) -> int:
+    """Serve until a signal (0), or until a task of the runtime dies (1)."""
+    import uvicorn
+
+    from manager.app import create_app
+    from manager.runtime import ManagerRuntime
+
+    runtime = ManagerRuntime(settings, kinds)
+    config = uvicorn.Config(
+        create_app(settings, runtime=runtime),
         host=settings.host,
         port=settings.port,
         log_level="warning",
         access_log=False,
     )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    fatal = asyncio.create_task(runtime.fatal.wait())
+    await asyncio.wait([serving, fatal], return_when=asyncio.FIRST_COMPLETED)
+    if fatal.done():
+        server.should_exit = True
+    else:
+        fatal.cancel()
+    await serving
+    return 1 if runtime.fatal.is_set() else 0
 
 
 @app.command()
@@ -101,7 +118,7 @@ def service(
     wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
 ) -> None:
     """Run one observer service."""
-    from contracts.preflight import check_servers
+    from contracts.kinds import load_kinds
     from observer_service.main import configure_logging, serve
     from observer_service.settings import ServiceSettings
 
@@ -109,9 +126,10 @@ def service(
     assert isinstance(settings, ServiceSettings)
     configure_logging()
     try:
+        kinds = load_kinds(settings.kind_module_list)
         asyncio.run(check_servers(settings, wait=wait))
-        code = asyncio.run(serve(settings))
-    except (StartupError, KindLoadError) as exc:
+        code = asyncio.run(serve(settings, kinds))
+    except StartupError as exc:
         _fail(str(exc))
     raise typer.Exit(code)
 

@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 from alembic import command
 
-from contracts.preflight import StartupError
+from contracts.errors import StartupError
 from contracts.settings import CommonSettings
 from migrations import alembic_config
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from observer_service.kinds.recorder import failover_gaps, overlap_seconds, read_ticks
 from orch.cluster import wait_for
 from orch_bench.harness import (
     Bench,
@@ -23,6 +22,7 @@ from orch_bench.harness import (
     rss_bytes,
 )
 from orch_bench.loadgen import RawClient, create_for
+from orch_bench.ticklog import failover_gaps, overlap_seconds, read_ticks
 
 IDLE_TICKER = {"interval": 3600}
 TICK = 0.02  # recorder interval in failover scenarios: the resolution of measured gaps

@@ -6,7 +6,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from manager.api.deps import StateDep
+from contracts.errors import Transient
+from manager import queries as q
+from manager.api.deps import RuntimeDep
+from manager.db import autocommit
 
 router = APIRouter(tags=["health"])
 
@@ -17,13 +20,13 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(state: RuntimeDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
-        async with state.engine.connect() as conn:
-            await conn.execute(text("SELECT 1"))
+        async with autocommit(state.engine) as conn:
+            await conn.execute(text(q.PING))
         checks["database"] = "ok"
-    except Exception as exc:
+    except Transient as exc:
         checks["database"] = f"unreachable: {exc}"
     checks["broker"] = "ok" if state.publisher.connected else "unreachable"
     ready = all(v == "ok" for v in checks.values())

@@ -7,7 +7,8 @@ import uuid
 from fastapi import APIRouter
 
 from manager import repository as repo
-from manager.api.deps import StateDep
+from manager.api.deps import RuntimeDep
+from manager.db import autocommit, transaction
 from manager.leader import current_leader
 from manager.schemas import KindOut, LeaderOut, Problem, ServiceOut
 
@@ -15,8 +16,10 @@ router = APIRouter(tags=["cluster"])
 
 
 @router.get("/services", response_model=list[ServiceOut])
-async def list_services(state: StateDep, include_deleted: bool = False) -> list[dict[str, object]]:
-    async with state.engine.connect() as conn:
+async def list_services(
+    state: RuntimeDep, include_deleted: bool = False
+) -> list[dict[str, object]]:
+    async with autocommit(state.engine) as conn:
         return await repo.list_services(conn, include_deleted=include_deleted)
 
 
@@ -26,17 +29,17 @@ async def list_services(state: StateDep, include_deleted: bool = False) -> list[
     response_model=ServiceOut,
     responses={404: {"model": Problem}},
 )
-async def drain_service(service_id: uuid.UUID, state: StateDep) -> dict[str, object]:
+async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, object]:
     """Stop a service taking work and move every observer off it (each resumes elsewhere from
     its checkpoint); afterwards it can be stopped with nothing moving again."""
-    async with state.engine.begin() as conn:
+    async with transaction(state.engine) as conn:
         row, pending = await repo.drain_service(conn, service_id)
     await state.outbox.publish_now(pending)
     return row
 
 
 @router.get("/kinds", response_model=list[KindOut])
-async def list_kinds(state: StateDep) -> list[dict[str, object]]:
+async def list_kinds(state: RuntimeDep) -> list[dict[str, object]]:
     return [
         {
             "name": k.name,
@@ -49,7 +52,7 @@ async def list_kinds(state: StateDep) -> list[dict[str, object]]:
 
 
 @router.get("/leader", response_model=LeaderOut)
-async def leader(state: StateDep) -> dict[str, object]:
+async def leader(state: RuntimeDep) -> dict[str, object]:
     row = await current_leader(state.engine) or {"holder": None}
     return {
         **row,

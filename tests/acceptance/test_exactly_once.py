@@ -5,47 +5,21 @@ fenced path) decide whether two copies ever ran at once."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
 
-from observer_service.kinds.recorder import overlap_seconds, read_ticks
+from orch_bench.ticklog import read_ticks
 from tests.support.cluster import Cluster, Proc, wait_for
-from tests.support.proxy import Proxy
+from tests.support.faults import assert_no_overlap as check_overlap
+from tests.support.faults import rabbitmqctl, ticks_of, via
 
 
 def assert_no_overlap(cluster: Cluster) -> None:
-    ticks = read_ticks(cluster.tick_dir)
-    assert ticks, "no ticks recorded"
-    assert overlap_seconds(ticks) == {}, "two copies of an observer ran at the same time"
-
-
-def ticks_of(cluster: Cluster, pid: int, after: float) -> int:
-    return sum(1 for t in read_ticks(cluster.tick_dir) if t.pid == pid and t.at > after)
-
-
-def via(url: str, proxy: Proxy) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")
-    creds = netloc[0] + "@" if netloc[1] else ""
-    return urlunsplit(parts._replace(netloc=f"{creds}127.0.0.1:{proxy.port}"))
-
-
-@contextlib.asynccontextmanager
-async def proxy_to(url: str) -> AsyncIterator[Proxy]:
-    parts = urlsplit(url)
-    p = await Proxy(parts.hostname or "127.0.0.1", parts.port or 0).start()
-    try:
-        yield p
-    finally:
-        await p.close()
+    check_overlap(cluster.tick_dir)
 
 
 async def loaded(cluster: Cluster, n: int = 8) -> tuple[list[uuid.UUID], uuid.UUID]:
@@ -75,7 +49,9 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
         resumed_at = time.time()
         a.signal(signal.SIGCONT)
     await asyncio.sleep(1.0)  # let the resumed service run into its fence
-    assert ticks_of(cluster, a.pid, after=resumed_at) == 0, "a stale copy ticked after SIGCONT"
+    assert ticks_of(cluster.tick_dir, a.pid, after=resumed_at) == 0, (
+        "a stale copy ticked after SIGCONT"
+    )
     assert_no_overlap(cluster)
     # No write of the stale epoch landed: each observer's history after the freeze shows
     # only B's epoch, and every one is still on B.
@@ -94,51 +70,49 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
 async def test_cut_off_from_the_broker(cluster: Cluster) -> None:
     """A blackholed AMQP connection: the broker redelivers, the holder notices and lets go."""
     await cluster.start_manager()
-    async with proxy_to(cluster.amqp_url) as proxy:
-        a = await cluster.start_service(
-            "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
-        )
-        ids = await cluster.create_recorders(6)
-        await cluster.wait_all_running(ids, timeout=15)
-        b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
-        b_id = await cluster.service_id(b)
-        cut_at = time.time()
-        proxy.cut()
-        await cluster.wait_all_running(ids, timeout=40, on={b_id}, fresh_after=cut_at)
-        await asyncio.sleep(0.5)
-        assert_no_overlap(cluster)
-        assert a.popen.poll() is None, "the cut-off service died instead of recovering"
-        proxy.heal()
+    proxy = await cluster.proxy(cluster.amqp_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+    )
+    ids = await cluster.create_recorders(6)
+    await cluster.wait_all_running(ids, timeout=15)
+    b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    b_id = await cluster.service_id(b)
+    cut_at = time.time()
+    proxy.cut()
+    await cluster.wait_all_running(ids, timeout=40, on={b_id}, fresh_after=cut_at)
+    await asyncio.sleep(0.5)
+    assert_no_overlap(cluster)
+    assert a.popen.poll() is None, "the cut-off service died instead of recovering"
+    proxy.heal()
 
 
 async def test_cut_off_from_postgres(cluster: Cluster) -> None:
     """A blackholed database: the holder fences itself within the TTL; others take over."""
     await cluster.start_manager()
-    async with proxy_to(cluster.database_url) as proxy:
-        a = await cluster.start_service(
-            "a", worker_count=20, database_url=via(cluster.database_url, proxy)
-        )
-        ids = await cluster.create_recorders(6)
-        await cluster.wait_all_running(ids, timeout=15)
-        b = await cluster.start_service("b", worker_count=20)
-        b_id = await cluster.service_id(b)
-        cut_at = time.time()
-        proxy.cut()
-        await cluster.wait_all_running(
-            ids, timeout=cluster.lease_ttl + 3, on={b_id}, fresh_after=cut_at
-        )
-        last_a = max((t.at for t in read_ticks(cluster.tick_dir) if t.pid == a.pid), default=0)
-        assert last_a - cut_at < cluster.lease_ttl, "A kept running past its lease"
-        assert_no_overlap(cluster)
-        proxy.heal()
-        await wait_for(
-            lambda: cluster.q(
-                "SELECT NOT is_deleted FROM services WHERE pid = $1", a.pid, one=True
-            ),
-            timeout=15,
-            what="cut-off service rejoined",
-        )
-        assert a.popen.poll() is None
+    proxy = await cluster.proxy(cluster.database_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, database_url=via(cluster.database_url, proxy)
+    )
+    ids = await cluster.create_recorders(6)
+    await cluster.wait_all_running(ids, timeout=15)
+    b = await cluster.start_service("b", worker_count=20)
+    b_id = await cluster.service_id(b)
+    cut_at = time.time()
+    proxy.cut()
+    await cluster.wait_all_running(
+        ids, timeout=cluster.lease_ttl + 3, on={b_id}, fresh_after=cut_at
+    )
+    last_a = max((t.at for t in read_ticks(cluster.tick_dir) if t.pid == a.pid), default=0)
+    assert last_a - cut_at < cluster.lease_ttl, "A kept running past its lease"
+    assert_no_overlap(cluster)
+    proxy.heal()
+    await wait_for(
+        lambda: cluster.q("SELECT NOT is_deleted FROM services WHERE pid = $1", a.pid, one=True),
+        timeout=15,
+        what="cut-off service rejoined",
+    )
+    assert a.popen.poll() is None
 
 
 async def test_blackout_every_service_killed(cluster: Cluster) -> None:
@@ -248,12 +222,6 @@ def _port_of(proc: Proc) -> int:
 
 
 # ---------------------------------------------------------------- broker-wide faults (slow)
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(
-        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
-
-
 @pytest.mark.slow
 async def test_broker_restart(cluster: Cluster) -> None:
     """The bus fails and comes back: every observer runs again, once."""

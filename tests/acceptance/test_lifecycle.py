@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
 import uuid
 
@@ -12,22 +11,7 @@ import aio_pika
 
 from contracts.messages import StartMessage
 from tests.support.cluster import Cluster, wait_for
-
-
-def queue_counts(prefix: str) -> tuple[int, int]:
-    """(ready, unacked) of the work queue, from the broker itself."""
-    out = subprocess.run(
-        ["rabbitmqctl", "-q", "list_queues", "name", "messages_ready", "messages_unacknowledged"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if parts and parts[0] == f"{prefix}.work":
-            return int(parts[1]), int(parts[2])
-    raise AssertionError(f"no work queue for {prefix} in {out!r}")
+from tests.support.faults import queue_counts
 
 
 async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:

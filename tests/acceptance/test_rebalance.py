@@ -11,7 +11,7 @@ import uuid
 
 import httpx
 
-from observer_service.kinds.recorder import overlap_seconds, read_ticks
+from orch_bench.ticklog import overlap_seconds, read_ticks
 from tests.support.cluster import Cluster, wait_for
 
 FAST = {"rebalance": "true", "rebalance_min_age": "2", "rebalance_interval": "0.3"}

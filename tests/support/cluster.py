@@ -6,11 +6,13 @@ import json
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
 
 from orch.cluster import LocalCluster, Proc, wait_for
+from tests.support.proxy import Proxy
 
 __all__ = ["Cluster", "Proc", "wait_for"]
 
@@ -33,6 +35,7 @@ class Cluster(LocalCluster):
         self.workdir = workdir
         self.lease_ttl = lease_ttl
         self.api_port: int | None = None
+        self.proxies: list[Proxy] = []
         super().__init__(
             env={
                 "PYTHONPATH": str(ROOT),
@@ -49,6 +52,19 @@ class Cluster(LocalCluster):
             },
             logdir=workdir,
         )
+
+    async def proxy(self, url: str) -> Proxy:
+        """A proxy in front of the server at ``url``, closed after the processes stopped."""
+        parts = urlsplit(url)
+        proxy = await Proxy(parts.hostname or "127.0.0.1", parts.port or 0).start()
+        self.proxies.append(proxy)
+        return proxy
+
+    async def stop(self, timeout: float = 20) -> None:
+        await super().stop(timeout)
+        for proxy in self.proxies:
+            await proxy.close()
+        self.proxies.clear()
 
     @property
     def tick_dir(self) -> Path:

@@ -1,10 +1,17 @@
-"""Observer kinds used only by the tests (loaded with ORCH_KIND_MODULES=tests.support.kinds)."""
+"""Observer kinds used only by the tests (loaded with ORCH_KIND_MODULES=tests.support.kinds).
+
+The ones that tick write the recorder's tick log, so the tests judge them from what really ran.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+import asyncio
+import time
+
+from pydantic import BaseModel, ConfigDict
 
 from observer_service import ObserverContext, RestartPolicy, observer_kind
+from observer_service.kinds.recorder import write_tick
 
 
 class FlakyParams(BaseModel):
@@ -18,3 +25,64 @@ async def always_fails(ctx: ObserverContext) -> None:
     """Raises at once, every time."""
     await ctx.checkpoint({"attempt": (ctx.last_checkpoint or {}).get("attempt", 0) + 1})
     raise RuntimeError("boom")
+
+
+class SlowStopParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str
+    interval: float = 0.05
+    #: Seconds it goes on ticking after it was cancelled.
+    stop_after: float = 1.0
+    #: Never stop: swallow every cancellation.
+    swallow: bool = False
+
+
+@observer_kind("slow_stop", params=SlowStopParams)
+async def slow_stop(ctx: ObserverContext) -> None:
+    """Ticks; when cancelled, keeps ticking for ``stop_after`` seconds (or for ever) first, the
+    way a kind that flushes a buffer or closes a websocket politely does."""
+    p: SlowStopParams = ctx.params
+    count = int((ctx.last_checkpoint or {}).get("count", 0))
+    try:
+        while True:
+            count += 1
+            write_tick(p.dir, ctx, count)
+            if count == 1 or count % 10 == 0:
+                await ctx.checkpoint({"count": count})
+            await ctx.sleep(p.interval)
+    except BaseException:
+        until = time.monotonic() + p.stop_after
+        while p.swallow or time.monotonic() < until:
+            count += 1
+            write_tick(p.dir, ctx, count)
+            try:
+                await asyncio.sleep(p.interval)
+            except BaseException:
+                continue
+        raise
+
+
+class LateWriterParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str
+    interval: float = 0.05
+    #: Seconds between ``ensure_alive()`` and the side effect (a pool acquire, a connect).
+    gap: float = 0.05
+
+
+@observer_kind("late_writer", params=LateWriterParams)
+async def late_writer(ctx: ObserverContext) -> None:
+    """Does what the README asks: ``ensure_alive()`` right before its side effect; but the
+    side effect awaits something first (here ``gap`` seconds), and then writes its tick."""
+    p: LateWriterParams = ctx.params
+    count = int((ctx.last_checkpoint or {}).get("count", 0))
+    while True:
+        ctx.ensure_alive()
+        await asyncio.sleep(p.gap)
+        count += 1
+        write_tick(p.dir, ctx, count)
+        if count == 1 or count % 20 == 0:
+            await ctx.checkpoint({"count": count})
+        await ctx.sleep(p.interval)

@@ -1,13 +1,19 @@
-"""A TCP proxy the tests control, to cut one process off from one server.
+"""A TCP proxy the tests control, to put one process's link to one server through a fault.
 
-``cut()`` blackholes every connection (bytes stop flowing both ways, sockets stay open), the way
-a network partition looks to both ends; ``heal()`` lets bytes flow again.
+- ``cut()`` blackholes every connection (bytes stop flowing both ways, sockets stay open), the
+  way a network partition looks to both ends; ``heal()`` lets bytes flow again.
+- ``reset()`` ends every open connection with a TCP reset, as a restarted pooler or a dropped
+  NAT entry does.
+- ``refuse()`` closes new connections at once until ``accept()``; ``blip(seconds)`` is a reset
+  followed by refusing for ``seconds``: a sub-second database or broker outage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 
 
 class Proxy:
@@ -17,6 +23,7 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._refusing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -31,11 +38,39 @@ class Proxy:
     def heal(self) -> None:
         self._flowing.set()
 
+    def refuse(self) -> None:
+        self._refusing = True
+
+    def accept(self) -> None:
+        self._refusing = False
+
+    def reset(self) -> None:
+        """End every open connection (both sides) with a TCP reset."""
+        for w in list(self._writers):
+            _abort(w)
+        self._writers.clear()
+
+    async def blip(self, seconds: float) -> None:
+        """Reset what is open and refuse new connections for ``seconds``."""
+        self.refuse()
+        self.reset()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.accept()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._writers) // 2
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._refusing:
+            _abort(writer)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
-            writer.close()
+            _abort(writer)
             return
         self._writers.update((writer, up_writer))
         for a, b in ((reader, up_writer), (up_reader, writer)):
@@ -55,6 +90,7 @@ class Proxy:
         except (OSError, asyncio.CancelledError):
             pass
         finally:
+            self._writers.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
 
@@ -66,3 +102,12 @@ class Proxy:
         for w in list(self._writers):
             with contextlib.suppress(Exception):
                 w.close()
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close with RST rather than FIN: linger on, timeout 0."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError):
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

@@ -9,19 +9,16 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from contracts.errors import InvalidParams, LeaseLost, UnknownKind
 from contracts.kinds import (
-    InvalidParams,
     KindLoadError,
     RestartPolicy,
-    UnknownKind,
     get_kind,
     load_kinds,
     observer_kind,
 )
 from contracts.settings import CommonSettings
 from observer_service.context import ObserverContext
-from observer_service.errors import Fenced
-from observer_service.runner import run_with_restarts
 from observer_service.settings import ServiceSettings
 
 
@@ -68,12 +65,52 @@ def test_settings_refuse_bad_urls_and_timings() -> None:
     with pytest.raises(ValidationError, match="shorter than ORCH_LEASE_TTL"):
         ServiceSettings(lease_ttl=2, renew_interval=1.5, fence_margin=1)
     s = ServiceSettings(lease_ttl=5)
-    assert (s.renew_every, s.margin) == (1.0, 1.0)
+    assert (s.lease_timings.renew_interval, s.lease_timings.margin) == (1.0, 1.0)
     assert CommonSettings(database_url="postgresql://u@h/db").asyncpg_dsn == "postgresql://u@h/db"
 
 
+def test_fence_margin_must_be_positive_and_timings_fit_the_heartbeat() -> None:
+    with pytest.raises(ValidationError, match="fence_margin"):
+        CommonSettings(fence_margin=0)
+    with pytest.raises(ValidationError, match="shorter than ORCH_AMQP_HEARTBEAT"):
+        CommonSettings(lease_ttl=60, amqp_heartbeat=5)
+    assert CommonSettings(lease_ttl=60, renew_interval=2, fence_margin=1, amqp_heartbeat=5)
+
+
+def test_settings_errors_never_print_a_password() -> None:
+    with pytest.raises(ValidationError) as info:
+        CommonSettings(database_url="mysql://user:hunter2@db/x")
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(ValidationError) as info:
+        CommonSettings(amqp_url="http://user:hunter2@mq/")
+    assert "hunter2" not in str(info.value)
+
+
+def test_restart_policy_bounds_and_delays() -> None:
+    with pytest.raises(ValidationError):
+        RestartPolicy(base_delay=0)
+    with pytest.raises(ValidationError):
+        RestartPolicy(max_restarts=1_000_000)
+    with pytest.raises(ValidationError, match="at least base_delay"):
+        RestartPolicy(base_delay=10, max_delay=1)
+    p = RestartPolicy(base_delay=1, max_delay=8)
+    assert [round(p.delay(n)) for n in (1, 2, 3, 4, 10)] <= [2, 3, 5, 9, 9]
+    assert all(p.delay(n) >= min(8, 2 ** (n - 1)) for n in range(1, 12))
+
+
+def test_a_kind_registered_twice_from_different_code_is_refused() -> None:
+    async def one(ctx: Any) -> None: ...
+
+    async def two(ctx: Any) -> None: ...
+
+    observer_kind("unit_twice")(one)
+    observer_kind("unit_twice")(one)  # the same code again (a re-import) is fine
+    with pytest.raises(KindLoadError, match="registered twice"):
+        observer_kind("unit_twice")(two)
+
+
 def _ctx(valid: bool = True) -> ObserverContext:
-    async def write(*_: Any) -> None:
+    async def save(_: Any) -> None:
         return None
 
     return ObserverContext(
@@ -84,49 +121,12 @@ def _ctx(valid: bool = True) -> ObserverContext:
         service_id=uuid.uuid4(),
         params={},
         last_checkpoint=None,
-        write_checkpoint=write,
-        lease_valid=lambda: valid,
+        save=save,
+        alive=lambda: valid,
     )
 
 
-async def test_restart_policy_restarts_then_gives_up() -> None:
-    calls: list[str] = []
-    restarts: list[float] = []
-
-    async def failing(ctx: Any) -> None:
-        calls.append("run")
-        raise ValueError("nope")
-
-    spec = type("S", (), {"run": staticmethod(failing)})()
-    policy = RestartPolicy(max_restarts=3, base_delay=0.01, max_delay=0.02)
-
-    async def on_restart(err: str, delay: float) -> None:
-        assert "ValueError: nope" in err
-        restarts.append(delay)
-
-    error = await run_with_restarts(spec, _ctx(), policy, on_restart)  # type: ignore[arg-type]
-    assert error == "ValueError: nope"
-    assert len(calls) == 4
-    assert len(restarts) == 3
-    assert all(0 <= d <= 0.02 + 0.01 for d in restarts)
-
-
-async def test_fenced_is_never_retried() -> None:
-    async def fenced(ctx: Any) -> None:
-        raise Fenced("stale")
-
-    spec = type("S", (), {"run": staticmethod(fenced)})()
-
-    async def on_restart(err: str, delay: float) -> None:
-        raise AssertionError("retried a fenced observer")
-
-    with pytest.raises(Fenced):
-        await run_with_restarts(spec, _ctx(), RestartPolicy(), on_restart)  # type: ignore[arg-type]
-
-
 async def test_context_refuses_to_continue_without_a_lease() -> None:
-    from observer_service.errors import LeaseLost
-
     ctx = _ctx(valid=False)
     with pytest.raises(LeaseLost):
         await ctx.sleep(0)

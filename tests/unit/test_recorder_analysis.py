@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from observer_service.kinds.recorder import Tick, failover_gaps, overlap_seconds
+from orch_bench.ticklog import Tick, failover_gaps, overlap_seconds
 
 
 def ticks(*spec: tuple[str, int, int, float]) -> list[Tick]:

@@ -14,7 +14,7 @@ ME, OTHER = uuid.uuid4(), uuid.uuid4()
 
 
 def run(facts: Facts, *, redelivered: bool = False, here: bool = False) -> D:
-    return decide(facts, me=ME, redelivered=redelivered, running_here_on_open_channel=here)
+    return decide(facts, me=ME, redelivered=redelivered, running_here=here)
 
 
 def live(status: S, holder: uuid.UUID | None = None, **kw: object) -> Facts:
@@ -60,8 +60,20 @@ def test_first_delivery_while_a_live_holder_runs_it_is_a_duplicate() -> None:
     assert run(live(S.PROCESSING, OTHER, holder_live=True)) is D.DROP_DUPLICATE
 
 
-def test_redelivery_from_a_live_holder_needs_proof_it_is_gone() -> None:
-    gone = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=True)
+def test_redelivery_from_a_live_holder_needs_proof_its_process_is_gone() -> None:
+    held = live(S.PROCESSING, OTHER, holder_live=True, holder_lock_free=False)
+    assert run(held, redelivered=True) is D.WAIT, "its session lives: it is stopping its copy"
+    ended = live(S.PROCESSING, OTHER, holder_live=True, holder_lock_free=True)
+    assert run(ended, redelivered=True) is D.PROBE, "a free lock alone proves nothing"
+    gone = live(
+        S.PROCESSING, OTHER, holder_live=True, holder_lock_free=True, holder_off_broker=True
+    )
     assert run(gone, redelivered=True) is D.TAKE
-    alive = live(S.PROCESSING, OTHER, holder_live=True, holder_gone=False)
-    assert run(alive, redelivered=True) is D.WAIT
+    on_broker = live(
+        S.PROCESSING, OTHER, holder_live=True, holder_lock_free=True, holder_off_broker=False
+    )
+    assert run(on_broker, redelivered=True) is D.WAIT
+
+
+def test_a_copy_running_here_is_never_taken_again_whatever_the_row_says() -> None:
+    assert run(live(S.ON_DELETING, ME, holder_live=True), here=True) is D.DROP_DUPLICATE

@@ -1,0 +1,185 @@
+"""The orchestrator's one error tree, and the edges that convert driver errors into it.
+
+::
+
+    OrchError
+    ├── Transient                 retry: a server we need is unavailable for now
+    │   ├── DatabaseUnavailable
+    │   └── BrokerUnavailable
+    ├── Conflict                  409: the request contradicts the current state
+    │   └── NameTaken
+    ├── NotFound                  404
+    ├── InvalidInput              422: the client's data cannot be accepted
+    │   ├── UnknownKind
+    │   └── InvalidParams
+    └── StartupError              a process cannot start (one readable line)
+
+    BaseException (outside the tree: what kind code may see)
+    ├── Fenced                    a write carried a stale epoch: another copy holds the observer
+    └── LeaseLost                 this service's lease is no longer surely valid
+
+Driver errors (asyncpg, SQLAlchemy, aio-pika, sockets) are converted where they enter our code
+(``database_errors``, ``broker_errors``), so loops decide "retry or stop" on these classes only.
+``Fenced`` and ``LeaseLost`` are BaseExceptions so that a kind's ``except Exception`` cannot
+swallow them and no restart policy retries them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import NoReturn
+
+import aiormq.exceptions
+import asyncpg
+from aio_pika.exceptions import AMQPError
+from sqlalchemy import exc as sa
+
+#: The name of the unique index that keeps live observer names unique.
+LIVE_NAME_INDEX = "uq_observers_live_name"
+
+
+class OrchError(Exception):
+    """Base of every error the orchestrator raises on purpose."""
+
+
+class Transient(OrchError):
+    """A server the orchestrator needs is unavailable for now; the operation may be retried."""
+
+
+class DatabaseUnavailable(Transient):
+    pass
+
+
+class BrokerUnavailable(Transient):
+    pass
+
+
+class Conflict(OrchError):
+    pass
+
+
+class NameTaken(Conflict):
+    """Detected from the unique index's name, never from the error's text."""
+
+    def __init__(self, name: str | None = None) -> None:
+        what = f"named {name!r} " if name is not None else "with that name "
+        super().__init__(f"an observer {what}already exists (and is not deleted)")
+        self.name = name
+
+
+class NotFound(OrchError):
+    pass
+
+
+class InvalidInput(OrchError):
+    pass
+
+
+class UnknownKind(InvalidInput):
+    pass
+
+
+class InvalidParams(InvalidInput):
+    pass
+
+
+class StartupError(OrchError):
+    pass
+
+
+class Fenced(BaseException):
+    """A write carried a stale epoch: another service has taken this observer. Stop at once."""
+
+
+class LeaseLost(BaseException):
+    """This service's lease is no longer surely valid: it must assume others took its observers."""
+
+
+# SQLSTATE classes: https://www.postgresql.org/docs/current/errcodes-appendix.html
+_TRANSIENT_STATES = ("08", "53", "57P", "40001", "40P01", "57014", "55P03")
+_INPUT_STATES = ("22", "54")
+
+
+def _sqlstate(exc: BaseException) -> str:
+    return str(getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or "")
+
+
+def convert_database_error(exc: BaseException) -> BaseException:
+    """Our error for a driver error, or ``exc`` itself when it is a bug (bad SQL, …)."""
+    if isinstance(exc, OrchError):
+        return exc
+    if isinstance(exc, sa.DBAPIError):
+        if exc.connection_invalidated:
+            return DatabaseUnavailable(str(exc.orig))
+        cause = exc.orig.__cause__ if exc.orig is not None else None
+        return convert_database_error(cause if cause is not None else exc.orig or exc)
+    if isinstance(exc, sa.TimeoutError):  # the pool: no connection came free in time
+        return DatabaseUnavailable(str(exc))
+    state = _sqlstate(exc)
+    if state == "23505":
+        constraint = getattr(exc, "constraint_name", None)
+        if constraint == LIVE_NAME_INDEX:
+            return NameTaken()
+        return Conflict(_first_line(exc))
+    if state.startswith(_INPUT_STATES):
+        return InvalidInput(_first_line(exc))
+    if state.startswith(_TRANSIENT_STATES):
+        return DatabaseUnavailable(_first_line(exc))
+    if isinstance(
+        exc,
+        asyncpg.InterfaceError
+        | asyncpg.exceptions.InternalClientError
+        | OSError
+        | TimeoutError
+        | asyncio.TimeoutError
+        | sa.InterfaceError
+        | sa.OperationalError,
+    ):
+        return DatabaseUnavailable(_first_line(exc) or type(exc).__name__)
+    return exc
+
+
+def convert_broker_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, OrchError):
+        return exc
+    if isinstance(
+        exc,
+        AMQPError
+        | aiormq.exceptions.AMQPError
+        | aiormq.exceptions.ChannelInvalidStateError
+        | OSError
+        | TimeoutError
+        | asyncio.TimeoutError,
+    ):
+        return BrokerUnavailable(_first_line(exc) or type(exc).__name__)
+    return exc
+
+
+@contextlib.contextmanager
+def database_errors() -> Iterator[None]:
+    """Convert database driver errors raised inside into the tree."""
+    try:
+        yield
+    except (TimeoutError, Exception) as exc:
+        _reraise(exc, convert_database_error(exc))
+
+
+@contextlib.contextmanager
+def broker_errors() -> Iterator[None]:
+    """Convert broker driver errors raised inside into the tree."""
+    try:
+        yield
+    except (TimeoutError, Exception) as exc:
+        _reraise(exc, convert_broker_error(exc))
+
+
+def _reraise(original: BaseException, converted: BaseException) -> NoReturn:
+    if converted is original:
+        raise original
+    raise converted from original
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]

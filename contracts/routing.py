@@ -1,0 +1,116 @@
+"""Where a broker message goes, as a typed value, and the one function that sends a start.
+
+Both sides publish through ``Sender``: the manager's outbox stores a ``Destination`` with each
+message, the services use it to hand observers on. Neither spells a routing key.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+
+import aio_pika
+from aio_pika.abc import AbstractChannel
+from aio_pika.exceptions import DeliveryError
+
+from contracts.errors import broker_errors
+from contracts.messages import DirectedStart, Message, StartMessage
+from contracts.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+class Route(StrEnum):
+    #: The shared work queue: start messages, taken by whichever service has a free slot.
+    WORK = "work"
+    #: The control fanout exchange: every live service (cancel, drain).
+    BROADCAST = "broadcast"
+    #: One service's own control queue (directed start, handoff).
+    SERVICE = "service"
+    #: The dead-letter exchange, whose queue keeps what could not run.
+    ERRORS = "errors"
+
+
+@dataclass(frozen=True)
+class Destination:
+    route: Route
+    service_id: uuid.UUID | None = None
+
+    def __post_init__(self) -> None:
+        if (self.route is Route.SERVICE) != (self.service_id is not None):
+            raise ValueError("a service id goes with Route.SERVICE, and only with it")
+
+    @classmethod
+    def service(cls, service_id: uuid.UUID) -> Destination:
+        return cls(Route.SERVICE, service_id)
+
+
+WORK = Destination(Route.WORK)
+BROADCAST = Destination(Route.BROADCAST)
+ERRORS = Destination(Route.ERRORS)
+
+
+class Sender:
+    """Publishes on one channel that has publisher confirms and raises on returns."""
+
+    def __init__(self, channel: AbstractChannel, topology: Topology) -> None:
+        self.channel = channel
+        self.topology = topology
+
+    async def publish(self, to: Destination, message: Message, *, timeout: float = 10) -> bool:
+        """Publish and wait for the broker's confirm. False when it was returned: the service it
+        was sent to has no control queue (any more). Raises BrokerUnavailable."""
+        body = aio_pika.Message(
+            message.to_bytes(),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        with broker_errors():
+            if to.route is Route.WORK:
+                await self.channel.default_exchange.publish(
+                    body, routing_key=self.topology.work_queue, timeout=timeout
+                )
+            elif to.route is Route.SERVICE:
+                assert to.service_id is not None
+                try:
+                    await self.channel.default_exchange.publish(
+                        body,
+                        routing_key=self.topology.control_queue(to.service_id),
+                        mandatory=True,
+                        timeout=timeout,
+                    )
+                except DeliveryError:
+                    return False
+            else:
+                name = (
+                    self.topology.control_exchange
+                    if to.route is Route.BROADCAST
+                    else self.topology.dead_letter_exchange
+                )
+                exchange = await self.channel.get_exchange(name, ensure=False)
+                await exchange.publish(body, routing_key="", timeout=timeout)
+        return True
+
+    async def send(self, to: Destination, message: Message) -> Destination | None:
+        """Publish; a directed start that comes back goes to the work queue instead. Returns
+        where the message went (None: returned, and nothing else to do with it)."""
+        if await self.publish(to, message):
+            return to
+        if isinstance(message, DirectedStart):
+            log.info("service %s has no control queue; start sent to the work queue", to.service_id)
+            await self.publish(WORK, message.start())
+            return WORK
+        log.info(
+            "service %s has no control queue; %s dropped", to.service_id, type(message).__name__
+        )
+        return None
+
+    async def send_start(
+        self, start: StartMessage, on: uuid.UUID | None = None
+    ) -> Destination | None:
+        """Start an observer on service ``on`` (directed), else through the work queue."""
+        if on is None:
+            return await self.send(WORK, start)
+        return await self.send(Destination.service(on), DirectedStart.of(start))

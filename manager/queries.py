@@ -1,0 +1,198 @@
+"""Every SQL statement the manager runs, in one place. Conditions on statuses and service
+liveness are built from ``contracts.statuses``, never spelled out as literals here."""
+
+from __future__ import annotations
+
+from contracts.statuses import (
+    HELD,
+    LIVE,
+    Event,
+    ObserverStatus,
+    live_service,
+    sql_in,
+)
+
+S = ObserverStatus
+
+
+def _v(status: ObserverStatus | Event) -> str:
+    return f"'{status.value}'"
+
+
+OBSERVER_COLUMNS = (
+    "o.id, o.name, o.kind, o.params, o.status, o.service_id, o.epoch, o.checkpoint, "
+    "o.checkpointed_at, o.restart_count, o.last_error, o.restart_policy, o.created_at, "
+    "o.modified_at, o.started_at"
+)
+
+SERVICE_COLUMNS = (
+    "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
+    "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, "
+    f"(SELECT count(*) FROM observers o WHERE o.service_id = s.id AND {sql_in('o.status', HELD)})"
+    " AS running"
+)
+
+# ---------------------------------------------------------------------------------- history
+# :ids, :event, :detail (one event for many observers)
+EVENTS = (
+    "INSERT INTO observer_events (observer_id, event, detail) "
+    "SELECT i, :event, :detail FROM unnest(CAST(:ids AS uuid[])) AS i"
+)
+# :ids, :event, :details (one event, a detail each)
+EVENTS_EACH = (
+    "INSERT INTO observer_events (observer_id, event, detail) "
+    "SELECT i, :event, d FROM unnest(CAST(:ids AS uuid[]), CAST(:details AS text[])) AS x(i, d)"
+)
+LIST_EVENTS = (
+    "SELECT at, event, service_id, epoch, detail FROM observer_events "
+    "WHERE observer_id = :id ORDER BY id"
+)
+
+# ----------------------------------------------------------------------------------- outbox
+# :routes, :services, :bodies
+OUTBOX_ADD = (
+    "INSERT INTO outbox (route, service_id, body) "
+    "SELECT r, s, CAST(b AS jsonb) "
+    "FROM unnest(CAST(:routes AS text[]), CAST(:services AS uuid[]), CAST(:bodies AS text[])) "
+    "WITH ORDINALITY AS m(r, s, b, n) ORDER BY n RETURNING id"
+)
+OUTBOX_DELETE = "DELETE FROM outbox WHERE id = ANY(:ids)"
+OUTBOX_DUE = (
+    "SELECT id, route, service_id, body FROM outbox "
+    "WHERE created_at < now() - make_interval(secs => :g) AND NOT (id = ANY(:skip)) "
+    "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
+)
+
+# -------------------------------------------------------------------------------- observers
+# One statement: the row, its history and its outbox record (one round trip).
+CREATE = f"""
+WITH o AS (
+    INSERT INTO observers AS o (id, name, kind, params, status, dispatch_id, restart_policy)
+    VALUES (:id, :name, :kind, CAST(:params AS jsonb), {_v(S.CREATED)}, :d,
+            CAST(:rp AS jsonb))
+    RETURNING {OBSERVER_COLUMNS}
+), e AS (
+    INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
+), b AS (
+    INSERT INTO outbox (route, body) VALUES (:route, CAST(:body AS jsonb)) RETURNING id
+)
+SELECT o.*, b.id AS outbox_id FROM o, b
+"""
+GET = f"SELECT {OBSERVER_COLUMNS} FROM observers o WHERE o.id = :id"
+LIST = (
+    f"SELECT {OBSERVER_COLUMNS} FROM observers o "
+    "WHERE (CAST(:status AS text) IS NULL OR o.status = :status) "
+    "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
+    "ORDER BY o.created_at, o.id LIMIT :limit OFFSET :offset"
+)
+LOCK_WITH_HOLDER = f"""
+SELECT o.status, o.service_id, COALESCE({live_service("s")}, false) AS live
+  FROM observers o LEFT JOIN services s ON s.id = o.service_id
+ WHERE o.id = :id FOR UPDATE OF o
+"""
+SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
+DELETE_NOW = (
+    f"UPDATE observers SET status = {_v(S.DELETED)}, service_id = NULL, modified_at = now() "
+    "WHERE id = ANY(:ids)"
+)
+RESTART = (
+    f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, restart_count = 0, "
+    "restarted_at = NULL, dispatch_id = :d, dispatched_at = now(), modified_at = now() "
+    "WHERE id = :id"
+)
+
+# --------------------------------------------------------------------------------- services
+LIST_SERVICES = (
+    f"SELECT {SERVICE_COLUMNS} FROM services s WHERE :all OR NOT s.is_deleted ORDER BY s.created_at"
+)
+GET_SERVICE = f"SELECT {SERVICE_COLUMNS} FROM services s WHERE s.id = :id"
+DRAIN = (
+    "UPDATE services SET draining = true, modified_at = now() "
+    "WHERE id = :id AND NOT is_deleted RETURNING id"
+)
+
+# ---------------------------------------------------------------------- leader: the sweeper
+SWEEP_EXPIRED = (
+    "UPDATE services SET is_deleted = true, modified_at = now() "
+    "WHERE NOT is_deleted AND lease_expires_at < clock_timestamp() RETURNING id, name"
+)
+# Live by their lease, but their lease session has ended: the process may be gone (it is when
+# its broker connection is gone too) or it is fencing itself.
+SESSION_ENDED = (
+    f"SELECT s.id FROM services s WHERE {live_service('s')} "
+    "AND pg_try_advisory_xact_lock(s.lock_key)"
+)
+DECLARE_GONE = (
+    "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
+    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted RETURNING id, name"
+)
+ORPHANS = f"""
+SELECT o.id, o.status FROM observers o JOIN services s ON s.id = o.service_id
+ WHERE {sql_in("o.status", HELD)} AND NOT {live_service("s")}
+   FOR UPDATE OF o SKIP LOCKED
+"""
+# New dispatch ids (old start messages become stale), nobody holding them.
+REDISPATCH = (
+    "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, "
+    "dispatched_at = now(), modified_at = now() WHERE o.id = ANY(:ids) "
+    "RETURNING o.id, o.dispatch_id"
+)
+# Free slots of every service that surely lives (lease valid for :m more seconds) and takes work.
+FREE_SLOTS = f"""
+SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
+                                WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS free
+  FROM services s
+ WHERE NOT s.is_deleted AND NOT s.draining
+   AND s.lease_expires_at > clock_timestamp() + make_interval(secs => :m)
+"""
+
+# ------------------------------------------------------------------------ leader: the audit
+TAKEN_LATELY = "SELECT max(started_at) > now() - make_interval(secs => :g) FROM observers"
+UNHELD_STUCK = f"""
+SELECT o.id FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
+   AND o.dispatched_at < now() - make_interval(secs => :g)
+   AND o.modified_at < now() - make_interval(secs => :g)
+   AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text)
+ LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
+"""
+
+# -------------------------------------------------------------------- leader: the rebalance
+IN_MOTION = (
+    f"SELECT count(*) FROM observers WHERE id = ANY(:ids) AND status = {_v(S.PROCESSING)} "
+    "AND service_id IS NULL"
+)
+LOADS = f"""
+SELECT s.id, s.worker_count, count(o.id) AS running FROM services s
+  LEFT JOIN observers o ON o.service_id = s.id AND {sql_in("o.status", HELD)}
+ WHERE {live_service("s")} AND NOT s.draining
+   AND s.created_at < now() - make_interval(secs => :age)
+ GROUP BY s.id, s.worker_count
+"""
+PICK_TO_MOVE = (
+    f"SELECT id FROM observers WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
+    "AND NOT (id = ANY(:recent)) ORDER BY started_at DESC LIMIT :n"
+)
+
+# --------------------------------------------------------------------------- leader election
+LEADER_ACQUIRE = """
+INSERT INTO leader_leases AS l (name, holder, acquired_at, expires_at)
+VALUES (:name, :holder, now(), clock_timestamp() + make_interval(secs => :ttl))
+ON CONFLICT (name) DO UPDATE
+   SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at,
+       acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END
+ WHERE l.expires_at <= clock_timestamp() OR l.holder = EXCLUDED.holder
+RETURNING holder
+"""
+LEADER_RENEW = """
+UPDATE leader_leases SET expires_at = clock_timestamp() + make_interval(secs => :ttl)
+ WHERE name = :name AND holder = :holder AND expires_at > clock_timestamp()
+RETURNING holder
+"""
+LEADER_RELEASE = "DELETE FROM leader_leases WHERE name = :name AND holder = :holder"
+LEADER = (
+    "SELECT holder, acquired_at, expires_at, expires_at > clock_timestamp() AS live "
+    "FROM leader_leases WHERE name = :name"
+)
+
+PING = "SELECT 1"

@@ -1,0 +1,108 @@
+"""Everything a manager process runs besides its routes: the connections, the outbox, and the
+leader's loops. The app's lifespan starts and stops it; a task that dies sets ``fatal``, and the
+process that owns the runtime decides what to do (``orch manager`` exits non-zero)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from contracts.clock import Clock
+from contracts.errors import Transient
+from contracts.kinds import KindSpec, load_kinds
+from manager import background
+from manager.db import make_engine
+from manager.leader import Leadership, Loop
+from manager.outbox import Outbox
+from manager.publisher import Publisher
+from manager.rebalance import Rebalancer
+from manager.settings import ManagerSettings
+
+log = logging.getLogger(__name__)
+
+
+class ManagerRuntime:
+    def __init__(self, settings: ManagerSettings, kinds: dict[str, KindSpec] | None = None) -> None:
+        self.settings = settings
+        self.kinds = kinds if kinds is not None else load_kinds(settings.kind_module_list)
+        self.engine = make_engine(settings)
+        self.publisher = Publisher(settings)
+        self.outbox = Outbox(self.engine, self.publisher)
+        self.leadership = Leadership(
+            self.engine,
+            loops=self._leader_loops(),
+            timings=settings.lease_timings,
+            clock=Clock(settings.clock_hook),
+        )
+        #: Set when a supervised task died; ``error`` says why.
+        self.fatal = asyncio.Event()
+        self.error: BaseException | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _leader_loops(self) -> dict[str, Loop]:
+        s = self.settings
+        # Directed starts go only to services whose lease outlives a renewal period.
+        margin = s.lease_ttl / 2
+        sweeper = background.Sweeper(self.engine, self.outbox, self.publisher, margin)
+        loops: dict[str, Loop] = {
+            "outbox-relay": background.every(
+                s.relay_interval, lambda: self.outbox.relay_once(grace=s.relay_grace), "relay"
+            ),
+            "sweeper": background.every(s.sweep_interval, sweeper.once, "sweeper"),
+            "audit": background.every(
+                s.audit_interval,
+                lambda: background.audit_once(
+                    self.engine, self.outbox, self.publisher, grace=s.audit_grace, margin=margin
+                ),
+                "audit",
+            ),
+        }
+        if s.rebalance:
+            rebalancer = Rebalancer(
+                self.engine,
+                self.outbox,
+                pace=s.rebalance_pace,
+                min_age=s.rebalance_min_age,
+                cooldown=s.rebalance_cooldown,
+            )
+            loops["rebalance"] = background.every(
+                s.rebalance_interval, rebalancer.once, "rebalance"
+            )
+        return loops
+
+    async def start(self) -> None:
+        await self.publisher.start()
+        self._spawn(
+            background.every(0.1, self.outbox.delete_published, "outbox cleanup")(),
+            "outbox-cleanup",
+        )
+        if self.settings.background:
+            self._spawn(self.leadership.run(), "leadership")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._died)
+        self._tasks.append(task)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        self.error = task.exception()
+        log.critical("%s died (%r): the manager must stop", task.get_name(), self.error)
+        self.fatal.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.remove_done_callback(self._died)
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.settings.background:
+            await self.leadership.release()
+        with contextlib.suppress(Transient):
+            await self.outbox.delete_published()
+        with contextlib.suppress(Transient):
+            await self.publisher.close()
+        await self.engine.dispose()

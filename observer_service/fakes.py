@@ -1,0 +1,393 @@
+"""In-memory stand-ins for the service's database and broker, for unit tests of the core's own
+logic (admission, settling, drain, handoff, lease loss) that run in milliseconds.
+
+They follow the real parts' contracts (``ports``) and the same take rule; they are not a model
+of PostgreSQL or RabbitMQ. Whatever is claimed about those servers is tested against them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.clock import Clock
+from contracts.errors import BrokerUnavailable, DatabaseUnavailable
+from contracts.kinds import RestartPolicy
+from contracts.messages import StartMessage
+from contracts.statuses import HELD, STOPPED, ObserverStatus
+from observer_service.ports import (
+    Checkpoint,
+    Copy,
+    ErrorRecord,
+    OnControl,
+    OnStart,
+    Renewal,
+    StartRequest,
+    Taken,
+    TakeResult,
+)
+from observer_service.take import Decision, Facts, decide
+
+
+class ManualClock(Clock):
+    """A clock whose ``now()`` can be moved forward, as a suspend of the machine would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.skipped += seconds
+
+    def now(self) -> float:
+        return super().now() + self.skipped
+
+
+@dataclass
+class Row:
+    id: uuid.UUID
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    status: ObserverStatus = ObserverStatus.CREATED
+    dispatch_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    service_id: uuid.UUID | None = None
+    epoch: int = 0
+    checkpoint: Any = None
+    restart_policy: dict[str, Any] | None = None
+    restart_count: int = 0
+    restarted_at: float | None = None
+    last_error: str | None = None
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def start(self) -> StartMessage:
+        return StartMessage(observer_id=self.id, dispatch_id=self.dispatch_id)
+
+
+@dataclass
+class FakeService:
+    live: bool = True
+    lock_free: bool = False
+
+
+class InMemoryStore:
+    """Observer rows in a dict. ``available`` False makes every call raise DatabaseUnavailable;
+    ``hold`` (an event) makes take_many wait until it is set, to open a race on purpose."""
+
+    def __init__(self, me: uuid.UUID, clock: Clock | None = None) -> None:
+        self.me = me
+        self.clock = clock or Clock()
+        self.rows: dict[uuid.UUID, Row] = {}
+        self.services: dict[uuid.UUID, FakeService] = {}
+        self.available = True
+        self.hold: asyncio.Event | None = None
+        self.calls: list[str] = []
+
+    def add(self, kind: str = "ticker", **fields: Any) -> Row:
+        row = Row(id=uuid.uuid4(), kind=kind, **fields)
+        self.rows[row.id] = row
+        return row
+
+    def _up(self, call: str) -> None:
+        self.calls.append(call)
+        if not self.available:
+            raise DatabaseUnavailable("the fake database is down")
+
+    def _mine(self, row: Row | None, copy: Copy) -> bool:
+        return (
+            row is not None
+            and row.epoch == copy[1]
+            and row.service_id == self.me
+            and row.status in HELD
+        )
+
+    async def take_many(
+        self, requests: Sequence[StartRequest], *, off_broker: frozenset[uuid.UUID] = frozenset()
+    ) -> list[TakeResult]:
+        if self.hold is not None:
+            await self.hold.wait()
+        self._up("take_many")
+        out = []
+        for req in requests:
+            row = self.rows.get(req.observer_id)
+            if row is None:
+                facts = Facts(exists=False)
+            else:
+                holder = self.services.get(row.service_id) if row.service_id else None
+                facts = Facts(
+                    exists=True,
+                    status=row.status,
+                    dispatch_current=row.dispatch_id == req.start.dispatch_id,
+                    holder=row.service_id,
+                    holder_live=holder is not None and holder.live,
+                    holder_lock_free=holder is not None and holder.lock_free,
+                    holder_off_broker=True if row.service_id in off_broker else None,
+                )
+            decision = decide(
+                facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here
+            )
+            if row is not None and decision is Decision.TAKE:
+                row.status, row.service_id, row.epoch = (
+                    ObserverStatus.PROCESSING,
+                    self.me,
+                    row.epoch + 1,
+                )
+                row.events.append("taken")
+                out.append(TakeResult(decision, _taken(row, req)))
+            elif row is not None and decision is Decision.DROP_DELETED:
+                row.status, row.service_id = ObserverStatus.DELETED, None
+                out.append(TakeResult(decision))
+            else:
+                out.append(TakeResult(decision, holder=None if row is None else row.service_id))
+        return out
+
+    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
+        self._up("checkpoint_many")
+        out = []
+        for c in items:
+            row = self.rows.get(c.observer_id)
+            ok = self._mine(row, (c.observer_id, c.epoch))
+            if ok and row is not None:
+                row.checkpoint = json.loads(c.state_json)
+            out.append(ok)
+        return out
+
+    async def let_go_many(self, copies: Sequence[Copy], detail: str) -> list[ObserverStatus | None]:
+        self._up("let_go_many")
+        out: list[ObserverStatus | None] = []
+        for copy in copies:
+            row = self.rows.get(copy[0])
+            if row is None or not self._mine(row, copy):
+                out.append(None)
+                continue
+            row.status = STOPPED.get(row.status, row.status)
+            row.service_id = None
+            row.events.append(f"{row.status.value}: {detail}")
+            out.append(row.status)
+        return out
+
+    async def record_error(
+        self, copy: Copy, error: str, policy: RestartPolicy
+    ) -> ErrorRecord | None:
+        self._up("record_error")
+        row = self.rows.get(copy[0])
+        if row is None or not self._mine(row, copy):
+            return None
+        now = self.clock.now()
+        fresh = row.restarted_at is None or row.restarted_at < now - policy.reset_after
+        n = 1 if fresh else row.restart_count + 1
+        failed = row.status is ObserverStatus.PROCESSING and n > policy.max_restarts
+        row.restart_count, row.restarted_at, row.last_error = (n - 1 if failed else n), now, error
+        if failed:
+            row.status, row.service_id = ObserverStatus.FAILED, None
+        return ErrorRecord(restarts=row.restart_count, failed=failed)
+
+    async def fail(self, copy: Copy, error: str) -> bool:
+        self._up("fail")
+        row = self.rows.get(copy[0])
+        if row is None or not self._mine(row, copy) or row.status is not ObserverStatus.PROCESSING:
+            return False
+        row.status, row.service_id, row.last_error = ObserverStatus.FAILED, None, error
+        return True
+
+    async def reconcile(self, running: set[uuid.UUID]) -> int:
+        self._up("reconcile")
+        n = 0
+        for row in self.rows.values():
+            if row.service_id == self.me and row.status in HELD and row.id not in running:
+                row.status, row.service_id = STOPPED.get(row.status, row.status), None
+                n += 1
+        return n
+
+    async def held_count(self) -> int:
+        self._up("held_count")
+        return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
+
+
+def _taken(row: Row, req: StartRequest) -> Taken:
+    return Taken(
+        observer_id=row.id,
+        name=f"obs-{row.id.hex[:6]}",
+        kind=row.kind,
+        params=row.params,
+        checkpoint=row.checkpoint,
+        restart_policy=row.restart_policy,
+        epoch=row.epoch,
+        dispatch_id=req.start.dispatch_id,
+    )
+
+
+# ------------------------------------------------------------------------------------ lease
+_keys = itertools.count(1)
+
+
+class FakeLeaseSession:
+    def __init__(self, db: FakeLeaseDatabase, on_end: Callable[[], None]) -> None:
+        self.db = db
+        self.lock_key = next(_keys)
+        self._on_end = on_end
+        self._ended = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def end(self) -> None:
+        """The session ends by itself (pg_terminate_backend, a pooler, a database restart)."""
+        if not self._ended:
+            self._ended = True
+            self._on_end()
+
+    def _up(self) -> None:
+        if self._ended:
+            raise DatabaseUnavailable("session ended")
+        if not self.db.available:
+            raise DatabaseUnavailable("the fake database is down")
+
+    async def join(self, ttl: float) -> bool:
+        self._up()
+        self.db.joins.append(self.lock_key)
+        self.db.expired = False
+        return self.db.draining
+
+    async def renew(self, ttl: float, timeout: float) -> Renewal | None:
+        self._up()
+        self.db.renewals += 1
+        if self.db.expired:
+            return None
+        deleting, self.db.deleting = self.db.deleting, []
+        return Renewal(deleting=deleting, draining=self.db.draining)
+
+    async def close(self, *, deleted: bool) -> None:
+        self._ended = True
+        self.db.left = deleted
+
+    def terminate(self) -> None:
+        self._ended = True
+
+
+class FakeLeaseDatabase:
+    def __init__(self) -> None:
+        self.available = True
+        self.expired = False
+        self.draining = False
+        self.deleting: list[uuid.UUID] = []
+        self.joins: list[int] = []
+        self.renewals = 0
+        self.left: bool | None = None
+        self.sessions: list[FakeLeaseSession] = []
+
+    async def connect(self, on_end: Callable[[], None]) -> FakeLeaseSession:
+        if not self.available:
+            raise DatabaseUnavailable("the fake database is down")
+        session = FakeLeaseSession(self, on_end)
+        self.sessions.append(session)
+        return session
+
+
+# ----------------------------------------------------------------------------------- broker
+_generations = itertools.count(1)
+
+
+class FakeDelivery:
+    def __init__(self, body: bytes, session: FakeSession, *, redelivered: bool) -> None:
+        self.body = body
+        self.redelivered = redelivered
+        self.generation = session.generation
+        self._session = session
+        #: "ack", "requeue", "reject", or None while unsettled.
+        self.outcome: str | None = None
+
+    async def _settle(self, how: str) -> bool:
+        if not self._session.is_open:
+            return False
+        self.outcome = how
+        return True
+
+    async def ack(self) -> None:
+        await self._settle("ack")
+
+    async def requeue(self) -> None:
+        await self._settle("requeue")
+
+    async def reject(self) -> bool:
+        return await self._settle("reject")
+
+
+class FakeSession:
+    def __init__(self, broker: FakeBroker, on_start: OnStart, on_control: OnControl) -> None:
+        self.broker = broker
+        self.generation = next(_generations)
+        self.closed = asyncio.Event()
+        self.consuming = True
+        self._on_start = on_start
+        self._on_control = on_control
+
+    @property
+    def is_open(self) -> bool:
+        return not self.closed.is_set()
+
+    async def deliver(self, start: StartMessage, *, redelivered: bool = False) -> FakeDelivery:
+        """Hand the service a start message, as the work queue would; returns once handled."""
+        delivery = FakeDelivery(start.to_bytes(), self, redelivered=redelivered)
+        await self._on_start(delivery)
+        return delivery
+
+    async def control(self, body: bytes) -> None:
+        await self._on_control(body)
+
+    async def stop_consuming(self) -> None:
+        self.consuming = False
+
+    async def close(self) -> None:
+        self.closed.set()
+
+    async def send_start(self, start: StartMessage, on: uuid.UUID | None = None) -> None:
+        if not self.is_open:
+            raise BrokerUnavailable("session closed")
+        self.broker.sent.append((start, on))
+
+    async def send_error(self, start: StartMessage) -> None:
+        self.broker.errors.append(start)
+
+    async def service_present(self, service_id: uuid.UUID) -> bool:
+        return service_id in self.broker.present
+
+    async def confirm_present(self) -> bool:
+        return self.is_open
+
+
+class FakeBroker:
+    def __init__(self) -> None:
+        self.sessions: list[FakeSession] = []
+        #: Starts published by the service: (start, directed to) — None is the work queue.
+        self.sent: list[tuple[StartMessage, uuid.UUID | None]] = []
+        self.errors: list[StartMessage] = []
+        #: Services whose control queue exists.
+        self.present: set[uuid.UUID] = set()
+        self.opened = asyncio.Event()
+
+    @property
+    def session(self) -> FakeSession:
+        return self.sessions[-1]
+
+    async def open(
+        self,
+        *,
+        service_id: uuid.UUID,
+        prefetch: int,
+        consume_work: bool,
+        on_start: OnStart,
+        on_control: OnControl,
+    ) -> FakeSession:
+        session = FakeSession(self, on_start, on_control)
+        session.consuming = consume_work
+        self.sessions.append(session)
+        self.present.add(service_id)
+        self.opened.set()
+        return session

@@ -1,0 +1,180 @@
+"""Every SQL statement an observer service runs, in one place.
+
+Each write for a running copy is one statement fenced by the copy's epoch and holder (it lands
+only while both are still the row's), with its history rows inserted by the same statement.
+Parameters: ``$2`` is always this service's id where a statement needs it.
+"""
+
+from __future__ import annotations
+
+from contracts.statuses import (
+    HELD,
+    STOPPED,
+    Event,
+    ObserverStatus,
+    live_service,
+    sql_in,
+)
+
+_PROCESSING = f"'{ObserverStatus.PROCESSING.value}'"
+_FAILED = f"'{ObserverStatus.FAILED.value}'"
+
+
+def _stopped_status(column: str) -> str:
+    """What ``column`` becomes when its holder lets go: on_deleting → deleted, else as is."""
+    cases = " ".join(f"WHEN '{a.value}' THEN '{b.value}'" for a, b in STOPPED.items())
+    return f"CASE {column} {cases} ELSE {column} END"
+
+
+def _let_go_event(status_column: str) -> str:
+    cases = " ".join(f"WHEN '{b.value}' THEN '{Event(b.value).value}'" for b in STOPPED.values())
+    return f"CASE {status_column} {cases} ELSE '{Event.RELEASED.value}' END"
+
+
+def with_events(update: str, event: str, detail: str, service: str = "$2") -> str:
+    """``update`` (a statement returning ``id``, ``epoch`` and whatever it needs) plus one
+    history row per updated observer. ``event`` and ``detail`` are SQL over the update's rows
+    (``u``); a plain event is ``Event.X.sql``."""
+    return f"""
+WITH u AS ({update}),
+     e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
+           SELECT u.id, {event}, {service}::uuid, u.epoch, {detail} FROM u)
+SELECT * FROM u
+"""
+
+
+def event(e: Event) -> str:
+    return f"'{e.value}'"
+
+
+# ------------------------------------------------------------------------------------ take
+# $1 observer ids, $2 me. A live holder keeps a session-level advisory lock for as long as its
+# lease session lives; getting it (for this statement only) proves that session has ended. It
+# never comes back: every session takes a new key, so the proof stays true afterwards.
+FACTS = f"""
+SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params,
+       o.checkpoint, o.restart_policy,
+       COALESCE({live_service("s")}, false) AS holder_live,
+       CASE WHEN s.id <> $2 AND {live_service("s")}
+            THEN pg_try_advisory_xact_lock(s.lock_key) END AS holder_lock_free,
+       EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8 AS holder_remaining
+  FROM observers o LEFT JOIN services s ON s.id = o.service_id
+ WHERE o.id = ANY($1::uuid[])
+"""
+
+# $1 ids, $2 me, $3 epochs seen, $4 dispatch ids seen, $5 statuses seen, $6 holders seen,
+# $7 details: the compare-and-set stands in for a row lock (the epoch is the row's version).
+_SEEN = """
+  FROM unnest($1::uuid[], $3::bigint[], $4::uuid[], $5::text[], $6::uuid[], $7::text[])
+       AS v(id, epoch, dispatch_id, status, holder, detail)
+ WHERE o.id = v.id AND o.epoch = v.epoch AND o.dispatch_id = v.dispatch_id
+   AND o.status = v.status AND o.service_id IS NOT DISTINCT FROM v.holder
+"""
+TAKE = with_events(
+    f"UPDATE observers o SET status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, "
+    f"started_at = now(), modified_at = now() {_SEEN} RETURNING o.id, o.epoch, v.detail",
+    event(Event.TAKEN),
+    "u.detail",
+)
+DELETE_UNRUN = with_events(
+    f"UPDATE observers o SET status = '{ObserverStatus.DELETED.value}', service_id = NULL, "
+    f"modified_at = now() {_SEEN} RETURNING o.id, o.epoch",
+    event(Event.DELETED),
+    "'not running'",
+)
+
+# -------------------------------------------------------------------- writes of a running copy
+# $1 ids, $2 me, $3 epochs, $4 JSON states
+CHECKPOINT = f"""
+UPDATE observers AS o
+   SET checkpoint = v.cp::jsonb, checkpointed_at = clock_timestamp(), modified_at = now()
+  FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS v(id, epoch, cp)
+ WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND {sql_in("o.status", HELD)}
+RETURNING o.id, o.epoch
+"""
+
+# $1 ids, $2 me, $3 epochs, $4 detail: the copy has stopped; the row is released, or becomes
+# what its holder's stop makes of it (deleted), whichever way it was asked to stop.
+LET_GO = with_events(
+    f"UPDATE observers o SET status = {_stopped_status('o.status')}, service_id = NULL, "
+    "modified_at = now() FROM unnest($1::uuid[], $3::bigint[]) AS v(id, epoch) "
+    f"WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND "
+    f"{sql_in('o.status', HELD)} RETURNING o.id, o.epoch, o.status",
+    _let_go_event("u.status"),
+    "$4::text",
+)
+
+# $1 id, $2 me, $3 epoch, $4 error, $5 reset_after (s), $6 max_restarts. Restarts are counted
+# in a window that heals: after reset_after seconds without one, the count starts again.
+RECORD_ERROR = with_events(
+    f"""
+WITH cur AS (
+    SELECT id, CASE WHEN restarted_at IS NULL
+                      OR restarted_at < clock_timestamp() - make_interval(secs => $5)
+                    THEN 1 ELSE restart_count + 1 END AS n,
+           status = {_PROCESSING} AS may_fail
+      FROM observers
+     WHERE id = $1 AND epoch = $3 AND service_id = $2 AND {sql_in("status", HELD)}
+       FOR UPDATE)
+UPDATE observers o
+   SET restart_count = CASE WHEN cur.may_fail AND cur.n > $6 THEN cur.n - 1 ELSE cur.n END,
+       status = CASE WHEN cur.may_fail AND cur.n > $6 THEN {_FAILED} ELSE o.status END,
+       service_id = CASE WHEN cur.may_fail AND cur.n > $6 THEN NULL ELSE o.service_id END,
+       restarted_at = clock_timestamp(), last_error = $4, modified_at = now()
+  FROM cur WHERE o.id = cur.id
+RETURNING o.id, o.epoch, o.restart_count, o.status""",
+    f"CASE u.status WHEN {_FAILED} THEN {event(Event.FAILED)} ELSE {event(Event.RESTARTED)} END",
+    "$4::text",
+)
+
+# $1 id, $2 me, $3 epoch, $4 error: a copy that cannot run here at all (kind not installed).
+FAIL = with_events(
+    f"UPDATE observers SET status = {_FAILED}, service_id = NULL, last_error = $4, "
+    f"modified_at = now() WHERE id = $1 AND epoch = $3 AND service_id = $2 "
+    f"AND status = {_PROCESSING} RETURNING id, epoch",
+    event(Event.FAILED),
+    "$4::text",
+)
+
+# $1 observers this service runs, $2 me: let go of what the database says we hold but we do
+# not run (after a fence, or when the periodic check finds a difference).
+RECONCILE = with_events(
+    f"UPDATE observers o SET status = {_stopped_status('o.status')}, service_id = NULL, "
+    f"modified_at = now() WHERE o.service_id = $2 AND {sql_in('o.status', HELD)} "
+    "AND NOT (o.id = ANY($1::uuid[])) RETURNING o.id, o.epoch, o.status",
+    _let_go_event("u.status"),
+    "'not running here'",
+)
+
+HELD_COUNT = f"SELECT count(*) FROM observers WHERE service_id = $1 AND {sql_in('status', HELD)}"
+
+# ------------------------------------------------------------------------------------ lease
+# $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 lock key, $8 ttl: register,
+# or come back after a fence (with the new session's lock key).
+JOIN = """
+INSERT INTO services AS s (id, name, worker_count, host, pid, version, lock_key,
+                           lease_expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() + make_interval(secs => $8))
+ON CONFLICT (id) DO UPDATE
+   SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
+       is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now()
+RETURNING s.draining
+"""
+
+# $1 me, $2 ttl, $3 the renewing session's lock key. Only an unexpired lease is renewed: one found
+# expired (a suspend, a pause longer than the lease) may have had its observers taken, so the
+# service fences and rejoins instead.
+RENEW = f"""
+UPDATE services
+   SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
+       last_heartbeat_at = clock_timestamp(), modified_at = now()
+ WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
+RETURNING ARRAY(SELECT id FROM observers
+                 WHERE service_id = $1 AND status = '{ObserverStatus.ON_DELETING.value}'),
+          draining
+"""
+
+LEAVE = """
+UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), modified_at = now()
+ WHERE id = $1
+"""

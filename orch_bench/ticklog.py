@@ -1,0 +1,92 @@
+"""Reading the tick logs that ``recorder`` observers write, and judging them.
+
+A tick log is written outside the fenced path, by the observer's own code, so it shows what
+really ran: two copies of one observer that ticked in overlapping time ran at once, whatever the
+orchestrator's tables say. The benchmark and the tests judge every run from these files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Tick:
+    observer: str
+    epoch: int
+    service: str
+    pid: int
+    at: float
+    count: int
+
+    @property
+    def copy(self) -> tuple[int, int]:
+        """Which running copy made the tick: its epoch and its process."""
+        return (self.epoch, self.pid)
+
+
+def read_ticks(directory: str | Path) -> list[Tick]:
+    """Every tick recorded under ``directory``, oldest first."""
+    ticks: list[Tick] = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by SIGKILL
+            ticks.append(Tick(d["o"], d["e"], d["s"], d["p"], d["t"], d["n"]))
+    ticks.sort(key=lambda t: t.at)
+    return ticks
+
+
+def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
+    """Per observer, the seconds during which two copies (epoch, process) both ticked.
+
+    A copy spans from its first to its last tick; two spans that intersect mean two copies ran at
+    the same time (a single tick inside another copy's span counts, as 0 s). Observers without
+    overlap are left out.
+    """
+    spans: dict[str, dict[tuple[int, int], list[float]]] = {}
+    for t in ticks:
+        span = spans.setdefault(t.observer, {}).setdefault(t.copy, [t.at, t.at])
+        span[1] = t.at
+    result: dict[str, float] = {}
+    for observer, copies in spans.items():
+        ordered = sorted(copies.values())
+        total, reach, overlapped = 0.0, ordered[0][1], False
+        for start, end in ordered[1:]:
+            if start <= reach:
+                overlapped = True
+                total += min(end, reach) - start
+            reach = max(reach, end)
+        if overlapped:
+            result[observer] = total
+    return result
+
+
+def failover_gaps(ticks: list[Tick], at: float, pid: int | None = None) -> dict[str, float]:
+    """Per observer that ticked before ``at`` (last in process ``pid``, if given): seconds from
+    its last tick before ``at`` to the first tick after ``at`` by another copy (inf when no
+    other copy ever ticked)."""
+    last_before: dict[str, Tick] = {}
+    for t in ticks:
+        if t.at <= at:
+            last_before[t.observer] = t
+    if pid is not None:
+        last_before = {o: t for o, t in last_before.items() if t.pid == pid}
+    gaps = {o: float("inf") for o in last_before}
+    for t in ticks:
+        before = last_before.get(t.observer)
+        if before and t.at > at and t.copy != before.copy and gaps[t.observer] == float("inf"):
+            gaps[t.observer] = t.at - before.at
+    return gaps
+
+
+def last_tick_by_copy(ticks: list[Tick]) -> dict[tuple[str, int, int], float]:
+    """(observer, epoch, pid) -> time of that copy's last tick."""
+    out: dict[tuple[str, int, int], float] = {}
+    for t in ticks:
+        out[(t.observer, t.epoch, t.pid)] = t.at
+    return out

@@ -1,0 +1,351 @@
+"""The promise under ordinary faults: database blips, a lease session ended while the process
+lives, slow graceful stops, deletes that race a move, suspends and freezes mid-await.
+
+Every test runs real manager and service processes on the real servers and judges the outcome
+from the observers' own tick logs (and the rows they left), never from what the services say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import aio_pika
+
+from contracts.clock import set_suspend_lag
+from contracts.messages import HandoffMessage, StartMessage
+from orch_bench.ticklog import failover_gaps, read_ticks
+from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.faults import (
+    LEASE_BACKEND,
+    assert_no_overlap,
+    queue_counts,
+    ticks_of,
+    via,
+)
+
+
+async def _kind_observers(
+    cluster: Cluster, n: int, kind: str, tag: str, **params: object
+) -> list[uuid.UUID]:
+    ids = []
+    for i in range(n):
+        body = await cluster.create(f"{tag}-{i}", kind, dir=str(cluster.tick_dir), **params)
+        ids.append(uuid.UUID(body["id"]))
+    return ids
+
+
+async def _none_stranded(cluster: Cluster, ids: list[uuid.UUID], after: float) -> None:
+    """Every observer runs (a checkpoint after ``after`` on a live holder) and none failed."""
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=after)
+    rows = await cluster.q("SELECT status, restart_count FROM observers WHERE id = ANY($1)", ids)
+    assert all(r["status"] == "processing" for r in rows)
+
+
+# ------------------------------------------------------------------------- database blips
+async def test_database_blips_strand_nothing_and_spend_no_restarts(cluster: Cluster) -> None:
+    """Sub-second outages of the orchestrator's own database (connections reset, new ones
+    refused): every observer keeps running, none is failed, no restart is counted."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.database_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, database_url=via(cluster.database_url, proxy)
+    )
+    ids = await _kind_observers(cluster, 8, "recorder", "rec", interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    await cluster.start_service("b", worker_count=20)
+    for _ in range(4):
+        await proxy.blip(0.6)
+        await asyncio.sleep(1.5)
+    healed = time.time()
+    await _none_stranded(cluster, ids, healed)
+    rows = await cluster.q("SELECT restart_count FROM observers WHERE id = ANY($1)", ids)
+    assert [r["restart_count"] for r in rows] == [0] * len(ids), "a blip spent restarts"
+    assert a.alive
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
+    """With a 5 s lease, a 2 s outage is retried through: nothing is stopped or moved."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.database_url)
+    await cluster.start_service(
+        "a", worker_count=20, database_url=via(cluster.database_url, proxy), lease_ttl=5
+    )
+    ids = await _kind_observers(cluster, 4, "recorder", "rec", interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    await asyncio.sleep(0.5)
+    await proxy.blip(2.0)
+    await _none_stranded(cluster, ids, time.time())
+    lost = await cluster.q(
+        "SELECT count(*) FROM observer_events WHERE event = 'released'", one=True
+    )
+    assert lost == 0, "the blip fenced the service"
+    epochs = await cluster.q("SELECT epoch FROM observers WHERE id = ANY($1)", ids)
+    assert {r["epoch"] for r in epochs} == {1}
+
+
+# ------------------------------------------------------------------ a lease session ended
+async def _redelivered_duplicate_waiting(cluster: Cluster) -> tuple[Proc, Proc, uuid.UUID]:
+    """A runs X with its one slot; a start for X, marked redelivered, waits at service B (a
+    requeued relay duplicate)."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=1)
+    # It checkpoints once, at its start: a stale copy would never be fenced by a write.
+    (oid,) = await _kind_observers(
+        cluster, 1, "recorder", "x", interval=0.05, checkpoint_every=1_000_000
+    )
+    await cluster.wait_all_running([oid], timeout=15)
+    row = await cluster.observer(oid)
+    body = StartMessage(observer_id=oid, dispatch_id=row["dispatch_id"]).to_bytes()
+    conn = await aio_pika.connect(cluster.amqp_url)
+    async with conn:
+        channel = await conn.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(body), routing_key=f"{cluster.prefix}.work"
+        )
+        queue = await channel.declare_queue(f"{cluster.prefix}.work", passive=True)
+
+        async def got() -> aio_pika.abc.AbstractIncomingMessage | None:
+            return await queue.get(no_ack=False, fail=False)
+
+        await wait_for(got, timeout=5, what="the duplicate")
+    # Closed without an ack: the broker requeues it, marked redelivered. A has no free slot.
+    b = await cluster.start_service("b", worker_count=5)
+    await wait_for(
+        lambda: _value(queue_counts(cluster.prefix) == (0, 2)), timeout=10, what="B holds it"
+    )
+    return a, b, oid
+
+
+async def _value(v: bool) -> bool:
+    return v
+
+
+async def _ticks_after(cluster: Cluster, after: float) -> None:
+    await wait_for(
+        lambda: _value(any(t.at > after for t in read_ticks(cluster.tick_dir))),
+        timeout=15,
+        what="ticks after a fault",
+    )
+
+
+async def test_dropped_lease_session_never_runs_two_copies(cluster: Cluster) -> None:
+    """A's lease session is ended (a pooler, pg_terminate_backend) while its process lives and
+    B holds a redelivered start: A stops its copy before anything may take it over, and lives
+    on. Three times, whoever holds X."""
+    a, b, oid = await _redelivered_duplicate_waiting(cluster)
+    db = await cluster.connect()
+    for _ in range(3):
+        holder = await cluster.q("SELECT service_id FROM observers WHERE id = $1", oid, one=True)
+        pid = await db.fetchval(LEASE_BACKEND, holder)
+        assert pid is not None
+        await db.execute("SELECT pg_terminate_backend($1)", pid)
+        await asyncio.sleep(cluster.lease_ttl * 1.5)
+        ticked = time.time()
+        await _ticks_after(cluster, ticked)
+        assert a.alive
+        assert b.alive
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_redelivered_duplicate_does_not_wait_for_ever(cluster: Cluster) -> None:
+    """While the holder is healthy, a redelivered duplicate is dropped after a bounded wait: it
+    does not keep a slot and a prefetch slot of B for ever."""
+    _, _, oid = await _redelivered_duplicate_waiting(cluster)
+    await wait_for(
+        lambda: _value(queue_counts(cluster.prefix) == (0, 1)),
+        timeout=cluster.lease_ttl * 4,
+        what="the duplicate dropped",
+        every=0.5,
+    )
+    row = await cluster.observer(oid)
+    assert row["epoch"] == 1
+    assert_no_overlap(cluster.tick_dir)
+
+
+# ----------------------------------------------------------------- graceful stop, slow kinds
+async def _slow_stoppers(cluster: Cluster, **params: object) -> tuple[Proc, list[uuid.UUID]]:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10, shutdown_timeout=1)
+    ids = await _kind_observers(cluster, 4, "slow_stop", "slow", **params)
+    await cluster.wait_all_running(ids, timeout=15)
+    await cluster.start_service("b", worker_count=10)
+    return a, ids
+
+
+async def test_shutdown_timeout_never_releases_a_running_copy(cluster: Cluster) -> None:
+    """SIGTERM with kinds that need 3 s to stop and a 1 s shutdown timeout: what has not
+    stopped is not released; the process exits and the others take it only then."""
+    a, ids = await _slow_stoppers(cluster, stop_after=3.0)
+    a.signal(signal.SIGTERM)
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=time.time())
+    await asyncio.to_thread(a.popen.wait, 20)
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_kind_that_swallows_cancellation_cannot_stall_a_stop(cluster: Cluster) -> None:
+    a, ids = await _slow_stoppers(cluster, swallow=True)
+    stopped = time.monotonic()
+    a.signal(signal.SIGTERM)
+    await asyncio.to_thread(a.popen.wait, 15)
+    assert time.monotonic() - stopped < 10, "the service did not exit"
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=time.time())
+    assert_no_overlap(cluster.tick_dir)
+
+
+# ------------------------------------------------------------- delete racing a move or stop
+async def _deleted_and_released(cluster: Cluster, oid: uuid.UUID, holder: Proc) -> None:
+    async def deleted() -> bool:
+        return (await cluster.observer(oid))["status"] == "deleted"
+
+    await wait_for(deleted, timeout=15, what="deleted")
+    holder_id = await cluster.service_id(holder)
+
+    async def runs_nothing() -> bool:
+        async with cluster.api() as c:
+            services = (await c.get("/services")).json()
+        mine = [s for s in services if s["id"] == str(holder_id)]
+        return not mine or mine[0]["running"] == 0
+
+    await wait_for(runs_nothing, timeout=10, what="the holder reports 0 running")
+    done = time.time()
+    await asyncio.sleep(0.5)
+    late = [t for t in read_ticks(cluster.tick_dir) if t.observer == str(oid) and t.at > done]
+    assert late == [], "a deleted observer ran on"
+
+
+async def _one_slow(cluster: Cluster, **service_env: object) -> tuple[Proc, uuid.UUID]:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10, **service_env)
+    (oid,) = await _kind_observers(cluster, 1, "slow_stop", "slow", stop_after=1.0)
+    await cluster.wait_all_running([oid], timeout=15)
+    await cluster.start_service("b", worker_count=10)
+    return a, oid
+
+
+async def test_delete_during_drain_ends_deleted(cluster: Cluster) -> None:
+    a, oid = await _one_slow(cluster)
+    a_id = await cluster.service_id(a)
+    async with cluster.api() as c:
+        assert (await c.post(f"/services/{a_id}/drain")).status_code == 202
+        await asyncio.sleep(0.2)  # the drain is under way: A is stopping the copy
+        assert (await c.delete(f"/observers/{oid}")).status_code == 202
+    await _deleted_and_released(cluster, oid, a)
+
+
+async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
+    a, oid = await _one_slow(cluster)
+    a_id = await cluster.service_id(a)
+    b_id = await cluster.service_id(cluster.procs[-1])
+    conn = await aio_pika.connect(cluster.amqp_url)
+    async with conn:
+        channel = await conn.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(HandoffMessage(observer_id=oid, to=b_id).to_bytes()),
+            routing_key=f"{cluster.prefix}.control.{a_id}",
+        )
+    await asyncio.sleep(0.2)
+    async with cluster.api() as c:
+        assert (await c.delete(f"/observers/{oid}")).status_code == 202
+    await _deleted_and_released(cluster, oid, a)
+
+
+async def test_delete_during_broker_reconnect_ends_deleted(cluster: Cluster) -> None:
+    proxy = await cluster.proxy(cluster.amqp_url)
+    a, oid = await _one_slow(cluster, amqp_url=via(cluster.amqp_url, proxy))
+    proxy.reset()
+    await asyncio.sleep(0.2)
+    async with cluster.api() as c:
+        assert (await c.delete(f"/observers/{oid}")).status_code == 202
+    await _deleted_and_released(cluster, oid, a)
+
+
+# ------------------------------------------------------------------- suspend and mid-await
+async def test_suspend_past_the_lease_fences(cluster: Cluster, tmp_path: Path) -> None:
+    """A suspended machine: the monotonic clock did not count the suspend, the suspend-aware
+    one did. The woken service must find its lease gone and stop its copies."""
+    hook = tmp_path / "clock"
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20, clock_hook=hook)
+    ids = await _kind_observers(cluster, 6, "recorder", "rec", interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    b = await cluster.start_service("b", worker_count=20)
+    b_id = await cluster.service_id(b)
+    stopped = time.monotonic()
+    a.signal(signal.SIGSTOP)
+    try:
+        await cluster.wait_all_running(
+            ids, timeout=cluster.lease_ttl + 5, on={b_id}, fresh_after=time.time()
+        )
+    finally:
+        set_suspend_lag(hook, time.monotonic() - stopped + 0.2)
+        resumed = time.time()
+        a.signal(signal.SIGCONT)
+    await asyncio.sleep(1.0)
+    assert ticks_of(cluster.tick_dir, a.pid, after=resumed) == 0, "a suspended copy ran on"
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_frozen_copy_makes_no_side_effect_after_waking(cluster: Cluster) -> None:
+    """Kinds that call ``ensure_alive()`` and then await before their side effect: a freeze
+    inside that await must not let the side effect happen once the copy was taken over."""
+    await cluster.start_manager()
+    procs = [
+        await cluster.start_service("a", worker_count=20),
+        await cluster.start_service("b", worker_count=20),
+    ]
+    ids = await _kind_observers(cluster, 12, "late_writer", "late", interval=0.02, gap=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    stale = 0
+    for _ in range(4):
+        rows = await cluster.q(
+            "SELECT s.pid, count(*) AS n FROM observers o JOIN services s ON s.id = o.service_id "
+            "WHERE o.status = 'processing' GROUP BY s.pid ORDER BY n DESC"
+        )
+        frozen = next(p for p in procs if p.pid == rows[0]["pid"])
+        other = next(p for p in procs if p is not frozen)
+        other_id = await cluster.service_id(other)
+        frozen.signal(signal.SIGSTOP)
+        try:
+            await cluster.wait_all_running(
+                ids, timeout=cluster.lease_ttl + 5, on={other_id}, fresh_after=time.time()
+            )
+        finally:
+            resumed = time.time()
+            frozen.signal(signal.SIGCONT)
+        await asyncio.sleep(1.0)
+        stale += ticks_of(cluster.tick_dir, frozen.pid, after=resumed)
+    assert stale == 0, f"{stale} side effects of stale copies after SIGCONT"
+    assert_no_overlap(cluster.tick_dir)
+
+
+# ----------------------------------------------------------- directed starts, fast crash
+async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster) -> None:
+    """Observers that reached their service by a directed start (no broker delivery behind
+    them) also move within well under a lease after their service is SIGKILLed."""
+    await cluster.start_manager()
+    c = await cluster.start_service("c", worker_count=20, lease_ttl=3)
+    ids = await _kind_observers(cluster, 6, "recorder", "rec", interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    a = await cluster.start_service("a", worker_count=20, lease_ttl=3)
+    a_id = await cluster.service_id(a)
+    c.signal(signal.SIGSTOP)  # the leader re-dispatches C's observers, directed, to A
+    try:
+        await cluster.wait_all_running(ids, timeout=10, on={a_id}, fresh_after=time.time())
+    finally:
+        c.signal(signal.SIGKILL)
+        c.signal(signal.SIGCONT)
+    b = await cluster.start_service("b", worker_count=20, lease_ttl=3)
+    b_id = await cluster.service_id(b)
+    await asyncio.sleep(0.5)
+    killed = time.time()
+    a.signal(signal.SIGKILL)
+    await cluster.wait_all_running(ids, timeout=10, on={b_id}, fresh_after=killed)
+    gaps = failover_gaps(read_ticks(cluster.tick_dir), killed, a.pid)
+    assert len(gaps) == len(ids)
+    assert max(gaps.values()) < 1.5, f"directed observers waited for the lease: {gaps}"
+    assert_no_overlap(cluster.tick_dir)

@@ -1,0 +1,242 @@
+"""Every fence in the database, proven necessary: a stale copy plays its writes against the real
+PostgreSQL and each is refused, leaving the row as it was. The take's compare-and-set, its
+lease-expiry check and the renewal's expiry check are tried the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from contracts.kinds import RestartPolicy
+from contracts.messages import StartMessage
+from observer_service import queries as q
+from observer_service.ports import Checkpoint, StartRequest
+from observer_service.store import PgLeaseDatabase, PgStore
+from observer_service.take import Decision
+
+ROW_FIELDS = "status, service_id, epoch, checkpoint, restart_count, last_error"
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    dsn = "postgresql://" + database_url.partition("://")[2]
+    p = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def service(pool: asyncpg.Pool, *, lease: str = "1 minute") -> uuid.UUID:
+    sid = uuid.uuid4()
+    await pool.execute(
+        "INSERT INTO services (id, name, worker_count, lock_key, lease_expires_at) "
+        f"VALUES ($1, 's', 10, $2, clock_timestamp() + interval '{lease}')",
+        sid,
+        uuid.uuid4().int >> 65,
+    )
+    return sid
+
+
+async def observer(pool: asyncpg.Pool) -> StartMessage:
+    start = StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4())
+    await pool.execute(
+        "INSERT INTO observers (id, name, kind, params, status, dispatch_id) "
+        "VALUES ($1, $2, 'ticker', '{}', 'created', $3)",
+        start.observer_id,
+        f"o-{start.observer_id}",
+        start.dispatch_id,
+    )
+    return start
+
+
+async def row_of(pool: asyncpg.Pool, oid: uuid.UUID) -> dict[str, Any]:
+    row = await pool.fetchrow(f"SELECT {ROW_FIELDS} FROM observers WHERE id = $1", oid)
+    assert row is not None
+    return dict(row)
+
+
+async def take(store: PgStore, start: StartMessage, **kw: Any) -> Any:
+    req = StartRequest(start, redelivered=kw.pop("redelivered", False), running_here=False)
+    (result,) = await store.take_many([req], **kw)
+    return result
+
+
+@pytest.fixture
+async def stale(pool: asyncpg.Pool) -> tuple[PgStore, StartMessage]:
+    """Service A took X twice: epoch 1 is a stale copy of A's, epoch 2 the current one. The
+    holder is the same, so only the epoch tells them apart."""
+    a = PgStore(pool, await service(pool))
+    start = await observer(pool)
+    assert (await take(a, start)).taken.epoch == 1
+    assert (await take(a, start)).taken.epoch == 2
+    await pool.execute(
+        "UPDATE observers SET checkpoint = '{\"n\": 2}', restart_count = 1, "
+        "restarted_at = clock_timestamp() "
+        "WHERE id = $1",
+        start.observer_id,
+    )
+    return a, start
+
+
+async def test_a_stale_checkpoint_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    oid = start.observer_id
+    before = await row_of(pool, oid)
+    assert await a.checkpoint_many([Checkpoint(oid, 1, json.dumps({"n": 1}))]) == [False]
+    assert await row_of(pool, oid) == before
+    # Both epochs in one batch: the stale one never hides the current one's write.
+    both = [Checkpoint(oid, 2, json.dumps({"n": 3})), Checkpoint(oid, 1, json.dumps({"n": 0}))]
+    assert await a.checkpoint_many(both) == [True, False]
+    assert json.loads((await row_of(pool, oid))["checkpoint"]) == {"n": 3}
+
+
+async def test_a_stale_release_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    before = await row_of(pool, start.observer_id)
+    assert await a.let_go_many([(start.observer_id, 1)], "stale") == [None]
+    assert await row_of(pool, start.observer_id) == before
+
+
+async def test_a_stale_delete_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    await pool.execute(
+        "UPDATE observers SET status = 'on_deleting' WHERE id = $1", start.observer_id
+    )
+    before = await row_of(pool, start.observer_id)
+    assert await a.let_go_many([(start.observer_id, 1)], "stale") == [None]
+    assert await row_of(pool, start.observer_id) == before
+    assert [s.value if s else None for s in await a.let_go_many([(start.observer_id, 2)], "")] == [
+        "deleted"
+    ]
+
+
+async def test_a_stale_restart_record_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    before = await row_of(pool, start.observer_id)
+    policy = RestartPolicy(max_restarts=0)
+    assert await a.record_error((start.observer_id, 1), "stale", policy) is None
+    assert await row_of(pool, start.observer_id) == before
+    record = await a.record_error((start.observer_id, 2), "current", RestartPolicy())
+    assert record is not None
+    assert (record.restarts, record.failed) == (2, False), "counted within the window"
+
+
+async def test_a_stale_failure_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    before = await row_of(pool, start.observer_id)
+    assert await a.fail((start.observer_id, 1), "stale") is False
+    assert await row_of(pool, start.observer_id) == before
+
+
+async def test_the_restart_window_heals(pool: asyncpg.Pool, stale: Any) -> None:
+    a, start = stale
+    await pool.execute(
+        "UPDATE observers SET restart_count = 5, restarted_at = clock_timestamp() - interval "
+        "'2 hours' WHERE id = $1",
+        start.observer_id,
+    )
+    record = await a.record_error((start.observer_id, 2), "rare", RestartPolicy(max_restarts=5))
+    assert record is not None
+    assert (record.restarts, record.failed) == (1, False)
+
+
+async def test_a_take_that_lost_the_race_is_refused(pool: asyncpg.Pool) -> None:
+    """The compare-and-set: a take decided on a row that changed meanwhile does not land."""
+    a = PgStore(pool, await service(pool))
+    b = PgStore(pool, await service(pool))
+    start = await observer(pool)
+    seen = await pool.fetchrow(q.FACTS, [start.observer_id], a.me)
+    assert (await take(b, start)).decision is Decision.TAKE
+    req = StartRequest(start, redelivered=False, running_here=False)
+    assert await a._compare_and_set(q.TAKE, [(0, req, seen)]) == {}
+    assert (await row_of(pool, start.observer_id))["service_id"] == b.me
+
+
+async def test_concurrent_takes_have_one_winner(pool: asyncpg.Pool) -> None:
+    stores = [PgStore(pool, await service(pool)) for _ in range(4)]
+    start = await observer(pool)
+    results = await asyncio.gather(*(take(s, start) for s in stores))
+    assert [r.decision for r in results].count(Decision.TAKE) == 1
+    assert (await row_of(pool, start.observer_id))["epoch"] == 1
+
+
+async def test_a_holder_whose_lease_expired_is_taken_over(pool: asyncpg.Pool) -> None:
+    a = PgStore(pool, await service(pool))
+    b = PgStore(pool, await service(pool))
+    start = await observer(pool)
+    await take(a, start)
+    assert (await take(b, start)).decision is Decision.DROP_DUPLICATE, "A's lease is valid"
+    await pool.execute(
+        "UPDATE services SET lease_expires_at = clock_timestamp() - interval '1 second' "
+        "WHERE id = $1",
+        a.me,
+    )
+    assert (await take(b, start)).decision is Decision.TAKE
+
+
+async def test_a_free_lock_alone_does_not_let_a_holder_be_taken_over(pool: asyncpg.Pool) -> None:
+    """A's lease session ended (its lock is free) but its broker connection lives: wait."""
+    a = PgStore(pool, await service(pool))
+    b = PgStore(pool, await service(pool))
+    start = await observer(pool)
+    await take(a, start)
+    redelivered = await take(b, start, redelivered=True)
+    assert redelivered.decision is Decision.PROBE
+    assert (await take(b, start, redelivered=True, off_broker=frozenset({a.me}))).taken.epoch == 2
+
+
+async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> None:
+    dsn = "postgresql://" + database_url.partition("://")[2]
+    sid = uuid.uuid4()
+    ended: list[bool] = []
+    db = PgLeaseDatabase(
+        dsn, service_id=sid, name="s", worker_count=1, host="h", version="v", connect_timeout=5
+    )
+    session = await db.connect(lambda: ended.append(True))
+    try:
+        await session.join(ttl=60)
+        assert await session.renew(60, timeout=5) is not None
+        await session.conn.execute(
+            "UPDATE services SET lease_expires_at = clock_timestamp() - interval '1 second' "
+            "WHERE id = $1",
+            sid,
+        )
+        assert await session.renew(60, timeout=5) is None
+        assert (
+            await session.conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+            is False
+        )
+        await session.conn.execute("UPDATE services SET is_deleted = true WHERE id = $1", sid)
+        assert await session.renew(60, timeout=5) is None
+    finally:
+        await session.close(deleted=False)
+    assert ended == [], "a session we closed is not reported as ended"
+
+
+async def test_a_lease_session_ended_by_the_server_is_reported(
+    database_url: str, pool: asyncpg.Pool
+) -> None:
+    dsn = "postgresql://" + database_url.partition("://")[2]
+    ended = asyncio.Event()
+    db = PgLeaseDatabase(
+        dsn,
+        service_id=uuid.uuid4(),
+        name="s",
+        worker_count=1,
+        host="h",
+        version="v",
+        connect_timeout=5,
+    )
+    session = await db.connect(ended.set)
+    await session.join(ttl=60)
+    pid = await session.conn.fetchval("SELECT pg_backend_pid()")
+    await pool.execute("SELECT pg_terminate_backend($1)", pid)
+    await asyncio.wait_for(ended.wait(), 5)
+    assert session.ended

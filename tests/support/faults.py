@@ -1,0 +1,58 @@
+"""What fault tests share: judging tick logs, proxies in front of a server, broker counters."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from orch_bench.ticklog import overlap_seconds, read_ticks
+from tests.support.proxy import Proxy
+
+
+def assert_no_overlap(tick_dir: Path) -> None:
+    ticks = read_ticks(tick_dir)
+    assert ticks, "no ticks recorded"
+    overlap = overlap_seconds(ticks)
+    assert overlap == {}, f"two copies of an observer ran at the same time: {overlap}"
+
+
+def ticks_of(tick_dir: Path, pid: int, after: float) -> int:
+    """Ticks written by process ``pid`` after ``after`` (epoch seconds)."""
+    return sum(1 for t in read_ticks(tick_dir) if t.pid == pid and t.at > after)
+
+
+def via(url: str, proxy: Proxy) -> str:
+    """``url`` with its host and port replaced by the proxy's."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")
+    creds = netloc[0] + "@" if netloc[1] else ""
+    return urlunsplit(parts._replace(netloc=f"{creds}127.0.0.1:{proxy.port}"))
+
+
+def rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+
+
+def queue_counts(prefix: str) -> tuple[int, int]:
+    """(ready, unacked) of the work queue, from the broker itself."""
+    out = rabbitmqctl("-q", "list_queues", "name", "messages_ready", "messages_unacknowledged")
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] == f"{prefix}.work":
+            return int(parts[1]), int(parts[2])
+    raise AssertionError(f"no work queue for {prefix} in {out!r}")
+
+
+LEASE_BACKEND = """
+SELECT l.pid FROM pg_locks l JOIN services s ON s.id = $1
+ WHERE l.locktype = 'advisory' AND l.granted
+   AND ((l.classid::bigint << 32) | l.objid::bigint) = s.lock_key
+"""
+
+
+def service_uuid(value: object) -> uuid.UUID:
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))

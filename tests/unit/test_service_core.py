@@ -1,0 +1,434 @@
+"""The service core's own logic through in-memory fakes: admission, duplicates, settling, drain,
+handoff, lease loss, database outages. Milliseconds each; the real servers are tested elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from contracts.deadline import LeaseTimings
+from contracts.kinds import KindSpec, RestartPolicy
+from contracts.messages import CancelMessage, DrainMessage, HandoffMessage
+from contracts.statuses import ObserverStatus as S
+from observer_service.context import ObserverContext
+from observer_service.fakes import (
+    FakeBroker,
+    FakeLeaseDatabase,
+    InMemoryStore,
+    ManualClock,
+    Row,
+)
+from observer_service.lease import LeaseKeeper
+from observer_service.service import ObserverService, ServiceConfig
+
+TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.1, margin=0.1)
+TICKS: dict[uuid.UUID, int] = {}
+
+
+async def tick(ctx: ObserverContext) -> None:
+    while True:
+        TICKS[ctx.observer_id] = TICKS.get(ctx.observer_id, 0) + 1
+        await ctx.checkpoint({"n": TICKS[ctx.observer_id]})
+        await ctx.sleep(0.01)
+
+
+async def boom(ctx: ObserverContext) -> None:
+    await ctx.sleep(0.001)
+    raise RuntimeError("boom")
+
+
+async def slow_stop(ctx: ObserverContext) -> None:
+    try:
+        while True:
+            await ctx.sleep(0.01)
+    finally:
+        with contextlib.suppress(BaseException):
+            await asyncio.sleep(0.2)
+
+
+KINDS = {
+    "tick": KindSpec("tick", tick),
+    "boom": KindSpec(
+        "boom", boom, restart_policy=RestartPolicy(max_restarts=2, base_delay=0.05, max_delay=0.05)
+    ),
+    "slow": KindSpec("slow", slow_stop),
+}
+
+
+async def until(check: Callable[[], bool | Awaitable[bool]], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {check}")
+        await asyncio.sleep(0.005)
+
+
+@dataclass
+class Harness:
+    service: ObserverService
+    store: InMemoryStore
+    broker: FakeBroker
+    lease_db: FakeLeaseDatabase
+    clock: ManualClock
+
+    @property
+    def lease(self) -> LeaseKeeper:
+        return self.service.lease
+
+    async def run(self, row: Row, *, redelivered: bool = False) -> Any:
+        delivery = await self.broker.session.deliver(row.start, redelivered=redelivered)
+        return delivery
+
+    async def running(self, row: Row) -> None:
+        await until(lambda: row.id in self.service.runners and TICKS.get(row.id, 0) > 1)
+
+    async def stopped(self, row: Row) -> None:
+        await until(lambda: row.id not in self.service.runners)
+
+
+@contextlib.asynccontextmanager
+async def harness(worker_count: int = 10, **config: Any) -> AsyncIterator[Harness]:
+    me = uuid.uuid4()
+    clock = ManualClock()
+    store = InMemoryStore(me, ManualClock())  # the database's clock is not ours
+    broker = FakeBroker()
+    lease_db = FakeLeaseDatabase()
+    lease = LeaseKeeper(lease_db, timings=TIMINGS, clock=clock)
+    service = ObserverService(
+        service_id=me,
+        config=ServiceConfig(name="unit", worker_count=worker_count, shutdown_timeout=1, **config),
+        kinds=KINDS,
+        store=store,
+        broker=broker,
+        lease=lease,
+        clock=clock,
+    )
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(broker.opened.wait(), 2)
+    try:
+        yield Harness(service, store, broker, lease_db, clock)
+    finally:
+        service.request_stop()
+        await asyncio.wait_for(task, 5)
+
+
+# ---------------------------------------------------------------------------- admission
+async def test_a_start_is_taken_and_runs_and_checkpoints() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        assert row.status is S.PROCESSING
+        assert row.service_id == h.service.id
+        assert row.epoch == 1
+        assert delivery.outcome is None, "the start message stays unacked while it runs"
+        await until(lambda: row.checkpoint is not None)
+
+
+async def test_capacity_is_never_exceeded() -> None:
+    async with harness(worker_count=2) as h:
+        rows = [h.store.add("tick") for _ in range(3)]
+        # The broker's prefetch would hold the third back; a directed start must not overflow.
+        await h.run(rows[0])
+        await h.run(rows[1])
+        await h.broker.session.control(
+            b'{"type":"start","observer_id":"%s","dispatch_id":"%s"}'
+            % (str(rows[2].id).encode(), str(rows[2].dispatch_id).encode())
+        )
+        assert len(h.service.runners) == 2
+        assert rows[2].status is S.CREATED
+        assert h.broker.sent == [(rows[2].start, None)], "sent back to the work queue"
+
+
+async def test_a_duplicate_start_is_dropped() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        duplicate = await h.run(row)
+        assert duplicate.outcome == "ack"
+        assert row.epoch == 1
+        assert len(h.service.runners) == 1
+
+
+async def test_a_cancel_that_arrives_while_taking_stops_it_at_once() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        h.store.hold = asyncio.Event()
+        taking = asyncio.create_task(h.run(row))
+        await until(lambda: h.service.admission.in_flight == 1)
+        row.status = S.ON_DELETING  # the API marked it while the take was in flight
+        await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        h.store.hold.set()
+        delivery = await taking
+        await until(lambda: row.status is S.DELETED)
+        assert delivery.outcome == "ack"
+
+
+# ----------------------------------------------------------------------------- settling
+async def test_delete_settles_deleted_and_acks() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        row.status = S.ON_DELETING
+        await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await until(lambda: delivery.outcome == "ack")
+        assert row.status is S.DELETED
+        assert row.service_id is None
+
+
+async def test_handoff_releases_and_sends_a_directed_start() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        target = uuid.uuid4()
+        await h.broker.session.control(HandoffMessage(observer_id=row.id, to=target).to_bytes())
+        await until(lambda: delivery.outcome == "ack")
+        assert (row.status, row.service_id) == (S.PROCESSING, None)
+        assert h.broker.sent == [(row.start, target)]
+
+
+async def test_drain_releases_and_requeues_and_takes_no_more() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
+        await until(lambda: delivery.outcome == "requeue")
+        assert row.service_id is None
+        assert not h.broker.session.consuming
+        late = await h.run(h.store.add("tick"))
+        assert late.outcome == "requeue"
+
+
+@pytest.mark.parametrize("during", ["drain", "handoff", "channel"])
+async def test_delete_while_stopping_for_another_reason_ends_deleted(during: str) -> None:
+    async with harness() as h:
+        row = h.store.add("slow")
+        delivery = await h.run(row)
+        await until(lambda: row.id in h.service.runners)
+        session = h.broker.session
+        if during == "drain":
+            await session.control(DrainMessage(service_id=h.service.id).to_bytes())
+        elif during == "handoff":
+            await session.control(HandoffMessage(observer_id=row.id, to=uuid.uuid4()).to_bytes())
+        else:
+            await session.close()
+        row.status = S.ON_DELETING
+        await session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await h.stopped(row)
+        assert row.status is S.DELETED
+        assert row.service_id is None
+        assert h.broker.sent == [], "a deleted observer was sent on"
+        if during != "channel":
+            assert delivery.outcome == "ack"
+
+
+async def test_spent_budget_fails_and_dead_letters() -> None:
+    async with harness() as h:
+        row = h.store.add("boom")
+        delivery = await h.run(row)
+        await until(lambda: delivery.outcome == "reject")
+        assert row.status is S.FAILED
+        assert row.restart_count == 2
+
+
+async def test_restart_budget_heals_after_its_window() -> None:
+    async with harness() as h:
+        row = h.store.add("boom", restart_policy={"reset_after": 1})
+        delivery = await h.run(row)
+        await until(lambda: row.restart_count == 2)
+        assert isinstance(h.store.clock, ManualClock)
+        h.store.clock.advance(5)  # a long healthy run since the last restart
+        await until(lambda: row.restart_count == 1)
+        assert row.status is S.PROCESSING
+        await until(lambda: delivery.outcome == "reject")
+
+
+async def test_a_copy_fenced_by_a_newer_epoch_stops_and_acks() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        row.epoch += 1  # another service took it
+        await until(lambda: delivery.outcome == "ack")
+        assert row.id not in h.service.runners
+
+
+# ------------------------------------------------------------------ the database goes away
+async def test_a_short_database_outage_is_not_the_kinds_error() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        h.store.available = False
+        await asyncio.sleep(0.15)
+        h.store.available = True
+        before = TICKS[row.id]
+        await until(lambda: TICKS[row.id] > before + 3)
+        assert row.restart_count == 0
+        assert row.status is S.PROCESSING
+        assert row.epoch == 1
+
+
+async def test_a_failed_settle_is_retried_until_it_lands() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        delivery = await h.run(row)
+        await h.running(row)
+        h.store.available = False
+        row.status = S.ON_DELETING
+        await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await asyncio.sleep(0.1)
+        assert row.status is S.ON_DELETING
+        h.store.available = True
+        await until(lambda: row.status is S.DELETED)
+        assert delivery.outcome == "ack"
+
+
+async def test_renewal_handling_survives_a_database_outage() -> None:
+    async with harness(check_every=0.01) as h:
+        h.store.available = False  # the periodic held-count check fails meanwhile
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals + 3)
+        h.store.available = True
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+
+
+# --------------------------------------------------------------------------- the lease
+async def test_an_ended_lease_session_is_replaced_while_the_broker_connection_holds() -> None:
+    """pg_terminate_backend, a pooler: nothing could take our observers while our broker
+    connection lived, so the service goes on, on a new session with a new lock key."""
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        first = h.lease_db.sessions[-1]
+        first.end()
+        await until(lambda: len(h.lease_db.sessions) == 2)
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals)
+        assert h.lease_db.sessions[-1].lock_key != first.lock_key
+        assert not h.lease.fenced
+        before = TICKS[row.id]
+        await until(lambda: TICKS[row.id] > before + 3)
+        assert (row.epoch, row.service_id) == (1, h.service.id)
+
+
+async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
+    async with harness() as h:
+        rows = [h.store.add("tick") for _ in range(3)]
+        for r in rows:
+            await h.run(r)
+        for r in rows:
+            await h.running(r)
+        h.lease_db.available = False  # the lease session cannot be replaced yet
+        h.lease_db.sessions[-1].end()
+        await h.broker.session.close()  # and the broker connection is gone too
+        await until(lambda: h.lease.fenced)
+        assert all(r.stop_reason is not None for r in h.service.runners.values()), (
+            "copies are told to stop at once"
+        )
+        h.lease_db.available = True
+        await until(lambda: not h.service.runners)
+        assert all(r.service_id is None for r in rows)
+        await until(lambda: len(h.lease_db.joins) == 2)
+        assert h.lease_db.joins[0] != h.lease_db.joins[1], "a new lock key"
+
+
+async def test_an_ended_lease_session_without_a_broker_session_fences() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        await h.broker.session.close()  # not reopened yet: between two broker sessions
+        h.lease_db.sessions[-1].end()
+        assert h.lease.fenced
+        await h.stopped(row)
+
+
+async def test_a_suspend_past_the_lease_fences() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        h.clock.advance(TIMINGS.ttl)  # the machine slept; the monotonic clock did not count it
+        await h.stopped(row)
+        assert row.service_id is None
+
+
+async def test_a_renewal_that_finds_the_lease_expired_fences() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        h.lease_db.expired = True
+        await h.stopped(row)
+        await until(lambda: len(h.lease_db.joins) == 2)
+
+
+async def test_reconcile_never_releases_a_take_in_flight() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        h.store.hold = asyncio.Event()
+        taking = asyncio.create_task(h.run(row))
+        await until(lambda: h.service.admission.in_flight == 1)
+        reconcile = asyncio.create_task(h.service._reconcile())
+        await asyncio.sleep(0.02)
+        assert not reconcile.done(), "reconcile ran while a take was in flight"
+        h.store.hold.set()
+        await taking
+        await reconcile
+        await h.running(row)
+        assert row.service_id == h.service.id
+
+
+async def test_kind_code_never_resumes_after_the_lease_is_lost() -> None:
+    resumed: list[float] = []
+
+    async def waits(ctx: ObserverContext) -> None:
+        ctx.ensure_alive()
+        await asyncio.sleep(0.1)  # a pool acquire, a connect: not through ctx
+        resumed.append(time.monotonic())
+        while True:
+            await ctx.sleep(1)
+
+    KINDS["waits"] = KindSpec("waits", waits)
+    async with harness() as h:
+        row = h.store.add("waits")
+        await h.run(row)
+        await until(lambda: row.id in h.service.runners)
+        h.clock.advance(TIMINGS.ttl)  # lost while the kind awaits
+        await h.stopped(row)
+        assert resumed == []
+
+
+async def test_kind_code_waits_for_a_fresh_renewal_after_a_pause() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        h.lease_db.available = False  # renewals fail: the lease grows stale, not yet lost
+        await asyncio.sleep(TIMINGS.stale_after + 0.05)
+        paused_at = TICKS[row.id]
+        await asyncio.sleep(0.1)
+        assert TICKS[row.id] <= paused_at + 1, "kind code ran on an unconfirmed lease"
+        h.lease_db.available = True
+        await until(lambda: TICKS[row.id] > paused_at + 3)
+        assert row.epoch == 1
