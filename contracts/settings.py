@@ -99,7 +99,7 @@ class CommonSettings(BaseSettings):
     @property
     def asyncpg_dsn(self) -> str:
         """The database URL as plain asyncpg takes it."""
-        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return asyncpg_dsn(self.database_url)
 
     @property
     def amqp_url_with_heartbeat(self) -> str:
@@ -115,6 +115,16 @@ class CommonSettings(BaseSettings):
     @property
     def topology(self) -> Topology:
         return Topology(self.prefix)
+
+
+def asyncpg_dsn(url: str) -> str:
+    """A database URL as plain asyncpg takes it."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def on_database(url: str, database: str) -> str:
+    """The same server and credentials, another database."""
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
 
 
 def mask_url(url: str) -> str:

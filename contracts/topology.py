@@ -14,6 +14,7 @@ from typing import Any, Literal
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
+from aiormq.exceptions import ChannelLockedResource
 
 from contracts.errors import broker_errors
 
@@ -49,13 +50,16 @@ async def service_present(
 ) -> bool:
     """Whether a service's exclusive control queue exists, i.e. its broker connection lives.
 
-    A passive declare of a missing queue closes its channel, so each probe has one of its own.
-    Raises BrokerUnavailable."""
+    A passive declare answers "locked" for an exclusive queue that another connection owns
+    (it exists), "not found" for a missing one; either closes the channel, so each probe has
+    one of its own. Raises BrokerUnavailable."""
     channel: AbstractChannel | None = None
     with broker_errors():
         try:
             channel = await connection.channel(publisher_confirms=False)
             await channel.declare_queue(topology.control_queue(service_id), passive=True)
+            return True
+        except ChannelLockedResource:
             return True
         except ChannelNotFoundEntity:
             return False

@@ -325,6 +325,8 @@ class FakeSession:
         self.generation = next(_generations)
         self.closed = asyncio.Event()
         self.consuming = True
+        #: The broker closed this connection and the service has not noticed yet.
+        self.dropped_by_broker = False
         self._on_start = on_start
         self._on_control = on_control
 
@@ -359,7 +361,7 @@ class FakeSession:
         return service_id in self.broker.present
 
     async def confirm_present(self) -> bool:
-        return self.is_open
+        return self.is_open and not self.dropped_by_broker
 
 
 class FakeBroker:

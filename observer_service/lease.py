@@ -66,7 +66,6 @@ class LeaseKeeper:
         self._waiters: set[asyncio.Future[None]] = set()
         #: What each renewal learned, consumed by the service's own task.
         self.renewals: asyncio.Queue[Renewal] = asyncio.Queue()
-        self.draining_at_join = False
 
     # ------------------------------------------------------------------ what others consult
     def state(self) -> LeaseState:
@@ -162,7 +161,7 @@ class LeaseKeeper:
         """Register or come back after a fence, on a new session (new lock key)."""
         session = await self._connect()
         sent = self.clock.now()
-        self.draining_at_join = await session.join(self.timings.ttl)
+        await session.join(self.timings.ttl)
         self._bridging = None
         self._confirmed(sent)
         self._rejoin.clear()

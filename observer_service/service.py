@@ -251,6 +251,7 @@ class ObserverService:
         elif isinstance(control, HandoffMessage):
             runner = self.runners.get(control.observer_id)
             if runner is not None:
+                log.info("handing %s over to %s", control.observer_id, control.to)
                 runner.stop(StopReason.HANDOFF, to=control.to)
         elif isinstance(control, DrainMessage):
             if control.service_id == self.id:

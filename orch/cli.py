@@ -182,7 +182,7 @@ def bench(
     only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
 ) -> None:
     """Start a throw-away local cluster and measure it against the targets."""
-    from contracts.settings import CommonSettings
+    from contracts.settings import CommonSettings, on_database
     from orch_bench.run import main
     from orch_bench.scenarios import SCENARIOS
 
@@ -192,8 +192,12 @@ def bench(
     unknown = set(names or ()) - set(SCENARIOS)
     if unknown:
         _fail(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+    # The benchmark makes its own databases: it needs the server, not the configured database.
+    server = settings.model_copy(
+        update={"database_url": on_database(settings.database_url, "postgres")}
+    )
     try:
-        asyncio.run(check_servers(settings, need_schema=False))
+        asyncio.run(check_servers(server, need_schema=False))
     except StartupError as exc:
         _fail(str(exc))
     raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aio_pika
 import asyncpg
 import httpx
 
@@ -36,6 +37,14 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
         await asyncio.sleep(every)
+
+
+async def quiet(seconds: float, why: str) -> None:
+    """A window in which a check must see that nothing happens (no tick of a stopped copy, no
+    second leader, no move): the one place where a test waits for time, not for a condition.
+    ``why`` says what would happen in it if the code were wrong."""
+    del why
+    await asyncio.sleep(seconds)
 
 
 def free_port() -> int:
@@ -62,6 +71,15 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.alive:
             os.kill(self.pid, sig)
+
+    async def wait_log(self, text: str, *, timeout: float = 10) -> None:
+        """Wait until the process has logged ``text``."""
+
+        async def logged() -> bool:
+            assert self.log is not None, "the process logs to a terminal"
+            return text in self.log.read_text(errors="replace")
+
+        await wait_for(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
 
     def tail(self, lines: int = 30) -> str:
         if self.log is None:
@@ -131,11 +149,31 @@ class LocalCluster:
         return proc
 
     async def start_service(self, name: str, worker_count: int, **env: Any) -> Proc:
+        """Start a service and wait until it takes work: registered, and its broker session
+        open (its control queue exists)."""
         proc = self.spawn(
             name, ["service", "--name", name, "--worker-count", str(worker_count)], **env
         )
-        await self.service_id(proc, wait=30)
+        sid = await self.service_id(proc, wait=30)
+        await self._wait_on_broker(proc, sid)
         return proc
+
+    async def _wait_on_broker(self, proc: Proc, service_id: uuid.UUID) -> None:
+        from contracts.settings import CommonSettings
+        from contracts.topology import service_present
+
+        defaults = CommonSettings()
+        url = self.env.get("ORCH_AMQP_URL", defaults.amqp_url)
+        topology = CommonSettings(prefix=self.env.get("ORCH_PREFIX", defaults.prefix)).topology
+        connection = await aio_pika.connect(url, timeout=5)
+        async with connection:
+
+            async def present() -> bool:
+                if not proc.alive:
+                    raise RuntimeError(f"service {proc.name} exited:\n{proc.tail()}")
+                return await service_present(connection, topology, service_id)
+
+            await wait_for(present, timeout=30, what=f"{proc.name} on the broker", every=0.02)
 
     async def service_id(self, proc: Proc, *, wait: float = 0) -> uuid.UUID:
         """The id of the service row a service process registered (waiting up to ``wait``)."""

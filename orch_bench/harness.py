@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from contracts.settings import CommonSettings
+from contracts.settings import CommonSettings, asyncpg_dsn, on_database
 from contracts.topology import Topology, delete_topology
 from orch.cluster import LocalCluster, wait_for
 from orch_bench.loadgen import RawClient
@@ -59,14 +59,13 @@ class Bench:
         self.settings = settings
         self.lease_ttl = lease_ttl
         self.run_id = uuid.uuid4().hex[:8]
-        base, _, _ = settings.asyncpg_dsn.rpartition("/")
-        self.server_dsn = base
+        self.server_url = settings.database_url
         self.template = f"orch_bench_{self.run_id}_tpl"
         self.databases: list[str] = [self.template]
         self.workdir = Path(tempfile.mkdtemp(prefix="orch-bench-"))
 
     async def _admin(self) -> asyncpg.Connection:
-        return await asyncpg.connect(f"{self.server_dsn}/postgres")
+        return await asyncpg.connect(asyncpg_dsn(on_database(self.server_url, "postgres")))
 
     async def prepare(self) -> None:
         from alembic import command
@@ -78,7 +77,7 @@ class Bench:
             await admin.execute(f'CREATE DATABASE "{self.template}"')
         finally:
             await admin.close()
-        url = f"postgresql+asyncpg://{self.server_dsn.partition('://')[2]}/{self.template}"
+        url = on_database(self.server_url, self.template)
         await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
 
     @contextlib.asynccontextmanager
@@ -96,10 +95,11 @@ class Bench:
         workdir.mkdir()
         cluster = BenchCluster(
             env={
-                "ORCH_DATABASE_URL": f"{self.server_dsn}/{db}",
+                "ORCH_DATABASE_URL": on_database(self.server_url, db),
                 "ORCH_AMQP_URL": self.settings.amqp_url,
                 "ORCH_PREFIX": prefix,
                 "ORCH_LEASE_TTL": str(self.lease_ttl),
+                "ORCH_KIND_MODULES": "observer_service.kinds.recorder",
                 # Off unless a scenario measures it: moves would blur the other figures.
                 "ORCH_REBALANCE": "false",
                 **{f"ORCH_{k.upper()}": str(v) for k, v in env.items()},

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from contracts.settings import CommonSettings
+from contracts.settings import CommonSettings, asyncpg_dsn, on_database
 from orch_bench.harness import Bench, Figure
 from orch_bench.scenarios import FULL, QUICK, SCENARIOS
 
@@ -88,7 +88,7 @@ def table(figures: list[Figure], *, quick: bool) -> Table:
 
 
 async def _postgres_version(settings: CommonSettings) -> str:
-    conn = await asyncpg.connect(settings.asyncpg_dsn.rpartition("/")[0] + "/postgres")
+    conn = await asyncpg.connect(asyncpg_dsn(on_database(settings.database_url, "postgres")))
     try:
         return str(await conn.fetchval("SHOW server_version"))
     finally:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
 
+from contracts.settings import asyncpg_dsn
 from contracts.topology import Topology, delete_topology
 from tests.support.cluster import Cluster
 
@@ -33,10 +35,11 @@ class Servers:
     amqp_url: str
 
     def database_url(self, name: str) -> str:
-        return f"postgresql+asyncpg://{self.admin_dsn.partition('://')[2]}/{name}"
+        url = make_url(self.admin_dsn).set(drivername="postgresql+asyncpg", database=name)
+        return url.render_as_string(hide_password=False)
 
     def asyncpg_dsn(self, name: str) -> str:
-        return f"{self.admin_dsn}/{name}"
+        return asyncpg_dsn(self.database_url(name))
 
 
 def _docker_available() -> bool:
@@ -63,8 +66,7 @@ def servers() -> Iterator[Servers]:
                 f"amqp://guest:guest@{mq.get_container_host_ip()}:{mq.get_exposed_port(5672)}/",
             )
         return
-    db = (db or "postgresql://postgres@127.0.0.1:5432").rstrip("/")
-    db = db.replace("postgresql+asyncpg://", "postgresql://")
+    db = asyncpg_dsn(db or "postgresql://postgres@127.0.0.1:5432")
     yield Servers(db, amqp or "amqp://guest:guest@127.0.0.1:5672/")
 
 

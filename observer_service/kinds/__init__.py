@@ -1,5 +1,9 @@
-"""Built-in observer kinds (registered through the ``observer_orchestrator.kinds`` entry point)."""
+"""Built-in observer kinds, registered through the ``observer_orchestrator.kinds`` entry point.
 
-from observer_service.kinds import http_poll, recorder, ticker
+``recorder`` (writes files where a caller asks) is not among them: load it explicitly with
+``ORCH_KIND_MODULES=observer_service.kinds.recorder`` where it is wanted (tests, benchmarks).
+"""
 
-__all__ = ["http_poll", "recorder", "ticker"]
+from observer_service.kinds import http_poll, ticker
+
+__all__ = ["http_poll", "ticker"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from orch_bench.ticklog import read_ticks
-from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import assert_no_overlap as check_overlap
 from tests.support.faults import rabbitmqctl, ticks_of, via
 
@@ -48,7 +48,7 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
     finally:
         resumed_at = time.time()
         a.signal(signal.SIGCONT)
-    await asyncio.sleep(1.0)  # let the resumed service run into its fence
+    await quiet(1.0, "a stale copy that was not fenced would tick")
     assert ticks_of(cluster.tick_dir, a.pid, after=resumed_at) == 0, (
         "a stale copy ticked after SIGCONT"
     )
@@ -81,7 +81,7 @@ async def test_cut_off_from_the_broker(cluster: Cluster) -> None:
     cut_at = time.time()
     proxy.cut()
     await cluster.wait_all_running(ids, timeout=40, on={b_id}, fresh_after=cut_at)
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "the cut-off copies would tick beside the new ones")
     assert_no_overlap(cluster)
     assert a.popen.poll() is None, "the cut-off service died instead of recovering"
     proxy.heal()
@@ -124,7 +124,7 @@ async def test_blackout_every_service_killed(cluster: Cluster) -> None:
     a.signal(signal.SIGKILL)
     b.signal(signal.SIGKILL)
     killed_at = time.time()
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "nothing runs: a blackout")
     c = await cluster.start_service("c", worker_count=10)
     d = await cluster.start_service("d", worker_count=10)
     alive = {await cluster.service_id(c), await cluster.service_id(d)}
@@ -152,7 +152,7 @@ async def test_delete_during_redistribution(cluster: Cluster) -> None:
         await cluster.wait_all_running(ids[1:], timeout=cluster.lease_ttl + 3)
     finally:
         a.signal(signal.SIGCONT)
-    await asyncio.sleep(1.5)
+    await quiet(1.5, "the deleted observer would run again")
     late = [
         t for t in read_ticks(cluster.tick_dir) if t.observer == str(victim) and t.at > deleted_at
     ]
@@ -176,7 +176,7 @@ async def test_kill_and_delete_race(cluster: Cluster) -> None:
 
     await wait_for(all_deleted, timeout=cluster.lease_ttl + 3, what="all deleted")
     done_at = time.time()
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "a revived observer would tick")
     assert not [t for t in read_ticks(cluster.tick_dir) if t.at > done_at]
     assert_no_overlap(cluster)
 
@@ -200,7 +200,7 @@ async def test_two_managers_one_leader_and_failover(cluster: Cluster) -> None:
         return out
 
     first = await wait_for(leaders, timeout=10, what="a leader")
-    await asyncio.sleep(cluster.lease_ttl)
+    await quiet(cluster.lease_ttl, "a second leader would appear")
     assert len(await leaders()) == 1, "two managers lead at once"
     leader = m1 if first[0] == m1.pid else m2
     other = m2 if leader is m1 else m1
@@ -236,7 +236,7 @@ async def test_broker_restart(cluster: Cluster) -> None:
     finally:
         await asyncio.to_thread(rabbitmqctl, "start_app")
     await cluster.wait_all_running(ids, timeout=60, fresh_after=stopped_at)
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "old copies would tick beside the new ones")
     assert_no_overlap(cluster)
     assert all(p.popen.poll() is None for p in cluster.procs)
 
@@ -271,5 +271,5 @@ async def test_consumer_timeout_fires(cluster: Cluster) -> None:
             rabbitmqctl("eval", "application:unset_env(rabbit, consumer_timeout).")
     fired_at = time.time()
     await cluster.wait_all_running(ids, timeout=20, fresh_after=fired_at)
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "old copies would tick beside the new ones")
     assert_no_overlap(cluster)

@@ -18,7 +18,7 @@ import aio_pika
 from contracts.clock import set_suspend_lag
 from contracts.messages import HandoffMessage, StartMessage
 from orch_bench.ticklog import failover_gaps, read_ticks
-from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import (
     LEASE_BACKEND,
     assert_no_overlap,
@@ -59,7 +59,7 @@ async def test_database_blips_strand_nothing_and_spend_no_restarts(cluster: Clus
     await cluster.start_service("b", worker_count=20)
     for _ in range(4):
         await proxy.blip(0.6)
-        await asyncio.sleep(1.5)
+        await quiet(1.5, "the cluster runs on between blips")
     healed = time.time()
     await _none_stranded(cluster, ids, healed)
     rows = await cluster.q("SELECT restart_count FROM observers WHERE id = ANY($1)", ids)
@@ -77,7 +77,7 @@ async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
     )
     ids = await _kind_observers(cluster, 4, "recorder", "rec", interval=0.05)
     await cluster.wait_all_running(ids, timeout=15)
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "a renewal or two before the blip")
     await proxy.blip(2.0)
     await _none_stranded(cluster, ids, time.time())
     lost = await cluster.q(
@@ -144,7 +144,7 @@ async def test_dropped_lease_session_never_runs_two_copies(cluster: Cluster) -> 
         pid = await db.fetchval(LEASE_BACKEND, holder)
         assert pid is not None
         await db.execute("SELECT pg_terminate_backend($1)", pid)
-        await asyncio.sleep(cluster.lease_ttl * 1.5)
+        await quiet(cluster.lease_ttl * 1.5, "two copies would run, or the holder would die")
         ticked = time.time()
         await _ticks_after(cluster, ticked)
         assert a.alive
@@ -213,7 +213,7 @@ async def _deleted_and_released(cluster: Cluster, oid: uuid.UUID, holder: Proc) 
 
     await wait_for(runs_nothing, timeout=10, what="the holder reports 0 running")
     done = time.time()
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "a deleted observer would run on")
     late = [t for t in read_ticks(cluster.tick_dir) if t.observer == str(oid) and t.at > done]
     assert late == [], "a deleted observer ran on"
 
@@ -232,7 +232,7 @@ async def test_delete_during_drain_ends_deleted(cluster: Cluster) -> None:
     a_id = await cluster.service_id(a)
     async with cluster.api() as c:
         assert (await c.post(f"/services/{a_id}/drain")).status_code == 202
-        await asyncio.sleep(0.2)  # the drain is under way: A is stopping the copy
+        await a.wait_log("draining: handing over")  # A is stopping the copy
         assert (await c.delete(f"/observers/{oid}")).status_code == 202
     await _deleted_and_released(cluster, oid, a)
 
@@ -248,7 +248,7 @@ async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
             aio_pika.Message(HandoffMessage(observer_id=oid, to=b_id).to_bytes()),
             routing_key=f"{cluster.prefix}.control.{a_id}",
         )
-    await asyncio.sleep(0.2)
+    await a.wait_log(f"handing {oid} over")
     async with cluster.api() as c:
         assert (await c.delete(f"/observers/{oid}")).status_code == 202
     await _deleted_and_released(cluster, oid, a)
@@ -258,7 +258,7 @@ async def test_delete_during_broker_reconnect_ends_deleted(cluster: Cluster) -> 
     proxy = await cluster.proxy(cluster.amqp_url)
     a, oid = await _one_slow(cluster, amqp_url=via(cluster.amqp_url, proxy))
     proxy.reset()
-    await asyncio.sleep(0.2)
+    await a.wait_log("broker session 1 closed")
     async with cluster.api() as c:
         assert (await c.delete(f"/observers/{oid}")).status_code == 202
     await _deleted_and_released(cluster, oid, a)
@@ -285,7 +285,7 @@ async def test_suspend_past_the_lease_fences(cluster: Cluster, tmp_path: Path) -
         set_suspend_lag(hook, time.monotonic() - stopped + 0.2)
         resumed = time.time()
         a.signal(signal.SIGCONT)
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "a suspended copy would tick")
     assert ticks_of(cluster.tick_dir, a.pid, after=resumed) == 0, "a suspended copy ran on"
     assert_no_overlap(cluster.tick_dir)
 
@@ -317,7 +317,7 @@ async def test_frozen_copy_makes_no_side_effect_after_waking(cluster: Cluster) -
         finally:
             resumed = time.time()
             frozen.signal(signal.SIGCONT)
-        await asyncio.sleep(1.0)
+        await quiet(1.0, "a stale copy would make its side effect")
         stale += ticks_of(cluster.tick_dir, frozen.pid, after=resumed)
     assert stale == 0, f"{stale} side effects of stale copies after SIGCONT"
     assert_no_overlap(cluster.tick_dir)
@@ -341,7 +341,6 @@ async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster)
         c.signal(signal.SIGCONT)
     b = await cluster.start_service("b", worker_count=20, lease_ttl=3)
     b_id = await cluster.service_id(b)
-    await asyncio.sleep(0.5)
     killed = time.time()
     a.signal(signal.SIGKILL)
     await cluster.wait_all_running(ids, timeout=10, on={b_id}, fresh_after=killed)

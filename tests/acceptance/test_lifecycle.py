@@ -10,7 +10,7 @@ import uuid
 import aio_pika
 
 from contracts.messages import StartMessage
-from tests.support.cluster import Cluster, wait_for
+from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import queue_counts
 
 
@@ -55,7 +55,7 @@ async def test_delete_stops_the_task_and_acks_the_message(cluster: Cluster) -> N
 
     await wait_for(deleted, timeout=10, what="deleted")
     stopped_at = await cluster.checkpoint_count(oid)
-    await asyncio.sleep(0.3)  # a running copy would tick 6 times meanwhile
+    await quiet(0.3, "a running copy would tick 6 times")
     assert await cluster.checkpoint_count(oid) == stopped_at
     await wait_for(
         lambda: _async(queue_counts(cluster.prefix) == (0, 0)), timeout=10, what="queue empty"
@@ -82,7 +82,7 @@ async def test_capacity_and_delete_of_a_waiting_observer(cluster: Cluster) -> No
         return [r[0] for r in rows] if len(rows) == 2 else []
 
     running = await wait_for(two_running, timeout=10, what="two running")
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "a third would start beyond the worker count")
     assert len(await two_running()) == 2, "a service ran more than its worker_count"
     waiting = next(i for i in ids if i not in running)
     assert (await cluster.observer(waiting))["status"] == "created"
@@ -132,7 +132,6 @@ async def test_sigkill_moves_observers_resumed_from_checkpoint(cluster: Cluster)
     await cluster.wait_all_running(ids, timeout=10)
     b = await cluster.start_service("b", worker_count=10)
     b_id = await cluster.service_id(b)
-    await asyncio.sleep(0.3)
     before = {i: await cluster.checkpoint_count(i) for i in ids}
     killed_at = time.time()
     a.signal(signal.SIGKILL)

@@ -12,7 +12,7 @@ import uuid
 import httpx
 
 from orch_bench.ticklog import overlap_seconds, read_ticks
-from tests.support.cluster import Cluster, wait_for
+from tests.support.cluster import Cluster, quiet, wait_for
 
 FAST = {"rebalance": "true", "rebalance_min_age": "2", "rebalance_interval": "0.3"}
 
@@ -44,7 +44,7 @@ async def test_join_reaches_fair_share_without_overlap(cluster: Cluster) -> None
         return sorted((await counts(cluster)).values()) == [30, 30, 30]
 
     await wait_for(even, timeout=20, what="a, b and c at 30 each")
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "moves still landing would change the baseline")
     before = await moves_per_observer(cluster)
     d = await cluster.start_service("d", worker_count=40)
     d_id = await cluster.service_id(d)
@@ -57,7 +57,7 @@ async def test_join_reaches_fair_share_without_overlap(cluster: Cluster) -> None
     await wait_for(fair, timeout=30, what="every service at 22 or 23")
     took = time.monotonic() - joined
     await cluster.wait_all_running(ids, timeout=10)
-    await asyncio.sleep(1.5)  # nothing moves any more
+    await quiet(1.5, "a second round would move observers again")
     assert all(n in (22, 23) for n in (await counts(cluster)).values())
     moved = await moves_per_observer(cluster) - before
     assert 22 <= sum(moved.values()) <= 23, moved
@@ -100,7 +100,6 @@ async def test_drain_moves_everything_then_stop_moves_nothing(cluster: Cluster) 
     await cluster.wait_all_running(ids, timeout=15)
     b = await cluster.start_service("b", worker_count=20)
     a_id, b_id = await cluster.service_id(a), await cluster.service_id(b)
-    await asyncio.sleep(0.5)
     before = {i: await cluster.checkpoint_count(i) for i in ids}
     async with cluster.api() as c:
         r = await c.post(f"/services/{a_id}/drain")
@@ -121,7 +120,7 @@ async def test_drain_moves_everything_then_stop_moves_nothing(cluster: Cluster) 
     }
     a.signal(signal.SIGTERM)
     await asyncio.to_thread(a.popen.wait, 15)
-    await asyncio.sleep(0.5)
+    await quiet(0.5, "a moved observer would move again")
     after = {
         r["id"]: r["epoch"]
         for r in await cluster.q("SELECT id, epoch FROM observers WHERE id = ANY($1)", ids)
@@ -141,7 +140,7 @@ async def test_flapping_service_causes_no_ping_pong(cluster: Cluster) -> None:
         return sorted((await counts(cluster)).values()) == [10, 10]
 
     await wait_for(settled, timeout=20, what="a and b at 10 each")
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "moves still landing would change the baseline")
     baseline = sum((await moves_per_observer(cluster)).values())
     epochs = {
         r["id"]: r["epoch"]
@@ -149,10 +148,10 @@ async def test_flapping_service_causes_no_ping_pong(cluster: Cluster) -> None:
     }
     for i in range(3):
         flap = await cluster.start_service(f"flap{i}", worker_count=30)
-        await asyncio.sleep(1.0)
+        await quiet(1.0, "a flapping service would receive moves")
         flap.signal(signal.SIGTERM)
         await asyncio.to_thread(flap.popen.wait, 15)
-    await asyncio.sleep(1.0)
+    await quiet(1.0, "observers would ping-pong")
     assert sum((await moves_per_observer(cluster)).values()) == baseline
     now = {
         r["id"]: r["epoch"]

@@ -19,6 +19,7 @@ async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator
         database_url=database_url,
         amqp_url=servers.amqp_url,
         prefix=prefix,
+        kind_modules="observer_service.kinds.recorder",
         max_body_bytes=4096,
         max_params_bytes=512,
     )
@@ -144,3 +145,27 @@ async def test_cluster_endpoints(api: httpx.AsyncClient) -> None:
     leader = (await api.get("/leader")).json()
     assert "this_replica" in leader
     assert (await api.get("/openapi.json")).status_code == 200
+
+
+async def test_a_dead_leader_loop_stops_the_manager_through_an_event(
+    servers: Servers, database_url: str, prefix: str
+) -> None:
+    """Not by signalling its own pid (in a test, that pid is pytest's)."""
+    import asyncio
+
+    from manager.leader import LoopDied
+    from manager.runtime import ManagerRuntime
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in a leader loop")
+
+    runtime = ManagerRuntime(
+        ManagerSettings(database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix)
+    )
+    runtime.leadership.loops = {"broken": broken}
+    await runtime.start()
+    try:
+        await asyncio.wait_for(runtime.fatal.wait(), 10)
+        assert isinstance(runtime.error, LoopDied)
+    finally:
+        await runtime.stop()

@@ -15,6 +15,7 @@ import pytest
 
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
+from contracts.settings import asyncpg_dsn
 from observer_service import queries as q
 from observer_service.ports import Checkpoint, StartRequest
 from observer_service.store import PgLeaseDatabase, PgStore
@@ -25,7 +26,7 @@ ROW_FIELDS = "status, service_id, epoch, checkpoint, restart_count, last_error"
 
 @pytest.fixture
 async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    dsn = "postgresql://" + database_url.partition("://")[2]
+    dsn = asyncpg_dsn(database_url)
     p = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
     try:
         yield p
@@ -193,7 +194,7 @@ async def test_a_free_lock_alone_does_not_let_a_holder_be_taken_over(pool: async
 
 
 async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> None:
-    dsn = "postgresql://" + database_url.partition("://")[2]
+    dsn = asyncpg_dsn(database_url)
     sid = uuid.uuid4()
     ended: list[bool] = []
     db = PgLeaseDatabase(
@@ -223,7 +224,7 @@ async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> No
 async def test_a_lease_session_ended_by_the_server_is_reported(
     database_url: str, pool: asyncpg.Pool
 ) -> None:
-    dsn = "postgresql://" + database_url.partition("://")[2]
+    dsn = asyncpg_dsn(database_url)
     ended = asyncio.Event()
     db = PgLeaseDatabase(
         dsn,

@@ -10,6 +10,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from contracts.settings import asyncpg_dsn
 from contracts.tables import Base
 from migrations import alembic_config
 from tests.conftest import Servers
@@ -25,7 +26,7 @@ async def _tables(dsn: str) -> set[str]:
 
 
 async def test_upgrade_downgrade_roundtrip(servers: Servers, database_url: str) -> None:
-    dsn = "postgresql://" + database_url.partition("://")[2]
+    dsn = asyncpg_dsn(database_url)
     cfg = alembic_config(database_url)
     await asyncio.to_thread(command.downgrade, cfg, "base")
     assert await _tables(dsn) == set()

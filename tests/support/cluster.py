@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 import asyncpg
 import httpx
 
-from orch.cluster import LocalCluster, Proc, wait_for
+from orch.cluster import LocalCluster, Proc, quiet, wait_for
 from tests.support.proxy import Proxy
 
-__all__ = ["Cluster", "Proc", "wait_for"]
+__all__ = ["Cluster", "Proc", "quiet", "wait_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -22,9 +24,26 @@ from observer_service.context import ObserverContext
 from observer_service.settings import ServiceSettings
 
 
+def test_recorder_is_registered_only_when_asked_for() -> None:
+    """It writes files wherever a caller says: no deployment gets it by default."""
+    code = (
+        "import sys; from contracts.kinds import load_kinds; "
+        "print(sorted(load_kinds(sys.argv[1:])))"
+    )
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert plain.stdout.strip() == "['http_poll', 'ticker']"
+    asked = subprocess.run(
+        [sys.executable, "-c", code, "observer_service.kinds.recorder"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "'recorder'" in asked.stdout
+
+
 def test_builtin_kinds_load_and_validate() -> None:
     kinds = load_kinds()
-    assert {"ticker", "http_poll", "recorder"} <= set(kinds)
+    assert {"ticker", "http_poll"} <= set(kinds)
     assert kinds["ticker"].validate_params({}) == {"interval": 1.0}
     with pytest.raises(InvalidParams, match="interval"):
         kinds["ticker"].validate_params({"interval": "soon"})

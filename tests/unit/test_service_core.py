@@ -331,6 +331,19 @@ async def test_an_ended_lease_session_is_replaced_while_the_broker_connection_ho
         assert (row.epoch, row.service_id) == (1, h.service.id)
 
 
+async def test_an_ended_lease_session_whose_broker_link_cannot_be_proven_fences() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        await h.run(row)
+        await h.running(row)
+        delivery_session = h.broker.session
+        delivery_session.dropped_by_broker = True  # closed at the broker, not noticed here yet
+        h.lease_db.sessions[-1].end()
+        await h.stopped(row)
+        assert row.service_id is None, "released after the fence"
+        await until(lambda: len(h.lease_db.joins) == 2)  # and back, on a new session
+
+
 async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
     async with harness() as h:
         rows = [h.store.add("tick") for _ in range(3)]
@@ -417,6 +430,25 @@ async def test_kind_code_never_resumes_after_the_lease_is_lost() -> None:
         h.clock.advance(TIMINGS.ttl)  # lost while the kind awaits
         await h.stopped(row)
         assert resumed == []
+
+
+async def test_a_lost_lease_stops_even_a_copy_that_waits_long() -> None:
+    """The guard would stop it at its next resumption, an hour from now; the service must not
+    wait that long to let go of it and come back."""
+
+    async def sleeper(ctx: ObserverContext) -> None:
+        await ctx.checkpoint({"started": True})
+        await asyncio.sleep(3600)
+
+    KINDS["sleeper"] = KindSpec("sleeper", sleeper)
+    async with harness() as h:
+        row = h.store.add("sleeper")
+        await h.run(row)
+        await until(lambda: row.checkpoint is not None)
+        h.clock.advance(TIMINGS.ttl)
+        await h.stopped(row)
+        assert row.service_id is None
+        await until(lambda: len(h.lease_db.joins) == 2)
 
 
 async def test_kind_code_waits_for_a_fresh_renewal_after_a_pause() -> None:

@@ -1,0 +1,222 @@
+"""Every fence proven necessary: apply each mutant (a fence or check removed), run the tests that
+should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not by
+``scripts/test``: it takes a few minutes. Exit code 1 if any mutant survives.
+
+Usage: python scripts/mutants.py [NAME ...]    (no name: all of them)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCES = "tests/integration/test_fences.py"
+CORE = "tests/unit/test_service_core.py"
+FAULTS = "tests/acceptance/test_faults.py"
+ONCE = "tests/acceptance/test_exactly_once.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant(
+        "checkpoint: no epoch predicate",
+        "observer_service/queries.py",
+        " WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND {sql_in",
+        " WHERE o.id = v.id AND o.service_id = $2 AND {sql_in",
+        (f"{FENCES}::test_a_stale_checkpoint_is_refused",),
+    ),
+    Mutant(
+        "checkpoint batch: one entry per observer",
+        "observer_service/store.py",
+        "newest = {(c.observer_id, c.epoch): c for c in items}",
+        "newest = {c.observer_id: c for c in items}",
+        (f"{FENCES}::test_a_stale_checkpoint_is_refused",),
+    ),
+    Mutant(
+        "release and mark deleted: no epoch predicate",
+        "observer_service/queries.py",
+        'f"WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND "',
+        'f"WHERE o.id = v.id AND o.service_id = $2 AND "',
+        (
+            f"{FENCES}::test_a_stale_release_is_refused",
+            f"{FENCES}::test_a_stale_delete_is_refused",
+        ),
+    ),
+    Mutant(
+        "restart record: no epoch predicate",
+        "observer_service/queries.py",
+        "WHERE id = $1 AND epoch = $3 AND service_id = $2 AND {sql_in",
+        "WHERE id = $1 AND service_id = $2 AND {sql_in",
+        (f"{FENCES}::test_a_stale_restart_record_is_refused",),
+    ),
+    Mutant(
+        "failed: no epoch predicate",
+        "observer_service/queries.py",
+        'f"modified_at = now() WHERE id = $1 AND epoch = $3 AND service_id = $2 "',
+        'f"modified_at = now() WHERE id = $1 AND service_id = $2 "',
+        (f"{FENCES}::test_a_stale_failure_is_refused",),
+    ),
+    Mutant(
+        "take: no compare-and-set",
+        "observer_service/queries.py",
+        """ WHERE o.id = v.id AND o.epoch = v.epoch AND o.dispatch_id = v.dispatch_id
+   AND o.status = v.status AND o.service_id IS NOT DISTINCT FROM v.holder""",
+        " WHERE o.id = v.id",
+        (
+            f"{FENCES}::test_a_take_that_lost_the_race_is_refused",
+            f"{FENCES}::test_concurrent_takes_have_one_winner",
+        ),
+    ),
+    Mutant(
+        "take: no lease-expiry check",
+        "observer_service/queries.py",
+        'COALESCE({live_service("s")}, false) AS holder_live',
+        "COALESCE(NOT s.is_deleted, false) AS holder_live",
+        (f"{FENCES}::test_a_holder_whose_lease_expired_is_taken_over",),
+    ),
+    Mutant(
+        "renewal: no expiry check",
+        "observer_service/queries.py",
+        " WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()\nRETURNING",
+        " WHERE id = $1\nRETURNING",
+        (f"{FENCES}::test_a_renewal_never_revives_an_expired_lease",),
+    ),
+    Mutant(
+        "self-fencing: the deadline never fences",
+        "observer_service/lease.py",
+        "        if not self.deadline.valid():\n            self.fence",
+        "        if False:\n            self.fence",
+        (
+            f"{CORE}::test_a_suspend_past_the_lease_fences",
+            f"{ONCE}::test_freeze_longer_than_the_lease",
+        ),
+    ),
+    Mutant(
+        "self-fencing: the deadline without its margin",
+        "contracts/deadline.py",
+        "self.until = sent + self.timings.ttl - self.timings.margin",
+        "self.until = sent + self.timings.ttl + self.timings.margin",
+        ("tests/unit/test_deadline_and_guard.py",),
+    ),
+    Mutant(
+        "self-fencing: a lost lease stops nothing",
+        "observer_service/service.py",
+        "        self._stop_where(lambda r: True, StopReason.LEASE_LOST)\n        self._lease_lost",
+        "        self._lease_lost",
+        (f"{CORE}::test_a_lost_lease_stops_even_a_copy_that_waits_long",),
+    ),
+    Mutant(
+        "take rule: a redelivery taken without proof the holder is gone",
+        "observer_service/take.py",
+        "    if not facts.holder_lock_free:\n        return Decision.WAIT",
+        "    if not facts.holder_lock_free:\n        return Decision.TAKE",
+        ("tests/unit/test_take.py", f"{FAULTS}::test_dropped_lease_session_never_runs_two_copies"),
+    ),
+    Mutant(
+        "take rule: a free lock trusted alone",
+        "observer_service/take.py",
+        "    if facts.holder_off_broker is None:\n        return Decision.PROBE",
+        "    if facts.holder_off_broker is None:\n        return Decision.TAKE",
+        (
+            "tests/unit/test_take.py",
+            f"{FENCES}::test_a_free_lock_alone_does_not_let_a_holder_be_taken_over",
+        ),
+    ),
+    Mutant(
+        "lease session: kept without proving the broker connection held",
+        "observer_service/lease.py",
+        "            held = await witness.confirm_present()",
+        "            held = True",
+        (f"{CORE}::test_an_ended_lease_session_whose_broker_link_cannot_be_proven_fences",),
+    ),
+    Mutant(
+        "suspend: deadlines on the monotonic clock",
+        "contracts/clock.py",
+        "        return time.clock_gettime(_BOOTTIME)",
+        "        return self.monotonic()",
+        (f"{FAULTS}::test_suspend_past_the_lease_fences",),
+    ),
+    Mutant(
+        "guard: kind code resumes unchecked",
+        "observer_service/guard.py",
+        "                    while (parked := gate()) is not None:",
+        "                    while (parked := None) is not None:",
+        (
+            f"{CORE}::test_kind_code_never_resumes_after_the_lease_is_lost",
+            f"{FAULTS}::test_frozen_copy_makes_no_side_effect_after_waking",
+        ),
+    ),
+    Mutant(
+        "reconcile: races a take in flight",
+        "observer_service/service.py",
+        "        async with self.admission.paused():\n            released",
+        "        async with contextlib.nullcontext():\n            released",
+        (f"{CORE}::test_reconcile_never_releases_a_take_in_flight",),
+    ),
+    Mutant(
+        "graceful stop: releases copies that have not stopped",
+        "observer_service/service.py",
+        "        if hung:\n            self.clean = False",
+        "        if False:\n            self.clean = False",
+        (f"{FAULTS}::test_shutdown_timeout_never_releases_a_running_copy",),
+    ),
+    Mutant(
+        "settle: the first stop reason decides the write",
+        "contracts/statuses.py",
+        "STOPPED = {ObserverStatus.ON_DELETING: ObserverStatus.DELETED}",
+        "STOPPED: dict[ObserverStatus, ObserverStatus] = {}",
+        (f"{CORE}::test_delete_while_stopping_for_another_reason_ends_deleted",),
+    ),
+]
+
+
+def run(mutant: Mutant) -> tuple[bool, str, float]:
+    path = ROOT / mutant.path
+    original = path.read_text()
+    if original.count(mutant.old) != 1:
+        return False, f"the code to mutate is not found exactly once in {mutant.path}", 0.0
+    started = time.monotonic()
+    try:
+        path.write_text(original.replace(mutant.old, mutant.new))
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        path.write_text(original)
+    took = time.monotonic() - started
+    if result.returncode == 0:
+        return False, "survived: every test passed", took
+    if result.returncode != 1:
+        return False, f"pytest exited {result.returncode}:\n{result.stdout[-2000:]}", took
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+    return True, (failed[0] if failed else "failed").removeprefix("FAILED "), took
+
+
+def main(names: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not names or m.name in names]
+    survivors = 0
+    for m in chosen:
+        killed, why, took = run(m)
+        survivors += not killed
+        print(f"{'killed  ' if killed else 'ALIVE   '} {m.name}  ({took:.0f} s)\n         {why}")
+    print(f"\n{len(chosen) - survivors} of {len(chosen)} mutants killed")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,265 @@
+"""A seeded random fault schedule over two managers and three services, and the verdict from the
+observers' own tick logs.
+
+Faults: SIGKILL, SIGSTOP of random length, SIGTERM, leader kill, drain, database resets and blips
+(per service, through its own proxy), broker connection closes, delete/create churn. After the
+schedule everything heals, and the tick logs must show: no two copies of an observer ever ran at
+once, every live observer runs, deleted ones stopped, none failed. The seed and every fault are
+printed, so a failure can be replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from orch_bench.ticklog import overlap_seconds, read_ticks
+from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.faults import via
+from tests.support.proxy import Proxy
+
+FAULTS = (
+    "kill",
+    "freeze",
+    "term",
+    "leader",
+    "drain",
+    "db_blip",
+    "db_reset",
+    "broker_close",
+    "churn",
+)
+
+
+@dataclass
+class Service:
+    proc: Proc
+    db: Proxy
+    mq: Proxy
+
+
+@dataclass
+class Chaos:
+    cluster: Cluster
+    seed: int
+    observers: int = 30
+    worker_count: int = 40
+    services: list[Service] = field(default_factory=list)
+    managers: list[Proc] = field(default_factory=list)
+    live: set[uuid.UUID] = field(default_factory=set)
+    deleted: set[uuid.UUID] = field(default_factory=set)
+    done: collections.Counter[str] = field(default_factory=collections.Counter)
+    log: list[str] = field(default_factory=list)
+    _names: int = 0
+    _frozen: set[int] = field(default_factory=set)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.t0 = time.monotonic()
+
+    def note(self, what: str) -> None:
+        line = f"{time.monotonic() - self.t0:7.2f}s {what}"
+        self.log.append(line)
+        print(f"[chaos seed={self.seed}] {line}", flush=True)
+
+    # ------------------------------------------------------------------ the cluster
+    async def start(self) -> None:
+        for _ in range(2):
+            self.managers.append(await self.cluster.start_manager())
+        for _ in range(3):
+            await self._start_service()
+        for _ in range(self.observers):
+            await self._create()
+
+    async def _start_service(self) -> None:
+        self._names += 1
+        db = await self.cluster.proxy(self.cluster.database_url)
+        mq = await self.cluster.proxy(self.cluster.amqp_url)
+        proc = await self.cluster.start_service(
+            f"s{self._names}",
+            worker_count=self.worker_count,
+            database_url=via(self.cluster.database_url, db),
+            amqp_url=via(self.cluster.amqp_url, mq),
+            shutdown_timeout=2,
+        )
+        self.services.append(Service(proc, db, mq))
+
+    def _api(self) -> httpx.AsyncClient:
+        manager = self.rng.choice([m for m in self.managers if m.alive])
+        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{manager.port}", timeout=30)
+
+    async def _create(self) -> None:
+        interval = self.rng.choice((0.05, 0.1))
+        body = {
+            "name": f"chaos-{uuid.uuid4().hex[:8]}",
+            "kind": "recorder",
+            "params": {
+                "dir": str(self.cluster.tick_dir),
+                "interval": interval,
+                "checkpoint_every": self.rng.choice((1, 5)),
+            },
+        }
+        async with self._api() as api:
+            r = await api.post("/observers", json=body)
+        assert r.status_code == 201, r.text
+        self.live.add(uuid.UUID(r.json()["id"]))
+
+    async def _delete(self, oid: uuid.UUID) -> None:
+        async with self._api() as api:
+            r = await api.delete(f"/observers/{oid}")
+        assert r.status_code == 202, r.text
+        self.live.discard(oid)
+        self.deleted.add(oid)
+
+    # ------------------------------------------------------------------ the faults
+    def _pick_service(self) -> Service | None:
+        running = [s for s in self.services if s.proc.alive and s.proc.pid not in self._frozen]
+        return self.rng.choice(running) if running else None
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _replace(self, s: Service) -> None:
+        self.services.remove(s)
+        await self._start_service()
+
+    async def step(self) -> None:
+        fault = self.rng.choices(FAULTS, weights=(2, 3, 1, 1, 1, 2, 2, 2, 3))[0]
+        s = self._pick_service()
+        if fault in ("kill", "freeze", "term", "drain", "db_blip", "db_reset", "broker_close"):
+            if s is None:
+                return
+            name = s.proc.name
+        if fault == "kill":
+            self.note(f"SIGKILL {name}")
+            s.proc.signal(signal.SIGKILL)
+            await self._replace(s)
+        elif fault == "freeze":
+            length = round(self.rng.uniform(0.2, 4.0), 2)
+            self.note(f"SIGSTOP {name} for {length}s")
+            s.proc.signal(signal.SIGSTOP)
+            self._frozen.add(s.proc.pid)
+            self._later(self._thaw(s, length))
+        elif fault == "term":
+            self.note(f"SIGTERM {name}")
+            s.proc.signal(signal.SIGTERM)
+            await self._replace(s)
+        elif fault == "leader":
+            await self._kill_leader()
+        elif fault == "drain":
+            self.note(f"drain {name}")
+            sid = await self.cluster.service_id(s.proc)
+            async with self._api() as api:
+                await api.post(f"/services/{sid}/drain")
+            self._later(self._retire(s, self.rng.uniform(1, 3)))
+        elif fault == "db_blip":
+            length = round(self.rng.uniform(0.2, 1.5), 2)
+            self.note(f"database blip of {name} for {length}s")
+            self._later(s.db.blip(length))
+        elif fault == "db_reset":
+            self.note(f"database connections of {name} reset")
+            s.db.reset()
+        elif fault == "broker_close":
+            self.note(f"broker connection of {name} closed")
+            s.mq.reset()
+        else:
+            await self._churn()
+        self.done[fault] += 1
+
+    async def _thaw(self, s: Service, after: float) -> None:
+        await asyncio.sleep(after)
+        s.proc.signal(signal.SIGCONT)
+        self._frozen.discard(s.proc.pid)
+
+    async def _retire(self, s: Service, after: float) -> None:
+        await asyncio.sleep(after)
+        if s in self.services:
+            self.note(f"SIGTERM drained {s.proc.name}")
+            s.proc.signal(signal.SIGTERM)
+            await self._replace(s)
+
+    async def _kill_leader(self) -> None:
+        for m in self.managers:
+            if not m.alive:
+                continue
+            async with httpx.AsyncClient(timeout=5) as c:
+                try:
+                    leads = (await c.get(f"http://127.0.0.1:{m.port}/leader")).json()
+                except httpx.HTTPError:
+                    continue
+            if leads["this_replica_leads"]:
+                self.note(f"SIGKILL the leading manager {m.pid}")
+                m.signal(signal.SIGKILL)
+                self.managers.remove(m)
+                self.managers.append(await self.cluster.start_manager())
+                return
+
+    async def _churn(self) -> None:
+        for oid in self.rng.sample(
+            sorted(self.live), k=min(len(self.live), self.rng.randint(1, 3))
+        ):
+            self.note(f"delete {oid}")
+            await self._delete(oid)
+        for _ in range(self.rng.randint(1, 3)):
+            await self._create()
+        self.note(f"churn: {len(self.live)} live")
+
+    async def run(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            await self.step()
+            await asyncio.sleep(self.rng.uniform(0.3, 1.5))
+
+    async def heal(self) -> None:
+        for task in list(self._tasks):
+            await task
+        for s in self.services:
+            s.proc.signal(signal.SIGCONT)
+            s.db.heal()
+            s.db.accept()
+            s.mq.heal()
+        self.note(f"healed; faults: {dict(self.done)}")
+
+    # ------------------------------------------------------------------ the verdict
+    async def verify(self, *, timeout: float = 60) -> None:
+        healed = time.time()
+
+        async def every_live_one_runs() -> bool:
+            ticks = read_ticks(self.cluster.tick_dir)
+            recent = {t.observer for t in ticks if t.at > healed + 1}
+            return {str(o) for o in self.live} <= recent
+
+        await wait_for(
+            every_live_one_runs, timeout=timeout, what="every live observer ticking", every=0.5
+        )
+        await asyncio.sleep(1.0)
+        ticks = read_ticks(self.cluster.tick_dir)
+        overlap = overlap_seconds(ticks)
+        assert overlap == {}, f"seed {self.seed}: two copies ran at once: {overlap}"
+        rows = await self.cluster.q(
+            "SELECT o.id, o.status, extract(epoch FROM e.at) AS deleted_at FROM observers o "
+            "LEFT JOIN observer_events e ON e.observer_id = o.id AND e.event = 'deleted'"
+        )
+        failed = [r["id"] for r in rows if r["status"] == "failed"]
+        assert failed == [], f"seed {self.seed}: failed observers: {failed}"
+        deleted_at = {str(r["id"]): float(r["deleted_at"]) for r in rows if r["deleted_at"]}
+        assert {str(o) for o in self.deleted} <= set(deleted_at), (
+            f"seed {self.seed}: deletes never completed"
+        )
+        late = [t for t in ticks if t.observer in deleted_at and t.at > deleted_at[t.observer]]
+        assert late == [], f"seed {self.seed}: deleted observers ran on: {late[:5]}"
+        self.note(
+            f"verdict: no overlap, {len(self.live)} live all running, "
+            f"{len(self.deleted)} deleted stopped, none failed ({len(ticks)} ticks)"
+        )

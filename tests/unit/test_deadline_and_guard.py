@@ -1,0 +1,107 @@
+"""The shared lease deadline, the clocks, and the guard that drives kind coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from contracts.clock import Clock, set_suspend_lag
+from contracts.deadline import LeaseDeadline, LeaseTimings
+from contracts.errors import LeaseLost
+from observer_service.fakes import ManualClock
+from observer_service.guard import guarded
+
+TIMINGS = LeaseTimings(ttl=5, renew_interval=1, margin=1)
+
+
+def test_a_lease_is_valid_until_sent_plus_ttl_minus_margin() -> None:
+    clock = ManualClock()
+    d = LeaseDeadline(clock, TIMINGS)
+    assert not d.valid(), "nothing is valid before the first renewal"
+    sent = clock.now()
+    d.renewed(sent)
+    assert d.until == sent + 4
+    clock.advance(3.9)
+    assert d.valid()
+    assert d.stale(), "not confirmed for more than renew_interval + margin"
+    clock.advance(0.2)
+    assert not d.valid()
+
+
+def test_the_suspend_aware_clock_counts_what_the_monotonic_one_missed(tmp_path: Path) -> None:
+    hook = tmp_path / "clock"
+    clock = Clock(hook)
+    before_now, before_mono = clock.now(), clock.monotonic()
+    set_suspend_lag(hook, 10)
+    assert clock.monotonic() < before_mono - 9, "the monotonic clock did not count the suspend"
+    assert clock.now() >= before_now, "the suspend-aware one did"
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        assert abs(clock.now() - time.clock_gettime(time.CLOCK_BOOTTIME)) < 1
+
+
+async def test_the_guard_throws_lease_lost_in_before_the_kind_resumes() -> None:
+    lost = False
+    after: list[str] = []
+
+    def gate() -> asyncio.Future[None] | None:
+        if lost:
+            raise LeaseLost("gone")
+        return None
+
+    async def kind() -> None:
+        await asyncio.sleep(0.05)
+        after.append("side effect")
+
+    task = asyncio.ensure_future(guarded(kind(), gate))
+    await asyncio.sleep(0.01)
+    lost = True
+    with pytest.raises(LeaseLost):
+        await task
+    assert after == []
+
+
+async def test_the_guard_parks_the_kind_until_told_to_go_on() -> None:
+    loop = asyncio.get_running_loop()
+    park: asyncio.Future[None] | None = None
+    steps: list[int] = []
+
+    def gate() -> asyncio.Future[None] | None:
+        return park if park is not None and not park.done() else None
+
+    async def kind() -> None:
+        for i in range(100):
+            steps.append(i)
+            await asyncio.sleep(0.001)
+
+    task = asyncio.ensure_future(guarded(kind(), gate))
+    await asyncio.sleep(0.01)
+    park = loop.create_future()
+    await asyncio.sleep(0.01)
+    parked_at = len(steps)
+    await asyncio.sleep(0.05)
+    assert len(steps) == parked_at, "the kind ran on while parked"
+    park.set_result(None)
+    await asyncio.wait_for(task, 2)
+    assert steps == list(range(100))
+
+
+async def test_a_cancellation_reaches_a_parked_kind_and_spares_the_shared_future() -> None:
+    shared: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def gate() -> asyncio.Future[None] | None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        shared.add_done_callback(lambda _: fut.done() or fut.set_result(None))
+        return fut
+
+    async def kind() -> None:
+        await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(guarded(kind(), gate))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not shared.cancelled()

@@ -1,0 +1,74 @@
+"""The one error tree: driver errors are converted at the edges, by SQLSTATE and constraint
+name, never by their text."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
+
+from contracts.errors import (
+    BrokerUnavailable,
+    Conflict,
+    DatabaseUnavailable,
+    InvalidInput,
+    LeaseLost,
+    NameTaken,
+    OrchError,
+    broker_errors,
+    convert_database_error,
+    database_errors,
+)
+
+
+def _unique(constraint: str, message: str = "duplicate key") -> asyncpg.UniqueViolationError:
+    exc = asyncpg.UniqueViolationError(message)
+    exc.constraint_name = constraint
+    return exc
+
+
+def test_name_taken_is_known_by_the_constraint_name_alone() -> None:
+    assert isinstance(convert_database_error(_unique("uq_observers_live_name", "x")), NameTaken)
+    misleading = _unique("pk_services", "uq_observers_live_name mentioned in the text")
+    converted = convert_database_error(misleading)
+    assert isinstance(converted, Conflict)
+    assert not isinstance(converted, NameTaken)
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (asyncpg.exceptions.CharacterNotInRepertoireError("NUL"), InvalidInput),
+        (asyncpg.exceptions.NumericValueOutOfRangeError("2^63"), InvalidInput),
+        (asyncpg.exceptions.AdminShutdownError("terminating"), DatabaseUnavailable),
+        (asyncpg.exceptions.CannotConnectNowError("starting up"), DatabaseUnavailable),
+        (asyncpg.exceptions.TooManyConnectionsError("too many"), DatabaseUnavailable),
+        (asyncpg.exceptions.ConnectionDoesNotExistError("closed"), DatabaseUnavailable),
+        (ConnectionRefusedError(111, "refused"), DatabaseUnavailable),
+        (TimeoutError(), DatabaseUnavailable),
+    ],
+)
+def test_database_errors_become_ours(error: BaseException, expected: type[OrchError]) -> None:
+    with pytest.raises(expected), database_errors():
+        raise error
+
+
+def test_a_bug_stays_a_bug() -> None:
+    with pytest.raises(asyncpg.PostgresSyntaxError), database_errors():
+        raise asyncpg.PostgresSyntaxError("syntax error at or near")
+    with pytest.raises(KeyError), database_errors():
+        raise KeyError("x")
+
+
+@pytest.mark.parametrize(
+    "error", [AMQPConnectionError("gone"), ChannelInvalidStateError("closed"), OSError("reset")]
+)
+def test_broker_errors_become_ours(error: BaseException) -> None:
+    with pytest.raises(BrokerUnavailable), broker_errors():
+        raise error
+
+
+def test_what_kind_code_sees_is_outside_the_tree() -> None:
+    assert not issubclass(LeaseLost, Exception)
+    with pytest.raises(LeaseLost), database_errors():
+        raise LeaseLost("no")
