@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Callable, Iterator
 
 import aiormq.exceptions
 import asyncpg
@@ -158,27 +157,24 @@ def convert_broker_error(exc: BaseException) -> BaseException:
 
 
 @contextlib.contextmanager
-def database_errors() -> Iterator[None]:
+def _converting(convert: Callable[[BaseException], BaseException]) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        converted = convert(exc)
+        if converted is exc:
+            raise
+        raise converted from exc
+
+
+def database_errors() -> contextlib.AbstractContextManager[None]:
     """Convert database driver errors raised inside into the tree."""
-    try:
-        yield
-    except (TimeoutError, Exception) as exc:
-        _reraise(exc, convert_database_error(exc))
+    return _converting(convert_database_error)
 
 
-@contextlib.contextmanager
-def broker_errors() -> Iterator[None]:
+def broker_errors() -> contextlib.AbstractContextManager[None]:
     """Convert broker driver errors raised inside into the tree."""
-    try:
-        yield
-    except (TimeoutError, Exception) as exc:
-        _reraise(exc, convert_broker_error(exc))
-
-
-def _reraise(original: BaseException, converted: BaseException) -> NoReturn:
-    if converted is original:
-        raise original
-    raise converted from original
+    return _converting(convert_broker_error)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +42,14 @@ class CommonSettings(BaseSettings):
     fence_margin: float | None = Field(default=None, ge=0.01)
     #: Tests only: a file that makes the monotonic clock lag (a simulated suspend).
     clock_hook: Path | None = None
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: ``text`` for people, ``json`` (one object a line) for log shippers.
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("database_url")
     @classmethod

@@ -13,14 +13,20 @@ class ObserverStatus(StrEnum):
     ON_DELETING = "on_deleting"
     DELETED = "deleted"
     FAILED = "failed"
+    PAUSING = "pausing"
+    PAUSED = "paused"
 
 
+#: Its holder is stopping it; what it becomes once the copy has stopped.
+STOPPED = {
+    ObserverStatus.ON_DELETING: ObserverStatus.DELETED,
+    ObserverStatus.PAUSING: ObserverStatus.PAUSED,
+}
+STOPPING = frozenset(STOPPED)
 #: Held by a copy that runs, or is being stopped by its holder.
-HELD = frozenset({ObserverStatus.PROCESSING, ObserverStatus.ON_DELETING})
+HELD = frozenset({ObserverStatus.PROCESSING, *STOPPING})
 #: Should be running somewhere.
 LIVE = frozenset({ObserverStatus.CREATED, ObserverStatus.PROCESSING})
-#: What a holder's stop turns a status into once its copy has stopped.
-STOPPED = {ObserverStatus.ON_DELETING: ObserverStatus.DELETED}
 
 
 class Event(StrEnum):
@@ -36,11 +42,21 @@ class Event(StrEnum):
     RESTART_REQUESTED = "restart requested"
     DELETING = "deleting"
     DELETED = "deleted"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMED = "resumed"
 
 
 def sql_in(column: str, statuses: Iterable[ObserverStatus]) -> str:
     """``column IN ('a', 'b')`` for a set of statuses (sorted, so queries are stable)."""
     return f"{column} IN ({', '.join(repr(s.value) for s in sorted(statuses))})"
+
+
+def sql_stopped(column: str) -> str:
+    """What ``column`` becomes once its holder's copy has stopped: on_deleting → deleted,
+    pausing → paused, anything else as it is."""
+    cases = " ".join(f"WHEN '{a.value}' THEN '{b.value}'" for a, b in STOPPED.items())
+    return f"CASE {column} {cases} ELSE {column} END"
 
 
 def live_service(alias: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import aio_pika
@@ -21,27 +20,18 @@ from contracts.errors import broker_errors
 QueueType = Literal["classic", "quorum"]
 
 
-@dataclass(frozen=True)
 class Topology:
-    prefix: str
+    """The names of one deployment's exchanges and queues."""
 
-    @property
-    def work_queue(self) -> str:
-        return f"{self.prefix}.work"
-
-    @property
-    def dead_letter_exchange(self) -> str:
-        return f"{self.prefix}.dead-letter"
-
-    @property
-    def error_queue(self) -> str:
-        return f"{self.prefix}.errors"
-
-    @property
-    def control_exchange(self) -> str:
-        return f"{self.prefix}.control"
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.work_queue = f"{prefix}.work"
+        self.dead_letter_exchange = f"{prefix}.dead-letter"
+        self.error_queue = f"{prefix}.errors"
+        self.control_exchange = f"{prefix}.control"
 
     def control_queue(self, service_id: uuid.UUID | str) -> str:
+        """One service's own (exclusive) control queue."""
         return f"{self.prefix}.control.{service_id}"
 
 
@@ -76,6 +66,27 @@ def broker_version(connection: AbstractConnection) -> tuple[int, ...]:
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     numbers = re.findall(r"\d+", text)
     return tuple(int(n) for n in numbers[:3]) or (0,)
+
+
+#: The rabbitmq.conf line that keeps never-acked deliveries open for 7 days.
+CONSUMER_TIMEOUT_CONF = "consumer_timeout = 604800000"
+
+
+def consumer_timeout_advice(version: tuple[int, ...]) -> str | None:
+    """What to tell an operator whose broker cannot take the timeout per queue (before 3.12):
+    its own consumer_timeout (30 minutes by default) applies to the start messages that stay
+    unacked while observers run, and every observer is stopped and taken again that often."""
+    if version >= (3, 12) or version == (0,):
+        return None
+    shown = ".".join(map(str, version))
+    return (
+        f"RabbitMQ {shown} cannot take the consumer timeout per queue (3.12+ can): its own "
+        "consumer_timeout (30 minutes unless set) closes the channel of every observer that "
+        "runs longer, and each is then stopped and taken again. Fix: add "
+        f"`{CONSUMER_TIMEOUT_CONF}` to rabbitmq.conf (see deploy/rabbitmq.conf), or on a "
+        "running broker: rabbitmqctl eval 'application:set_env(rabbit, consumer_timeout, "
+        "604800000).' (it applies to channels opened afterwards)"
+    )
 
 
 def work_queue_arguments(

@@ -9,56 +9,16 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts import __version__
 from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, Transient
-from manager.api import health, observers, services
+from manager.api import console, health, observers, services
+from manager.http import BodyLimit, Measure
+from manager.metrics import ManagerMetrics
 from manager.runtime import ManagerRuntime
 from manager.settings import ManagerSettings
 
 log = logging.getLogger(__name__)
-
-
-class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, whether or not they say their size."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for key, value in scope.get("headers", []):
-            if key == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _too_large(self.limit, send)
-                return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _too_large(self.limit, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _too_large(limit: int, send: Send) -> None:
-    response = JSONResponse({"detail": f"request body larger than {limit} bytes"}, 413)
-    await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body})
 
 
 def create_app(
@@ -66,10 +26,13 @@ def create_app(
 ) -> FastAPI:
     """The API. ``runtime`` (built here unless given) is started and stopped with the app."""
     settings = settings or ManagerSettings()
+    metrics = (
+        runtime.metrics if runtime is not None else ManagerMetrics(refresh=settings.metrics_refresh)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = runtime or ManagerRuntime(settings)
+        rt = runtime or ManagerRuntime(settings, metrics=metrics)
         await rt.start()
         app.state.orch = rt
         try:
@@ -84,9 +47,17 @@ def create_app(
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # Outermost: it measures every answer, the body limit's 413 included.
+    app.add_middleware(
+        Measure,
+        metrics=metrics if settings.metrics else None,
+        access_log=settings.access_log,
+    )
     app.include_router(observers.router)
     app.include_router(services.router)
     app.include_router(health.router)
+    app.include_router(console.router)
+    app.mount("/console/static", console.static, name="console-static")
     _error_handlers(app)
     return app
 

@@ -16,10 +16,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from contracts.errors import BrokerUnavailable, Transient
 from contracts.messages import DirectedStart, Message, StartMessage
 from contracts.routing import WORK, Destination
-from contracts.statuses import Event, ObserverStatus
+from contracts.statuses import STOPPING, Event, ObserverStatus
 from manager import outbox
 from manager import queries as q
 from manager.db import transaction
+from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.publisher import Publisher
 from manager.repository import record_events
@@ -96,6 +97,7 @@ class Sweeper:
     publisher: Publisher
     #: Directed starts go only to services whose lease outlives this many seconds.
     margin: float
+    metrics: ManagerMetrics
     #: Services seen gone in the last sweep (id -> when, monotonic).
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
 
@@ -104,21 +106,22 @@ class Sweeper:
             dead = (await conn.execute(text(q.SWEEP_EXPIRED))).all()
             for d in dead:
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
-            for d in (
-                await conn.execute(text(q.DECLARE_GONE), {"ids": await self._gone(conn)})
-            ).all():
+                self.metrics.swept.labels("lease_expired").inc()
+            gone = await self._gone(conn)
+            for d in (await conn.execute(text(q.DECLARE_GONE), {"ids": gone})).all():
                 log.warning(
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
+                self.metrics.swept.labels("process_gone").inc()
             orphans = (await conn.execute(text(q.ORPHANS))).all()
-            deleting = [o.id for o in orphans if o.status == ObserverStatus.ON_DELETING]
-            if deleting:
-                await conn.execute(text(q.DELETE_NOW), {"ids": deleting})
-                await record_events(conn, deleting, Event.DELETED, "holder gone")
+            await complete_stops(
+                conn, [o.id for o in orphans if o.status in STOPPING], "holder gone"
+            )
             moving = [o.id for o in orphans if o.status == ObserverStatus.PROCESSING]
             pending = await redispatch(conn, moving, "holder gone", margin=self.margin)
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
+            self.metrics.redispatches.labels("holder_gone").inc(len(moving))
         await self.box.publish_now(pending)
         return len(orphans)
 
@@ -141,8 +144,24 @@ class Sweeper:
         return gone
 
 
+async def complete_stops(conn: AsyncConnection, ids: list[uuid.UUID], why: str) -> None:
+    """Deletes and pauses whose copy nobody runs any more: deleted, paused."""
+    if not ids:
+        return
+    rows = (await conn.execute(text(q.COMPLETE_STOPS), {"ids": ids})).all()
+    for status in {r.status for r in rows}:
+        done = [r.id for r in rows if r.status == status]
+        await record_events(conn, done, Event(status), why)
+
+
 async def audit_once(
-    engine: AsyncEngine, box: Outbox, publisher: Publisher, *, grace: float, margin: float
+    engine: AsyncEngine,
+    box: Outbox,
+    publisher: Publisher,
+    *,
+    grace: float,
+    margin: float,
+    metrics: ManagerMetrics,
 ) -> int:
     """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
@@ -164,5 +183,6 @@ async def audit_once(
         pending = await redispatch(conn, ids, "audit: start message stuck or lost", margin=margin)
     if ids:
         log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
+        metrics.redispatches.labels("stuck").inc(len(ids))
     await box.publish_now(pending)
     return len(ids)

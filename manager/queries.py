@@ -10,6 +10,7 @@ from contracts.statuses import (
     ObserverStatus,
     live_service,
     sql_in,
+    sql_stopped,
 )
 
 S = ObserverStatus
@@ -84,6 +85,7 @@ LIST = (
     "WHERE (CAST(:status AS text) IS NULL OR o.status = :status) "
     "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
+    r"AND (CAST(:name AS text) IS NULL OR o.name ILIKE '%' || :name || '%' ESCAPE '\') "
     "ORDER BY o.created_at, o.id LIMIT :limit OFFSET :offset"
 )
 LOCK_WITH_HOLDER = f"""
@@ -92,9 +94,18 @@ SELECT o.status, o.service_id, COALESCE({live_service("s")}, false) AS live
  WHERE o.id = :id FOR UPDATE OF o
 """
 SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
-DELETE_NOW = (
-    f"UPDATE observers SET status = {_v(S.DELETED)}, service_id = NULL, modified_at = now() "
-    "WHERE id = ANY(:ids)"
+# Being stopped by a holder that is gone: complete the stop (deleted, paused).
+COMPLETE_STOPS = (
+    f"UPDATE observers SET status = {sql_stopped('status')}, service_id = NULL, "
+    "modified_at = now() WHERE id = ANY(:ids) RETURNING id, status"
+)
+# :status is deleted or paused: nothing runs the observer, so the stop is done at once.
+STOP_NOW = (
+    "UPDATE observers SET status = :status, service_id = NULL, modified_at = now() WHERE id = :id"
+)
+RESUME = (
+    f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, dispatch_id = :d, "
+    "dispatched_at = now(), modified_at = now() WHERE id = :id"
 )
 RESTART = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, restart_count = 0, "
@@ -196,3 +207,14 @@ LEADER = (
 )
 
 PING = "SELECT 1"
+
+# ------------------------------------------------------------------------------ metrics
+METRICS_OBSERVERS = "SELECT status, kind, count(*) AS n FROM observers GROUP BY status, kind"
+METRICS_SERVICES = f"""
+SELECT s.id, s.name, s.worker_count, s.draining,
+       EXTRACT(EPOCH FROM clock_timestamp() - s.last_heartbeat_at)::float8 AS heartbeat_age,
+       (SELECT count(*) FROM observers o
+         WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS running
+  FROM services s WHERE {live_service("s")}
+"""
+METRICS_OUTBOX = "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox"

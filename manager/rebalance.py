@@ -24,6 +24,7 @@ from contracts.statuses import Event
 from manager import outbox
 from manager import queries as q
 from manager.db import transaction
+from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.repository import record_events
 
@@ -82,6 +83,7 @@ class Rebalancer:
     pace: float
     min_age: float
     cooldown: float
+    metrics: ManagerMetrics
     moved: dict[uuid.UUID, float] = field(default_factory=dict)  # observer -> when (monotonic)
 
     async def once(self) -> int:
@@ -128,5 +130,6 @@ class Rebalancer:
             self.moved.update({o: now for o, _, _ in handoffs})
         if pending:
             log.info("rebalance: moving %d observers", len(pending))
+            self.metrics.moves.labels("rebalance").inc(len(pending))
         await self.box.publish_now(pending)
         return len(pending)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
@@ -13,10 +14,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from contracts.errors import Conflict, NameTaken, NotFound, database_errors
 from contracts.messages import CancelMessage, DrainMessage, Message, StartMessage
 from contracts.routing import BROADCAST, WORK, Destination, Route
-from contracts.statuses import Event, ObserverStatus
+from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from manager import outbox
 from manager import queries as q
 from manager.db import to_json
+
+
+def _like(text_: str) -> str:
+    """``text_`` for ILIKE, its wildcards taken literally."""
+    return text_.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def _row(row: Any) -> dict[str, Any]:
@@ -91,9 +97,11 @@ async def list_observers(
     status: ObserverStatus | None,
     kind: str | None,
     service_id: uuid.UUID | None,
+    name: str | None = None,
     limit: int,
     offset: int,
 ) -> list[dict[str, Any]]:
+    """A page of observers, oldest first; ``name`` matches any part of the name."""
     rows = (
         await conn.execute(
             text(q.LIST),
@@ -101,6 +109,7 @@ async def list_observers(
                 "status": status.value if status else None,
                 "kind": kind,
                 "sid": service_id,
+                "name": _like(name) if name else None,
                 "limit": limit,
                 "offset": offset,
             },
@@ -122,27 +131,84 @@ async def _lock(conn: AsyncConnection, observer_id: uuid.UUID) -> Any:
     return row
 
 
+async def _stop(
+    conn: AsyncConnection,
+    observer_id: uuid.UUID,
+    stopping: ObserverStatus,
+    refuse: frozenset[ObserverStatus] = frozenset(),
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """Delete or pause: at once when nothing runs it, else ``stopping`` plus a cancel broadcast
+    (its holder stops the copy, and the row becomes what its stop makes of it). Repeating it is
+    harmless: the broadcast goes again."""
+    row = await _lock(conn, observer_id)
+    final = STOPPED[stopping]
+    messages: list[tuple[Destination, Message]] = []
+    if row.status in refuse:
+        raise Conflict(f"a {row.status} observer cannot be {final}")
+    if row.status == final:
+        pass
+    elif row.status not in STOPPING and not row.live:
+        # Nothing runs it (created, paused, failed, or a holder that is gone).
+        await conn.execute(text(q.STOP_NOW), {"id": observer_id, "status": final.value})
+        await record_events(conn, [observer_id], Event(final.value), "was not running")
+    else:
+        if row.status != stopping:
+            await conn.execute(text(q.SET_STATUS), {"id": observer_id, "status": stopping.value})
+            await record_events(conn, [observer_id], _ASKED[stopping])
+        messages.append((BROADCAST, CancelMessage(observer_id=observer_id)))
+    pending = await outbox.add_many(conn, messages)
+    return await get_observer(conn, observer_id), pending
+
+
+_ASKED = {ObserverStatus.ON_DELETING: Event.DELETING, ObserverStatus.PAUSING: Event.PAUSING}
+_NOT_PAUSABLE = frozenset(
+    {ObserverStatus.ON_DELETING, ObserverStatus.DELETED, ObserverStatus.FAILED}
+)
+
+
 async def delete_observer(
     conn: AsyncConnection, observer_id: uuid.UUID
 ) -> tuple[dict[str, Any], list[outbox.Pending]]:
-    """Deleted at once when nothing runs it; on_deleting plus a cancel broadcast otherwise."""
+    """Deleted at once when nothing runs it; on_deleting plus a cancel broadcast otherwise. A
+    delete wins over a pause under way."""
+    return await _stop(conn, observer_id, ObserverStatus.ON_DELETING)
+
+
+async def pause_observer(
+    conn: AsyncConnection, observer_id: uuid.UUID
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """Paused at once when nothing runs it; pausing plus a cancel broadcast otherwise (its
+    holder stops it and its checkpoint stays)."""
+    return await _stop(conn, observer_id, ObserverStatus.PAUSING, _NOT_PAUSABLE)
+
+
+@dataclass(frozen=True)
+class _Revival:
+    only: ObserverStatus
+    verb: str
+    sql: str
+    event: Event
+
+
+_RESTART = _Revival(ObserverStatus.FAILED, "restarted", q.RESTART, Event.RESTART_REQUESTED)
+_RESUME = _Revival(ObserverStatus.PAUSED, "resumed", q.RESUME, Event.RESUMED)
+
+
+async def _start_anew(
+    conn: AsyncConnection, observer_id: uuid.UUID, how: _Revival
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """Created again with a new dispatch id (older start messages become stale), published."""
     row = await _lock(conn, observer_id)
-    status = ObserverStatus(row.status)
-    messages: list[tuple[Destination, Message]] = []
-    if status is ObserverStatus.DELETED:
-        pass
-    elif status is not ObserverStatus.ON_DELETING and not row.live:
-        await conn.execute(text(q.DELETE_NOW), {"ids": [observer_id]})
-        await record_events(conn, [observer_id], Event.DELETED, "was not running")
-    else:
-        if status is not ObserverStatus.ON_DELETING:
-            await conn.execute(
-                text(q.SET_STATUS),
-                {"id": observer_id, "status": ObserverStatus.ON_DELETING.value},
-            )
-            await record_events(conn, [observer_id], Event.DELETING)
-        messages.append((BROADCAST, CancelMessage(observer_id=observer_id)))
-    pending = await outbox.add_many(conn, messages)
+    if row.status != how.only:
+        later = " (try again once it is paused)" if row.status == ObserverStatus.PAUSING else ""
+        raise Conflict(
+            f"only a {how.only} observer can be {how.verb}; this one is {row.status}{later}"
+        )
+    dispatch_id = uuid.uuid4()
+    await conn.execute(text(how.sql), {"id": observer_id, "d": dispatch_id})
+    await record_events(conn, [observer_id], how.event)
+    start = StartMessage(observer_id=observer_id, dispatch_id=dispatch_id)
+    pending = await outbox.add_many(conn, [(WORK, start)])
     return await get_observer(conn, observer_id), pending
 
 
@@ -150,15 +216,14 @@ async def restart_observer(
     conn: AsyncConnection, observer_id: uuid.UUID
 ) -> tuple[dict[str, Any], list[outbox.Pending]]:
     """Revive a failed observer with a fresh restart budget and a new dispatch."""
-    row = await _lock(conn, observer_id)
-    if row.status != ObserverStatus.FAILED:
-        raise Conflict(f"only a failed observer can be restarted; this one is {row.status}")
-    dispatch_id = uuid.uuid4()
-    await conn.execute(text(q.RESTART), {"id": observer_id, "d": dispatch_id})
-    await record_events(conn, [observer_id], Event.RESTART_REQUESTED)
-    start = StartMessage(observer_id=observer_id, dispatch_id=dispatch_id)
-    pending = await outbox.add_many(conn, [(WORK, start)])
-    return await get_observer(conn, observer_id), pending
+    return await _start_anew(conn, observer_id, _RESTART)
+
+
+async def resume_observer(
+    conn: AsyncConnection, observer_id: uuid.UUID
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """A paused observer starts again, from its last checkpoint, on some service."""
+    return await _start_anew(conn, observer_id, _RESUME)
 
 
 async def list_services(conn: AsyncConnection, *, include_deleted: bool) -> list[dict[str, Any]]:

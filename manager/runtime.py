@@ -16,6 +16,7 @@ from contracts.kinds import KindSpec, load_kinds
 from manager import background
 from manager.db import make_engine
 from manager.leader import Leadership, Loop
+from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
@@ -25,8 +26,16 @@ log = logging.getLogger(__name__)
 
 
 class ManagerRuntime:
-    def __init__(self, settings: ManagerSettings, kinds: dict[str, KindSpec] | None = None) -> None:
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        kinds: dict[str, KindSpec] | None = None,
+        *,
+        replica: str | None = None,
+        metrics: ManagerMetrics | None = None,
+    ) -> None:
         self.settings = settings
+        self.metrics = metrics or ManagerMetrics(refresh=settings.metrics_refresh)
         self.kinds = kinds if kinds is not None else load_kinds(settings.kind_module_list)
         self.engine = make_engine(settings)
         self.publisher = Publisher(settings)
@@ -36,6 +45,7 @@ class ManagerRuntime:
             loops=self._leader_loops(),
             timings=settings.lease_timings,
             clock=Clock(settings.clock_hook),
+            holder=replica,
         )
         #: Set when a supervised task died; ``error`` says why.
         self.fatal = asyncio.Event()
@@ -46,7 +56,9 @@ class ManagerRuntime:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
-        sweeper = background.Sweeper(self.engine, self.outbox, self.publisher, margin)
+        sweeper = background.Sweeper(
+            self.engine, self.outbox, self.publisher, margin, metrics=self.metrics
+        )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(
                 s.relay_interval, lambda: self.outbox.relay_once(grace=s.relay_grace), "relay"
@@ -55,7 +67,12 @@ class ManagerRuntime:
             "audit": background.every(
                 s.audit_interval,
                 lambda: background.audit_once(
-                    self.engine, self.outbox, self.publisher, grace=s.audit_grace, margin=margin
+                    self.engine,
+                    self.outbox,
+                    self.publisher,
+                    grace=s.audit_grace,
+                    margin=margin,
+                    metrics=self.metrics,
                 ),
                 "audit",
             ),
@@ -67,6 +84,7 @@ class ManagerRuntime:
                 pace=s.rebalance_pace,
                 min_age=s.rebalance_min_age,
                 cooldown=s.rebalance_cooldown,
+                metrics=self.metrics,
             )
             loops["rebalance"] = background.every(
                 s.rebalance_interval, rebalancer.once, "rebalance"

@@ -36,3 +36,9 @@ class ManagerSettings(CommonSettings):
     rebalance_cooldown: float = Field(default=600.0, ge=0)
     #: Run the elected background loops in this process (off for a pure API replica).
     background: bool = True
+    #: Log one line per request (method, path, status, time, who).
+    access_log: bool = False
+    #: Serve Prometheus metrics at /metrics and measure requests.
+    metrics: bool = True
+    #: The database figures at /metrics are refreshed at most this often, seconds.
+    metrics_refresh: float = Field(default=5.0, ge=0)

@@ -10,24 +10,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import uuid
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aiormq.exceptions import (
+    AMQPChannelError,
+    AMQPConnectionError,
+    ChannelPreconditionFailed,
+    ConnectionClosed,
+)
 
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import StartMessage
 from contracts.routing import ERRORS, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import Topology, broker_version, declare_topology, service_present
-from observer_service.ports import OnControl, OnStart
+from observer_service.ports import SessionSpec, Settling
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)
 
 
-class AmqpDelivery:
+class AmqpDelivery(Settling):
     """A start message delivered on one session; settling it after that session closed does
     nothing (the broker requeued it when the channel closed)."""
 
@@ -54,15 +61,6 @@ class AmqpDelivery:
             log.debug("could not %s a message (its channel is gone): %s", how, exc)
             return False
 
-    async def ack(self) -> None:
-        await self._settle("ack")
-
-    async def requeue(self) -> None:
-        await self._settle("requeue")
-
-    async def reject(self) -> bool:
-        return await self._settle("reject")
-
 
 class AmqpSession:
     def __init__(self, settings: CommonSettings) -> None:
@@ -70,6 +68,7 @@ class AmqpSession:
         self.topology: Topology = settings.topology
         self.generation = next(_generations)
         self.closed = asyncio.Event()
+        self.close_reason = ""
         self.connection: AbstractConnection | None = None
         self.version: tuple[int, ...] = (0,)
         self._work_queue: AbstractQueue | None = None
@@ -81,22 +80,17 @@ class AmqpSession:
     def is_open(self) -> bool:
         return not self.closed.is_set()
 
-    def _on_close(self, *_: Any) -> None:
+    def _on_close(self, _sender: Any = None, exc: BaseException | None = None) -> None:
         if not self.closed.is_set():
-            log.warning("broker session %d closed", self.generation)
+            self.close_reason = close_reason(exc)
+            log.warning(
+                "broker session %d closed (%s: %s)", self.generation, self.close_reason, exc
+            )
             self.closed.set()
 
-    async def open(
-        self,
-        *,
-        service_id: uuid.UUID,
-        prefetch: int,
-        consume_work: bool,
-        on_start: OnStart,
-        on_control: OnControl,
-    ) -> None:
+    async def open(self, spec: SessionSpec) -> None:
         topo = self.topology
-        self.service_id = service_id
+        service_id = self.service_id = spec.service_id
         with broker_errors():
             self.connection = await aio_pika.connect(
                 self.settings.amqp_url_with_heartbeat,
@@ -109,7 +103,7 @@ class AmqpSession:
             self.version = broker_version(self.connection)
             work = await self.connection.channel(publisher_confirms=False)
             work.close_callbacks.add(self._on_close)
-            await work.set_qos(prefetch_count=prefetch)
+            await work.set_qos(prefetch_count=spec.prefetch)
             queue = await declare_topology(
                 work,
                 topo,
@@ -128,15 +122,15 @@ class AmqpSession:
             await cq.bind(exchange)
 
             async def control_message(message: AbstractIncomingMessage) -> None:
-                await on_control(message.body)
+                await spec.on_control(message.body)
 
             async def start_message(message: AbstractIncomingMessage) -> None:
-                await on_start(AmqpDelivery(message, self))
+                await spec.on_start(AmqpDelivery(message, self))
 
             await cq.consume(control_message, no_ack=True)
             self._work_queue = queue
             self._sender = Sender(control, topo)
-            if consume_work:
+            if spec.consume_work:
                 self._work_tag = await queue.consume(start_message)
 
     async def send_start(self, start: StartMessage, on: uuid.UUID | None = None) -> None:
@@ -184,25 +178,29 @@ class AmqpBroker:
     def __init__(self, settings: CommonSettings) -> None:
         self.settings = settings
 
-    async def open(
-        self,
-        *,
-        service_id: uuid.UUID,
-        prefetch: int,
-        consume_work: bool,
-        on_start: OnStart,
-        on_control: OnControl,
-    ) -> AmqpSession:
+    async def open(self, spec: SessionSpec) -> AmqpSession:
         session = AmqpSession(self.settings)
         try:
-            await session.open(
-                service_id=service_id,
-                prefetch=prefetch,
-                consume_work=consume_work,
-                on_start=on_start,
-                on_control=on_control,
-            )
+            await session.open(spec)
         except BaseException:
             await session.close()
             raise
         return session
+
+
+def close_reason(exc: BaseException | None) -> str:
+    """A short label for why a session closed: by its AMQP reply (precondition_failed is what
+    the broker's consumer timeout sends), or how the connection ended."""
+    if exc is None:
+        return "closed_here"
+    if isinstance(exc, ChannelPreconditionFailed):
+        return "precondition_failed"
+    if isinstance(exc, AMQPChannelError | AMQPConnectionError) and not isinstance(
+        exc, ConnectionClosed
+    ):
+        return snake(type(exc).__name__)
+    return "connection_lost"
+
+
+def snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from contracts.errors import LeaseLost
+from contracts.logs import observer_log
 
 
 class ObserverContext:
@@ -42,9 +43,9 @@ class ObserverContext:
         self.last_checkpoint = last_checkpoint
         #: Set when this observer is asked to stop; the task is also cancelled.
         self.stopping = asyncio.Event()
-        self.logger = logger or logging.LoggerAdapter(
-            logging.getLogger(f"observer.{kind}"),
-            {"observer_id": str(observer_id), "epoch": epoch},
+        #: Every line names this observer and this copy.
+        self.logger = logger or observer_log(
+            f"observer.{kind}", observer_id=observer_id, name=name, kind=kind, epoch=epoch
         )
         self._save = save
         self._alive = alive

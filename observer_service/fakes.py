@@ -27,6 +27,8 @@ from observer_service.ports import (
     OnControl,
     OnStart,
     Renewal,
+    SessionSpec,
+    Settling,
     StartRequest,
     Taken,
     TakeResult,
@@ -139,8 +141,8 @@ class InMemoryStore:
                 )
                 row.events.append("taken")
                 out.append(TakeResult(decision, _taken(row, req)))
-            elif row is not None and decision is Decision.DROP_DELETED:
-                row.status, row.service_id = ObserverStatus.DELETED, None
+            elif row is not None and decision is Decision.COMPLETE_STOP:
+                row.status, row.service_id = STOPPED[row.status], None
                 out.append(TakeResult(decision))
             else:
                 out.append(TakeResult(decision, holder=None if row is None else row.service_id))
@@ -294,7 +296,7 @@ class FakeLeaseDatabase:
 _generations = itertools.count(1)
 
 
-class FakeDelivery:
+class FakeDelivery(Settling):
     def __init__(self, body: bytes, session: FakeSession, *, redelivered: bool) -> None:
         self.body = body
         self.redelivered = redelivered
@@ -309,21 +311,14 @@ class FakeDelivery:
         self.outcome = how
         return True
 
-    async def ack(self) -> None:
-        await self._settle("ack")
-
-    async def requeue(self) -> None:
-        await self._settle("requeue")
-
-    async def reject(self) -> bool:
-        return await self._settle("reject")
-
 
 class FakeSession:
     def __init__(self, broker: FakeBroker, on_start: OnStart, on_control: OnControl) -> None:
         self.broker = broker
         self.generation = next(_generations)
         self.closed = asyncio.Event()
+        self.close_reason = "closed_here"
+        self.version: tuple[int, ...] = (0,)
         self.consuming = True
         #: The broker closed this connection and the service has not noticed yet.
         self.dropped_by_broker = False
@@ -378,18 +373,10 @@ class FakeBroker:
     def session(self) -> FakeSession:
         return self.sessions[-1]
 
-    async def open(
-        self,
-        *,
-        service_id: uuid.UUID,
-        prefetch: int,
-        consume_work: bool,
-        on_start: OnStart,
-        on_control: OnControl,
-    ) -> FakeSession:
-        session = FakeSession(self, on_start, on_control)
-        session.consuming = consume_work
+    async def open(self, spec: SessionSpec) -> FakeSession:
+        session = FakeSession(self, spec.on_start, spec.on_control)
+        session.consuming = spec.consume_work
         self.sessions.append(session)
-        self.present.add(service_id)
+        self.present.add(spec.service_id)
         self.opened.set()
         return session

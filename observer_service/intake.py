@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from contracts.errors import BrokerUnavailable
 from contracts.kinds import KindSpec, RestartPolicy
+from contracts.logs import observer_log
 from contracts.messages import StartMessage
 from observer_service.batching import Batcher
 from observer_service.context import ObserverContext
@@ -116,7 +117,9 @@ class Intake:
             await asyncio.sleep(min(backoff, max(0.005, result.holder_remaining)))
             backoff = min(backoff * 2, 0.25)
         if result.decision is not Decision.TAKE:
-            log.info("start message for %s: %s", start.observer_id, result.decision.value)
+            observer_log(log, observer_id=start.observer_id).info(
+                "start message: %s", result.decision.value
+            )
             await s.settler.dispose(start, delivery, Disposition.ACK)
             return None
         taken = result.taken
@@ -134,6 +137,7 @@ class Intake:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch. Where a
         holder's database session has ended, the broker is asked whether its process is gone."""
         s = self.service
+        s.metrics.take_batch.observe(len(requests))
         results = await s.store.take_many(requests)
         probe = [i for i, r in enumerate(results) if r.decision is Decision.PROBE]
         if not probe:
@@ -191,13 +195,14 @@ class Intake:
         runner = Runner(taken=taken, spec=spec, ctx=ctx, delivery=delivery)
 
         async def record_error(error: str) -> ErrorRecord:
-            return await self._record_error(copy, error, policy)
+            return await self._record_error(copy, taken.kind, error, policy)
 
         runner.task = asyncio.create_task(
             run_observer(spec, ctx, policy, gate=s.lease.gate, record_error=record_error),
             name=f"observer-{taken.observer_id}",
         )
         s.add_runner(runner)
+        s.metrics.takes.inc()
         if cancelled:
             s.cancel(taken.observer_id)
         ctx.logger.info("running (epoch %d)", taken.epoch)
@@ -208,21 +213,30 @@ class Intake:
         item = Checkpoint(copy[0], copy[1], json.dumps(state))
         s = self.service
         if not await while_leased(lambda: s.checkpoints.submit(item), s.lease.check_or_fence):
+            s.metrics.fenced.labels("checkpoint").inc()
             raise refused("checkpoint")
 
-    async def _record_error(self, copy: Copy, error: str, policy: RestartPolicy) -> ErrorRecord:
+    async def _record_error(
+        self, copy: Copy, kind: str, error: str, policy: RestartPolicy
+    ) -> ErrorRecord:
         s = self.service
         record = await while_leased(
             lambda: s.store.record_error(copy, error, policy), s.lease.check_or_fence
         )
         if record is None:
+            s.metrics.fenced.labels("restart_record").inc()
             raise refused("restart record")
+        (s.metrics.failed if record.failed else s.metrics.restarts).labels(kind).inc()
         return record
 
     async def _fail_unrunnable(self, taken: Taken, delivery: Delivery | None, error: str) -> None:
         s = self.service
-        log.error("observer %s cannot run: %s", taken.observer_id, error)
+        observer_log(
+            log, observer_id=taken.observer_id, name=taken.name, kind=taken.kind, epoch=taken.epoch
+        ).error("cannot run: %s", error)
         failed = await until_done(lambda: s.store.fail(taken.copy, error), "failing an observer")
+        if failed:
+            s.metrics.failed.labels(taken.kind).inc()
         how = Disposition.DEAD_LETTER if failed else Disposition.ACK
         await s.settler.dispose(taken.start, delivery, how)
 

@@ -55,6 +55,8 @@ class LeaseKeeper:
         self.deadline = LeaseDeadline(clock, timings)
         #: Called (synchronously) the moment the lease is lost; the service sets it.
         self.on_lost: Callable[[str], None] = lambda _reason: None
+        #: Told how long each renewal took; the service sets it.
+        self.observe_renewal: Callable[[float], None] = lambda _seconds: None
         #: The broker session to prove continuity with; the service sets it.
         self.witness: Callable[[], Witness | None] = lambda: None
         self._session: LeaseSession | None = None
@@ -223,6 +225,7 @@ class LeaseKeeper:
             renewal = await session.renew(
                 self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
             )
+            self.observe_renewal(self.clock.now() - sent)
         except DatabaseUnavailable as exc:
             if self._session is not None and self._session.ended:
                 self.session_ended()

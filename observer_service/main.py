@@ -10,7 +10,7 @@ import uuid
 
 import asyncpg
 
-from contracts import __version__
+from contracts import __version__, logs
 from contracts.clock import Clock
 from contracts.errors import DatabaseUnavailable, StartupError
 from contracts.kinds import KindSpec
@@ -30,6 +30,9 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     If a graceful stop leaves copies running (a kind that does not stop in time), the process
     exits at once instead of returning: the copies must end with it."""
     service_id = uuid.uuid4()
+    logs.configure(
+        settings.log_level, settings.log_format, service=settings.name, service_id=service_id
+    )
     clock = Clock(settings.clock_hook)
     timings = settings.lease_timings
     # A query slower than a lease is useless: whatever it guarded has been fenced by then.
@@ -67,6 +70,8 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         lease=lease,
         clock=clock,
     )
+    if settings.metrics_port is not None:
+        service.metrics.serve(settings.metrics_port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
@@ -80,14 +85,3 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         os._exit(code or 1)
     await pool.close()
     return code
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-    )
-    logging.getLogger("aiormq").setLevel(logging.WARNING)
-    logging.getLogger("aio_pika").setLevel(logging.WARNING)
-    # Its pool logs a traceback for every failed reconnect; ours says the database is down.
-    logging.getLogger("asyncpg.pool").setLevel(logging.ERROR)

@@ -166,9 +166,29 @@ class Delivery(Protocol):
         ...
 
 
+class Settling:
+    """How a delivery is settled, once: the real and the fake delivery share it."""
+
+    async def _settle(self, how: str) -> bool:
+        raise NotImplementedError
+
+    async def ack(self) -> None:
+        await self._settle("ack")
+
+    async def requeue(self) -> None:
+        await self._settle("requeue")
+
+    async def reject(self) -> bool:
+        return await self._settle("reject")
+
+
 class BrokerSession(Protocol):
     generation: int
     closed: asyncio.Event
+    #: Why it closed (a short label), once it has.
+    close_reason: str
+    #: The broker's version, (0,) when unknown.
+    version: tuple[int, ...]
 
     @property
     def is_open(self) -> bool: ...
@@ -192,13 +212,17 @@ OnStart = Callable[[Delivery], Awaitable[None]]
 OnControl = Callable[[bytes], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a service asks of a new broker session."""
+
+    service_id: uuid.UUID
+    prefetch: int
+    #: Consume the work queue (not while draining).
+    consume_work: bool
+    on_start: OnStart
+    on_control: OnControl
+
+
 class Broker(Protocol):
-    async def open(
-        self,
-        *,
-        service_id: uuid.UUID,
-        prefetch: int,
-        consume_work: bool,
-        on_start: OnStart,
-        on_control: OnControl,
-    ) -> BrokerSession: ...
+    async def open(self, spec: SessionSpec) -> BrokerSession: ...

@@ -10,20 +10,16 @@ from __future__ import annotations
 from contracts.statuses import (
     HELD,
     STOPPED,
+    STOPPING,
     Event,
     ObserverStatus,
     live_service,
     sql_in,
+    sql_stopped,
 )
 
 _PROCESSING = f"'{ObserverStatus.PROCESSING.value}'"
 _FAILED = f"'{ObserverStatus.FAILED.value}'"
-
-
-def _stopped_status(column: str) -> str:
-    """What ``column`` becomes when its holder lets go: on_deleting → deleted, else as is."""
-    cases = " ".join(f"WHEN '{a.value}' THEN '{b.value}'" for a, b in STOPPED.items())
-    return f"CASE {column} {cases} ELSE {column} END"
 
 
 def _let_go_event(status_column: str) -> str:
@@ -76,10 +72,11 @@ TAKE = with_events(
     event(Event.TAKEN),
     "u.detail",
 )
-DELETE_UNRUN = with_events(
-    f"UPDATE observers o SET status = '{ObserverStatus.DELETED.value}', service_id = NULL, "
-    f"modified_at = now() {_SEEN} RETURNING o.id, o.epoch",
-    event(Event.DELETED),
+# Being deleted or paused and nobody runs it: complete the stop.
+COMPLETE_STOP = with_events(
+    f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
+    f"modified_at = now() {_SEEN} RETURNING o.id, o.epoch, o.status",
+    _let_go_event("u.status"),
     "'not running'",
 )
 
@@ -96,7 +93,7 @@ RETURNING o.id, o.epoch
 # $1 ids, $2 me, $3 epochs, $4 detail: the copy has stopped; the row is released, or becomes
 # what its holder's stop makes of it (deleted), whichever way it was asked to stop.
 LET_GO = with_events(
-    f"UPDATE observers o SET status = {_stopped_status('o.status')}, service_id = NULL, "
+    f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
     "modified_at = now() FROM unnest($1::uuid[], $3::bigint[]) AS v(id, epoch) "
     f"WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND "
     f"{sql_in('o.status', HELD)} RETURNING o.id, o.epoch, o.status",
@@ -139,7 +136,7 @@ FAIL = with_events(
 # $1 observers this service runs, $2 me: let go of what the database says we hold but we do
 # not run (after a fence, or when the periodic check finds a difference).
 RECONCILE = with_events(
-    f"UPDATE observers o SET status = {_stopped_status('o.status')}, service_id = NULL, "
+    f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
     f"modified_at = now() WHERE o.service_id = $2 AND {sql_in('o.status', HELD)} "
     "AND NOT (o.id = ANY($1::uuid[])) RETURNING o.id, o.epoch, o.status",
     _let_go_event("u.status"),
@@ -169,8 +166,7 @@ UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
        last_heartbeat_at = clock_timestamp(), modified_at = now()
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
-RETURNING ARRAY(SELECT id FROM observers
-                 WHERE service_id = $1 AND status = '{ObserverStatus.ON_DELETING.value}'),
+RETURNING ARRAY(SELECT id FROM observers WHERE service_id = $1 AND {sql_in("status", STOPPING)}),
           draining
 """
 

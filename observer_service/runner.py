@@ -20,10 +20,12 @@ from observer_service.ports import Copy, Delivery, ErrorRecord, Taken
 
 
 class StopReason(Enum):
-    """Why the service stopped a copy; it decides where the observer goes next, when the row is
-    still live once the copy has stopped (a delete or pause always wins: the row decides)."""
+    """Why the service stopped a copy; it decides where the observer goes next when the row is
+    still processing once the copy has stopped (a delete or a pause always wins: the row
+    decides)."""
 
-    DELETE = "deleted"
+    #: Deleted or paused: the row says which.
+    CANCEL = "cancelled"
     SHUTDOWN = "service stopping"
     DRAIN = "service draining"
     HANDOFF = "handed off"

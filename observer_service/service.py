@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,11 +28,20 @@ from contracts.messages import (
     HandoffMessage,
 )
 from contracts.statuses import ObserverStatus
+from contracts.topology import consumer_timeout_advice
 from observer_service.admission import Admission
 from observer_service.batching import Batcher
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
-from observer_service.ports import Broker, BrokerSession, Copy, Store
+from observer_service.metrics import ServiceMetrics
+from observer_service.ports import (
+    Broker,
+    BrokerSession,
+    Checkpoint,
+    Copy,
+    SessionSpec,
+    Store,
+)
 from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
 from observer_service.settle import Settler
@@ -60,14 +70,18 @@ class ObserverService:
         broker: Broker,
         lease: LeaseKeeper,
         clock: Clock,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.id = service_id
+        self.metrics = metrics or ServiceMetrics()
+        self.metrics.running_is(lambda: len(self.runners))
         self.config = config
         self.store = store
         self.broker = broker
         self.lease = lease
         lease.on_lost = self._on_lease_lost
         lease.witness = lambda: self.session if self.session and self.session.is_open else None
+        lease.observe_renewal = self.metrics.renewal.observe
         self.clock = clock
         self.runners: dict[uuid.UUID, Runner] = {}
         self.admission = Admission(config.worker_count)
@@ -77,9 +91,11 @@ class ObserverService:
         self.draining = False
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
-        self.checkpoints = Batcher(store.checkpoint_many)
+        self.checkpoints = Batcher(self._checkpoint_batch)
         self._let_go = Batcher(self._let_go_batch)
-        self.settler = Settler(let_go=self.let_go, session=lambda: self.session)
+        self.settler = Settler(
+            let_go=self.let_go, session=lambda: self.session, metrics=self.metrics
+        )
         self.intake = Intake(self, kinds)
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
@@ -161,14 +177,17 @@ class ObserverService:
     # ----------------------------------------------------------------- broker
     async def _broker_loop(self) -> None:
         backoff = 0.05
+        opened = 0
         while not self.stopping:
             try:
                 session = await self.broker.open(
-                    service_id=self.id,
-                    prefetch=self.config.worker_count,
-                    consume_work=not self.draining,
-                    on_start=self.intake.on_start,
-                    on_control=self._on_control,
+                    SessionSpec(
+                        service_id=self.id,
+                        prefetch=self.config.worker_count,
+                        consume_work=not self.draining,
+                        on_start=self.intake.on_start,
+                        on_control=self._on_control,
+                    )
                 )
             except Exception as exc:  # any failure to open is retried
                 log.warning("broker unreachable (%s); retrying in %.1fs", exc, backoff)
@@ -176,8 +195,14 @@ class ObserverService:
                 backoff = min(5.0, backoff * 2)
                 continue
             backoff = 0.05
+            opened += 1
+            if opened == 1 and (advice := consumer_timeout_advice(session.version)):
+                log.warning("%s", advice)
+            if opened > 1:
+                self.metrics.reconnects.inc()
             self.session = session
             await session.closed.wait()
+            self.metrics.channel_closes.labels(session.close_reason).inc()
             self.lease.broker_lost(session.generation)
             self._stop_where(_delivered_on(session.generation), StopReason.CHANNEL_LOST)
             await session.close()
@@ -202,12 +227,19 @@ class ObserverService:
             await asyncio.wait([task])
             await self.settler.conclude(runner)
         except Exception:  # a bug: the periodic check reconciles the row
-            log.exception("settling observer %s failed", runner.observer_id)
+            runner.ctx.logger.exception("settling failed")
         finally:
             if self.runners.get(runner.observer_id) is runner:
                 del self.runners[runner.observer_id]
             self.admission.slots.release()
             runner.finished.set()
+
+    async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool]:
+        started = time.perf_counter()
+        done = await self.store.checkpoint_many(items)
+        self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
+        self.metrics.checkpoint_batch.observe(len(items))
+        return done
 
     async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
         """Release a stopped copy (or complete its delete); None where it was fenced."""
@@ -251,7 +283,7 @@ class ObserverService:
         elif isinstance(control, HandoffMessage):
             runner = self.runners.get(control.observer_id)
             if runner is not None:
-                log.info("handing %s over to %s", control.observer_id, control.to)
+                runner.ctx.logger.info("handing over to %s", control.to)
                 runner.stop(StopReason.HANDOFF, to=control.to)
         elif isinstance(control, DrainMessage):
             if control.service_id == self.id:
@@ -262,12 +294,13 @@ class ObserverService:
     def cancel(self, observer_id: uuid.UUID) -> None:
         runner = self.runners.get(observer_id)
         if runner is not None:
-            runner.stop(StopReason.DELETE)
+            runner.stop(StopReason.CANCEL)
         else:
             self.admission.cancel(observer_id)
 
     # ----------------------------------------------------------------- lease
     def _on_lease_lost(self, reason: str) -> None:
+        self.metrics.lease_lost.labels(reason).inc()
         self._stop_where(lambda r: True, StopReason.LEASE_LOST)
         self._lease_lost.set()
 

@@ -15,3 +15,5 @@ class ServiceSettings(CommonSettings):
     shutdown_timeout: float = Field(default=10.0, gt=0)
     #: How often a service compares the rows it holds with what it runs, seconds.
     check_every: float = Field(default=30.0, gt=0)
+    #: Serve Prometheus metrics on this port (off when unset).
+    metrics_port: int | None = Field(default=None, ge=0, le=65_535)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from enum import Enum
+from enum import Enum, auto
 
 from contracts.errors import BrokerUnavailable, Fenced, LeaseLost
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
+from observer_service.metrics import ServiceMetrics
 from observer_service.ports import BrokerSession, Copy, Delivery
 from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
@@ -26,25 +27,30 @@ log = logging.getLogger(__name__)
 
 
 class Disposition(Enum):
-    """What becomes of a start message."""
+    """What becomes of a start message: ACK (done with: deleted, paused, failed elsewhere, or
+    held by a newer copy), REQUEUE (back to the work queue, for another service), DEAD_LETTER
+    (to the error queue: failed for good), HANDOFF (a directed start to one named service)."""
 
-    #: Done with: the observer is deleted, failed elsewhere, or held by a newer copy.
-    ACK = "ack"
-    #: Back to the work queue: another service takes it.
-    REQUEUE = "requeue"
-    #: To the error queue: it failed for good.
-    DEAD_LETTER = "dead-letter"
-    #: A directed start to one named service.
-    HANDOFF = "handoff"
+    ACK = auto()
+    REQUEUE = auto()
+    DEAD_LETTER = auto()
+    HANDOFF = auto()
 
 
 LetGo = Callable[[Copy, str], Awaitable[ObserverStatus | None]]
 
 
 class Settler:
-    def __init__(self, *, let_go: LetGo, session: Callable[[], BrokerSession | None]) -> None:
+    def __init__(
+        self,
+        *,
+        let_go: LetGo,
+        session: Callable[[], BrokerSession | None],
+        metrics: ServiceMetrics,
+    ) -> None:
         self._let_go = let_go
         self._session = session
+        self.metrics = metrics
 
     async def conclude(self, runner: Runner) -> None:
         """Record why the copy stopped and settle its message."""
@@ -71,6 +77,10 @@ class Settler:
             f"letting go of observer {runner.observer_id}",
         )
         runner.ctx.logger.info("stopped (%s): %s", reason.value, status or "fenced")
+        if status is None:
+            self.metrics.fenced.labels("release").inc()
+        elif status is ObserverStatus.PROCESSING:
+            self.metrics.releases.labels(reason.name.lower()).inc()
         if status is not ObserverStatus.PROCESSING:
             await self.dispose(start, delivery, Disposition.ACK)
         elif reason is StopReason.HANDOFF and runner.handoff_to is not None:

@@ -12,6 +12,7 @@ import os
 import secrets
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import asyncpg
 
@@ -52,12 +53,12 @@ class PgStore:
             by_id = {row["id"]: row for row in rows}
             writes: dict[Decision, list[tuple[int, StartRequest, asyncpg.Record]]] = {
                 Decision.TAKE: [],
-                Decision.DROP_DELETED: [],
+                Decision.COMPLETE_STOP: [],
             }
             for i, req in todo:
                 row = by_id.get(req.observer_id)
                 decision = self._decide(req, row, off_broker)
-                if row is not None and decision in writes and row["status"] != "deleted":
+                if row is not None and decision in writes:
                     writes[decision].append((i, req, row))
                     continue
                 results[i] = TakeResult(
@@ -66,7 +67,10 @@ class PgStore:
                     holder_remaining=0.0 if row is None else float(row["holder_remaining"] or 0),
                 )
             todo = []
-            for decision, sql in ((Decision.TAKE, q.TAKE), (Decision.DROP_DELETED, q.DELETE_UNRUN)):
+            for decision, sql in (
+                (Decision.TAKE, q.TAKE),
+                (Decision.COMPLETE_STOP, q.COMPLETE_STOP),
+            ):
                 batch = writes[decision]
                 if not batch:
                     continue
@@ -191,27 +195,22 @@ class SessionEnded(DatabaseUnavailable):
     """The lease session is gone: its lock is free, so whatever it proved no longer holds."""
 
 
+@dataclass(eq=False)
 class PgLeaseSession:
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        *,
-        lock_key: int,
-        service_id: uuid.UUID,
-        row: tuple[object, ...],
-        on_end: Callable[[], None],
-    ) -> None:
-        self.conn = conn
-        self.lock_key = lock_key
-        self.service_id = service_id
-        self._row = row
-        self._on_end = on_end
-        self._closing = False
-        conn.add_termination_listener(self._terminated)
+    conn: asyncpg.Connection
+    lock_key: int
+    service_id: uuid.UUID
+    row: tuple[object, ...]
+    #: Called when the session ends by itself (not when we close it).
+    on_end: Callable[[], None]
+    _closing: bool = False
+
+    def __post_init__(self) -> None:
+        self.conn.add_termination_listener(self._terminated)
 
     def _terminated(self, _: object) -> None:
         if not self._closing:
-            self._on_end()
+            self.on_end()
 
     @property
     def ended(self) -> bool:
@@ -230,7 +229,7 @@ class PgLeaseSession:
     async def join(self, ttl: float) -> bool:
         """Register (or come back) with this session's lock key; returns draining."""
         with self._errors():
-            row = await self.conn.fetchrow(q.JOIN, self.service_id, *self._row, self.lock_key, ttl)
+            row = await self.conn.fetchrow(q.JOIN, self.service_id, *self.row, self.lock_key, ttl)
         return bool(row["draining"])
 
     async def renew(self, ttl: float, timeout: float) -> Renewal | None:
@@ -288,6 +287,4 @@ class PgLeaseDatabase:
             except BaseException:
                 conn.terminate()
                 raise
-        return PgLeaseSession(
-            conn, lock_key=lock_key, service_id=self.service_id, row=self._row, on_end=on_end
-        )
+        return PgLeaseSession(conn, lock_key, self.service_id, self._row, on_end)

@@ -10,17 +10,20 @@ import uuid
 from dataclasses import dataclass
 from enum import Enum
 
-from contracts.statuses import ObserverStatus
+from contracts.statuses import STOPPING, ObserverStatus
 
 
 class Decision(Enum):
     TAKE = "take"
     DROP_MISSING = "drop: no such observer"
     DROP_STALE = "drop: stale dispatch"
-    DROP_DELETED = "drop: deleted (marked deleted)"
-    DROP_DELETING_ELSEWHERE = "drop: being deleted by its holder"
+    DROP_DELETED = "drop: deleted"
+    DROP_PAUSED = "drop: paused"
     DROP_FAILED = "drop: failed"
     DROP_DUPLICATE = "drop: duplicate of a running copy"
+    DROP_STOPPING_ELSEWHERE = "drop: being stopped by its holder"
+    #: Being deleted or paused, and nobody runs it: complete that (deleted, paused), then drop.
+    COMPLETE_STOP = "drop: its stop completed here"
     WAIT = "wait: held by a live service"
     #: The holder's database session has ended; ask the broker whether its process is gone too.
     PROBE = "probe: is the holder gone from the broker too?"
@@ -65,11 +68,13 @@ def decide(
         return Decision.DROP_FAILED
     if facts.holder == me and running_here:
         return Decision.DROP_DUPLICATE
-    other_live = facts.holder not in (None, me) and facts.holder_live
-    if facts.status in (ObserverStatus.ON_DELETING, ObserverStatus.DELETED):
-        if facts.status is ObserverStatus.ON_DELETING and other_live:
-            return Decision.DROP_DELETING_ELSEWHERE
+    if facts.status is ObserverStatus.DELETED:
         return Decision.DROP_DELETED
+    if facts.status is ObserverStatus.PAUSED:
+        return Decision.DROP_PAUSED
+    other_live = facts.holder not in (None, me) and facts.holder_live
+    if facts.status in STOPPING:
+        return Decision.DROP_STOPPING_ELSEWHERE if other_live else Decision.COMPLETE_STOP
     # created or processing
     if not other_live:
         return Decision.TAKE

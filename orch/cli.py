@@ -5,35 +5,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from contracts import __version__
 from contracts.errors import StartupError
 from contracts.preflight import check_servers
+from contracts.settings import CommonSettings
+from orch.api_commands import kinds, observers_app, services_app
 
 app = typer.Typer(
     help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
     no_args_is_help=True,
     add_completion=False,
 )
-services_app = typer.Typer(
-    help="Operate on observer services through the API.", no_args_is_help=True
-)
+app.add_typer(observers_app, name="observers")
 app.add_typer(services_app, name="services")
+app.command("kinds")(kinds)
 err = Console(stderr=True)
 out = Console()
+S = TypeVar("S", bound=CommonSettings)
+ServersWait = Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")]
 
 
-def _fail(message: str) -> NoReturn:
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"observer-orchestrator {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version")
+    ] = False,
+) -> None:
+    """Exit codes: 0 done, 1 the action failed, 2 the command or its settings are wrong."""
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
     err.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
-def _settings(cls: type, **overrides: object) -> object:
+def _settings(cls: type[S], **overrides: Any) -> S:
     try:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
@@ -41,17 +61,30 @@ def _settings(cls: type, **overrides: object) -> object:
         for e in exc.errors():
             field = ".".join(str(p) for p in e["loc"]) or "settings"
             lines.append(f"ORCH_{field.upper()}: {e['msg']}")
-        _fail("; ".join(lines))
+        _fail("; ".join(lines), 2)
+
+
+def _run(
+    settings: CommonSettings, wait: float, run: Callable[[Any], Coroutine[Any, Any, int]]
+) -> None:
+    """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
+    from contracts.kinds import load_kinds
+
+    try:
+        kinds = load_kinds(settings.kind_module_list)
+        asyncio.run(check_servers(settings, wait=wait))
+        code = asyncio.run(run(kinds))
+    except StartupError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
 
 
 @app.command()
 def migrate() -> None:
     """Create the database if needed and apply every migration."""
-    from contracts.settings import CommonSettings
     from orch.database import migrate as run
 
     settings = _settings(CommonSettings)
-    assert isinstance(settings, CommonSettings)
     try:
         created = run(settings)
     except StartupError as exc:
@@ -65,33 +98,27 @@ def migrate() -> None:
 def manager(
     host: Annotated[str | None, typer.Option(help="address to listen on")] = None,
     port: Annotated[int | None, typer.Option(help="port to listen on")] = None,
-    wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
+    wait: ServersWait = 0,
 ) -> None:
     """Run the HTTP API (and, if elected, the background loops)."""
-    from contracts.kinds import load_kinds
+    from contracts import logs
+    from manager.leader import new_holder_id
     from manager.settings import ManagerSettings
-    from observer_service.main import configure_logging
 
     settings = _settings(ManagerSettings, host=host, port=port)
-    assert isinstance(settings, ManagerSettings)
-    configure_logging()
-    try:
-        kinds = load_kinds(settings.kind_module_list)
-        asyncio.run(check_servers(settings, wait=wait))
-        code = asyncio.run(_serve_manager(settings, kinds))
-    except StartupError as exc:
-        _fail(str(exc))
-    raise typer.Exit(code)
+    replica = new_holder_id()
+    logs.configure(settings.log_level, settings.log_format, replica=replica)
+    _run(settings, wait, lambda kinds: _serve_manager(settings, kinds, replica))
 
 
-async def _serve_manager(settings: Any, kinds: Any) -> int:
+async def _serve_manager(settings: Any, kinds: Any, replica: str) -> int:
     """Serve until a signal (0), or until a task of the runtime dies (1)."""
     import uvicorn
 
     from manager.app import create_app
     from manager.runtime import ManagerRuntime
 
-    runtime = ManagerRuntime(settings, kinds)
+    runtime = ManagerRuntime(settings, kinds, replica=replica)
     config = uvicorn.Config(
         create_app(settings, runtime=runtime),
         host=settings.host,
@@ -115,23 +142,16 @@ async def _serve_manager(settings: Any, kinds: Any) -> int:
 def service(
     name: Annotated[str | None, typer.Option(help="service name shown in the API")] = None,
     worker_count: Annotated[int | None, typer.Option(help="observers it runs at once")] = None,
-    wait: Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")] = 0,
+    wait: ServersWait = 0,
 ) -> None:
     """Run one observer service."""
-    from contracts.kinds import load_kinds
-    from observer_service.main import configure_logging, serve
+    from contracts import logs
+    from observer_service.main import serve
     from observer_service.settings import ServiceSettings
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
-    assert isinstance(settings, ServiceSettings)
-    configure_logging()
-    try:
-        kinds = load_kinds(settings.kind_module_list)
-        asyncio.run(check_servers(settings, wait=wait))
-        code = asyncio.run(serve(settings, kinds))
-    except StartupError as exc:
-        _fail(str(exc))
-    raise typer.Exit(code)
+    logs.configure(settings.log_level, settings.log_format, service=settings.name)
+    _run(settings, wait, lambda kinds: serve(settings, kinds))
 
 
 @app.command()
@@ -148,9 +168,21 @@ def up(
         _fail(str(exc))
 
 
+async def _broker_advice() -> str | None:
+    import aio_pika
+
+    from contracts.topology import broker_version, consumer_timeout_advice
+
+    connection = await aio_pika.connect(CommonSettings().amqp_url, timeout=5)
+    async with connection:
+        return consumer_timeout_advice(broker_version(connection))
+
+
 async def _up(services: int, worker_count: int, port: int) -> None:
     from orch.cluster import LocalCluster
 
+    if advice := await _broker_advice():
+        err.print(f"[yellow]warning:[/yellow] {advice}", highlight=False)
     cluster = LocalCluster(env={})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -182,12 +214,11 @@ def bench(
     only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
 ) -> None:
     """Start a throw-away local cluster and measure it against the targets."""
-    from contracts.settings import CommonSettings, on_database
+    from contracts.settings import on_database
     from orch_bench.run import main
     from orch_bench.scenarios import SCENARIOS
 
     settings = _settings(CommonSettings)
-    assert isinstance(settings, CommonSettings)
     names = [n.strip() for n in only.split(",")] if only else None
     unknown = set(names or ()) - set(SCENARIOS)
     if unknown:
@@ -201,37 +232,3 @@ def bench(
     except StartupError as exc:
         _fail(str(exc))
     raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))
-
-
-ApiOption = Annotated[str, typer.Option("--api", envvar="ORCH_API", help="manager URL")]
-
-
-@services_app.command("list")
-def services_list(api: ApiOption = "http://127.0.0.1:8000") -> None:
-    """Live services: id, name, running / worker_count, draining."""
-    for s in _call("GET", f"{api}/services"):
-        flag = " draining" if s["draining"] else ""
-        out.print(f"{s['id']}  {s['name']:<20} {s['running']:>6} / {s['worker_count']}{flag}")
-
-
-@services_app.command("drain")
-def services_drain(
-    service_id: Annotated[str, typer.Argument(help="id of the service (see `orch services list`)")],
-    api: ApiOption = "http://127.0.0.1:8000",
-) -> None:
-    """Move every observer off a service and stop it taking new ones (before scaling it down)."""
-    s = _call("POST", f"{api}/services/{service_id}/drain")
-    out.print(f"draining {s['name']} ({s['running']} observers to move)")
-
-
-def _call(method: str, url: str) -> Any:
-    import httpx
-
-    try:
-        r = httpx.request(method, url, timeout=30)
-    except httpx.HTTPError as exc:
-        _fail(f"cannot reach the manager at {url}: {exc}")
-    if r.status_code >= 400:
-        detail = r.json().get("detail") if "json" in r.headers.get("content-type", "") else r.text
-        _fail(f"{r.status_code}: {detail}")
-    return r.json()

@@ -170,6 +170,12 @@ class BenchCluster(LocalCluster):
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return ids
 
+    async def grow_to(self, level: int, *, tag: str) -> None:
+        """Idle tickers until ``level`` of them run (counting those made before)."""
+        have = await self.running_count()
+        await self.create_many(level - have, "ticker", {"interval": 3600}, tag=tag)
+        await self.wait_running(level, timeout=300)
+
     async def running_count(self, ids: list[uuid.UUID] | None = None) -> int:
         db = await self.connect()
         if ids is None:

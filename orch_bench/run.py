@@ -20,7 +20,7 @@ from rich.table import Table
 
 from contracts.settings import CommonSettings, asyncpg_dsn, on_database
 from orch_bench.harness import Bench, Figure
-from orch_bench.scenarios import FULL, QUICK, SCENARIOS
+from orch_bench.scenarios import FULL, FULL_ONLY, QUICK, SCENARIOS
 
 
 async def run(
@@ -47,6 +47,8 @@ async def run(
         ) as progress:
             for name, (scenario, total) in SCENARIOS.items():
                 if only and name not in only:
+                    continue
+                if quick and not only and name in FULL_ONLY:
                     continue
                 task = progress.add_task(name, total=total(size))
 

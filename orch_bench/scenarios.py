@@ -53,40 +53,44 @@ async def _latencies(cluster: BenchCluster, t0: dict[uuid.UUID, float], sql: str
     return [(float(r["at"]) - t0[r["id"]]) * 1000 for r in rows]
 
 
+async def measure_starts(c: BenchCluster, n: int, tick: Tick, tag: str = "start") -> list[float]:
+    """Milliseconds from POST to the first checkpoint, ``n`` times, one at a time."""
+    t0: dict[uuid.UUID, float] = {}
+    db = await c.connect()
+    client = RawClient(c.api_port)
+    try:
+        for i in range(n):
+            sent = time.time()
+            body = {"name": f"{tag}-{i}", "kind": "ticker", "params": IDLE_TICKER}
+            status, text = await client.post("/observers", body)
+            if status != 201:
+                raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+            oid = uuid.UUID(json.loads(text)["id"])
+            t0[oid] = sent
+
+            async def checkpointed(oid: uuid.UUID = oid) -> bool:
+                return bool(
+                    await db.fetchval(
+                        "SELECT checkpointed_at IS NOT NULL FROM observers WHERE id = $1", oid
+                    )
+                )
+
+            await wait_for(checkpointed, timeout=10, what="first checkpoint", every=0.002)
+            tick()
+    finally:
+        await client.close()
+    return await _latencies(
+        c,
+        t0,
+        "SELECT id, extract(epoch FROM checkpointed_at) AS at FROM observers WHERE id = ANY($1)",
+    )
+
+
 async def start_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     """POST → first checkpoint, one at a time on an idle cluster."""
     async with bench.cluster("start") as c:
         await c.start(services=2, worker_count=1000)
-        t0: dict[uuid.UUID, float] = {}
-        db = await c.connect()
-        client = RawClient(c.api_port)
-        try:
-            for i in range(size.start_samples):
-                sent = time.time()
-                body = {"name": f"start-{i}", "kind": "ticker", "params": IDLE_TICKER}
-                status, text = await client.post("/observers", body)
-                if status != 201:
-                    raise RuntimeError(f"create failed: {status} {text[:200]!r}")
-                oid = uuid.UUID(json.loads(text)["id"])
-                t0[oid] = sent
-
-                async def checkpointed(oid: uuid.UUID = oid) -> bool:
-                    return bool(
-                        await db.fetchval(
-                            "SELECT checkpointed_at IS NOT NULL FROM observers WHERE id = $1", oid
-                        )
-                    )
-
-                await wait_for(checkpointed, timeout=10, what="first checkpoint", every=0.002)
-                tick()
-        finally:
-            await client.close()
-        ms = await _latencies(
-            c,
-            t0,
-            "SELECT id, extract(epoch FROM checkpointed_at) AS at FROM observers "
-            "WHERE id = ANY($1)",
-        )
+        ms = await measure_starts(c, size.start_samples, tick)
     return _distribution("start latency", "POST → first checkpoint", ms, "ms", p99_target=50)
 
 
@@ -322,11 +326,8 @@ async def density(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         pid = c.procs[-1].pid
         await asyncio.sleep(2.0)
         base = rss_bytes(pid)
-        hosted = 0
         for level in size.density_levels:
-            await c.create_many(level - hosted, "ticker", IDLE_TICKER, tag=f"d{level}")
-            await c.wait_running(level, timeout=300)
-            hosted = level
+            await c.grow_to(level, tag=f"d{level}")
             await asyncio.sleep(3.0)
             rss = rss_bytes(pid)
             cpu0, t0 = cpu_seconds(pid), time.monotonic()
@@ -360,11 +361,8 @@ async def cost_growth(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     for services in size.cost_services:
         async with bench.cluster(f"cost{services}") as c:
             await c.start(services=services, worker_count=top // services + 100)
-            hosted = 0
             for level in size.cost_observers:
-                await c.create_many(level - hosted, "ticker", IDLE_TICKER, tag=f"k{level}")
-                await c.wait_running(level, timeout=300)
-                hosted = level
+                await c.grow_to(level, tag=f"k{level}")
                 await asyncio.sleep(2.0)
                 t0, x0, w0 = await c.db_counters()
                 f0 = await asyncio.to_thread(c.broker_frames)
@@ -426,3 +424,14 @@ SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
     "density": (density, lambda s: len(s.density_levels)),
     "cost": (cost_growth, lambda s: len(s.cost_observers) * len(s.cost_services)),
 }
+
+
+def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
+    from orch_bench.overhead import observability_cost
+
+    return observability_cost, lambda s: 3 * s.start_samples
+
+
+SCENARIOS["observability"] = _observability()
+#: Left out of --quick (ask for them with --only): interleaved rounds take minutes.
+FULL_ONLY = frozenset({"observability"})

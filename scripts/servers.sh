@@ -1,6 +1,14 @@
-# Sourced by scripts/test and scripts/up: make sure PostgreSQL and RabbitMQ answer locally,
-# starting the locally installed servers if they are down. Set ORCH_SKIP_SERVER_START=1 to
-# use servers managed elsewhere (point ORCH_TEST_DATABASE_URL / ORCH_TEST_AMQP_URL at them).
+# Sourced by scripts/test and scripts/up: make sure PostgreSQL and RabbitMQ answer locally.
+#
+# A server that is down but installed is started. One that is not installed is installed with
+# apt on Debian or Ubuntu when we run as root (a fresh PostgreSQL is then set to trust local TCP
+# connections, as the default URLs expect); otherwise the one command that would provide it is
+# printed. Set ORCH_SKIP_SERVER_START=1 to use servers managed elsewhere (point
+# ORCH_TEST_DATABASE_URL / ORCH_TEST_AMQP_URL or ORCH_DATABASE_URL / ORCH_AMQP_URL at them).
+# ORCH_SERVERS_DRY_RUN=1 prints what would be run instead of running it.
+
+PG_PORT="${ORCH_PG_PORT:-5432}"
+AMQP_PORT="${ORCH_AMQP_PORT:-5672}"
 
 wait_port() {  # host port seconds
   local i
@@ -11,26 +19,94 @@ wait_port() {  # host port seconds
   return 1
 }
 
+run() {  # a command, or what it would be in a dry run
+  if [ "${ORCH_SERVERS_DRY_RUN:-0}" = 1 ]; then
+    echo "would run: $*"
+  else
+    "$@"
+  fi
+}
+
+can_apt() {  # root, apt-get, and Debian or Ubuntu
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+  grep -qiE '^(ID|ID_LIKE)=.*(debian|ubuntu)' "${ORCH_OS_RELEASE:-/etc/os-release}" 2>/dev/null
+}
+
+apt_install() {
+  echo "installing $* with apt…"
+  run env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+cannot_install() {  # what
+  cat >&2 <<EOF
+$1 is not running on 127.0.0.1 and cannot be installed here (not root on Debian or Ubuntu).
+Start the servers with Docker, on the ports and with the access the defaults expect:
+  docker run -d --name orch-postgres -e POSTGRES_HOST_AUTH_METHOD=trust -p 127.0.0.1:$PG_PORT:5432 postgres:16
+  docker run -d --name orch-rabbitmq -p 127.0.0.1:$AMQP_PORT:5672 rabbitmq:3.13
+or point ORCH_DATABASE_URL / ORCH_AMQP_URL (tests: ORCH_TEST_DATABASE_URL / ORCH_TEST_AMQP_URL)
+at servers you have, and set ORCH_SKIP_SERVER_START=1.
+EOF
+  return 1
+}
+
+trust_local_tcp() {  # a PostgreSQL we installed ourselves: the default URLs use no password
+  local hba
+  hba=$(ls /etc/postgresql/*/main/pg_hba.conf 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$hba" ] || return 0
+  grep -q "orchestrator: trust local TCP" "$hba" && return 0
+  if [ "${ORCH_SERVERS_DRY_RUN:-0}" = 1 ]; then
+    echo "would trust local TCP connections in $hba"
+    return 0
+  fi
+  local tmp
+  tmp=$(mktemp)
+  {
+    echo "# orchestrator: trust local TCP (installed by scripts/servers.sh)"
+    echo "host all all 127.0.0.1/32 trust"
+    echo "host all all ::1/128 trust"
+    cat "$hba"
+  } >"$tmp" && cat "$tmp" >"$hba"
+  rm -f "$tmp"
+}
+
+ensure_postgres() {
+  wait_port 127.0.0.1 "$PG_PORT" 1 && return 0
+  if ! command -v pg_ctlcluster >/dev/null; then
+    can_apt || cannot_install PostgreSQL || return 1
+    apt_install postgresql || return 1
+    trust_local_tcp
+  fi
+  echo "starting PostgreSQL…"
+  run pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1)" main start
+  [ "${ORCH_SERVERS_DRY_RUN:-0}" = 1 ] && return 0
+  wait_port 127.0.0.1 "$PG_PORT" 30 || { echo "PostgreSQL did not come up" >&2; return 1; }
+}
+
+ensure_rabbitmq() {
+  wait_port 127.0.0.1 "$AMQP_PORT" 1 && return 0
+  if ! command -v rabbitmq-server >/dev/null; then
+    can_apt || cannot_install RabbitMQ || return 1
+    apt_install rabbitmq-server || return 1
+  fi
+  echo "starting RabbitMQ…"
+  run rabbitmq-server -detached
+  [ "${ORCH_SERVERS_DRY_RUN:-0}" = 1 ] && return 0
+  wait_port 127.0.0.1 "$AMQP_PORT" 90 || { echo "RabbitMQ did not come up" >&2; return 1; }
+}
+
 ensure_servers() {
   [ "${ORCH_SKIP_SERVER_START:-0}" = 1 ] && return 0
-  if ! wait_port 127.0.0.1 5432 1; then
-    echo "starting PostgreSQL…"
-    if command -v pg_ctlcluster >/dev/null; then
-      pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -n 1)" main start
-    else
-      echo "PostgreSQL is not running on 127.0.0.1:5432 and pg_ctlcluster is not installed" >&2
-      return 1
-    fi
-    wait_port 127.0.0.1 5432 30 || { echo "PostgreSQL did not come up" >&2; return 1; }
-  fi
-  if ! wait_port 127.0.0.1 5672 1; then
-    echo "starting RabbitMQ…"
-    command -v rabbitmq-server >/dev/null || {
-      echo "RabbitMQ is not running on 127.0.0.1:5672 and rabbitmq-server is not installed" >&2
-      return 1
-    }
-    rabbitmq-server -detached
-    wait_port 127.0.0.1 5672 90 || { echo "RabbitMQ did not come up" >&2; return 1; }
+  ensure_postgres && ensure_rabbitmq
+}
+
+ensure_browser() {  # the console's browser test drives Debian's chromium
+  command -v chromium >/dev/null && return 0
+  if can_apt; then
+    apt_install chromium chromium-driver
+  else
+    echo "chromium is not installed; the console test needs it (apt-get install chromium)" >&2
+    return 1
   fi
 }
 

@@ -1,22 +1,39 @@
-"""/healthz (the process answers) and /readyz (Postgres and RabbitMQ reachable)."""
+"""/healthz (the process answers), /readyz (Postgres and RabbitMQ reachable), /metrics."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
-from contracts.errors import Transient
+from contracts.errors import NotFound, Transient
 from manager import queries as q
 from manager.api.deps import RuntimeDep
 from manager.db import autocommit
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(state: RuntimeDep) -> Response:
+    """Prometheus metrics; the cluster's state is read from the database at most every
+    ``ORCH_METRICS_REFRESH`` seconds (and kept as it was while the database is away)."""
+    if not state.settings.metrics:
+        raise NotFound("metrics are off (ORCH_METRICS=false)")
+    try:
+        await state.metrics.refresh(state.engine, leads=state.leadership.is_leader)
+    except Transient as exc:
+        log.warning("metrics: cluster state not refreshed: %s", exc)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/readyz")

@@ -35,6 +35,7 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, o
     async with transaction(state.engine) as conn:
         row, pending = await repo.drain_service(conn, service_id)
     await state.outbox.publish_now(pending)
+    state.metrics.moves.labels("drain").inc(int(row["running"]))
     return row
 
 

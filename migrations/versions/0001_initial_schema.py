@@ -1,9 +1,4 @@
-"""initial schema
-
-Revision ID: 0001
-Revises:
-Create Date: 2026-11-29 12:51:44.540631
-"""
+"""Revision 0001 (2026-11-29): initial schema."""
 
 from __future__ import annotations
 
@@ -13,8 +8,6 @@ from sqlalchemy.dialects import postgresql
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -1,8 +1,5 @@
-"""index observers.started_at (the audit's progress check)
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-29
+"""Revision 0002, after 0001 (2026-11-29): index observers.started_at (the audit's progress
+check).
 """
 
 from __future__ import annotations
@@ -11,8 +8,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

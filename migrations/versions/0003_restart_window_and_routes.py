@@ -1,8 +1,5 @@
-"""restart budget window (observers.restarted_at); typed outbox routes
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-11-30
+"""Revision 0003, after 0002 (2026-11-30): restart budget window (observers.restarted_at); typed
+outbox routes.
 """
 
 from __future__ import annotations
@@ -13,8 +10,6 @@ from sqlalchemy.dialects import postgresql
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -30,16 +25,18 @@ def upgrade() -> None:
     op.alter_column("outbox", "route", nullable=False)
     op.drop_column("outbox", "target")
     op.create_check_constraint(
-        "ck_outbox_route_valid", "outbox", "route IN ('work', 'broadcast', 'service', 'errors')"
+        op.f("ck_outbox_route_valid"),
+        "outbox",
+        "route IN ('work', 'broadcast', 'service', 'errors')",
     )
     op.create_check_constraint(
-        "ck_outbox_service_route", "outbox", "(route = 'service') = (service_id IS NOT NULL)"
+        op.f("ck_outbox_service_route"), "outbox", "(route = 'service') = (service_id IS NOT NULL)"
     )
 
 
 def downgrade() -> None:
-    op.drop_constraint("ck_outbox_service_route", "outbox", type_="check")
-    op.drop_constraint("ck_outbox_route_valid", "outbox", type_="check")
+    op.drop_constraint(op.f("ck_outbox_service_route"), "outbox", type_="check")
+    op.drop_constraint(op.f("ck_outbox_route_valid"), "outbox", type_="check")
     op.add_column("outbox", sa.Column("target", sa.Text()))
     op.execute(
         "UPDATE outbox SET target = CASE route WHEN 'work' THEN 'start' "

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
 import sys
+import uuid
 
 import httpx
 
 from orch.cluster import free_port, wait_for
 from tests.conftest import Servers
+from tests.support.cluster import Cluster
 
 
 async def test_orch_up_runs_a_cluster_and_stops_it(
@@ -70,3 +74,75 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
     )
     left, _ = await pgrep.communicate()
     assert left.strip() == b"", "orch up left processes behind"
+
+
+def _orch(*args: str, api: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ORCH_API": api, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "orch", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+async def _run(*args: str, api: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(_orch, *args, api=api)
+
+
+async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=5)
+    api = f"http://127.0.0.1:{cluster.api_port}"
+    version = await _run("--version", api=api)
+    assert version.returncode == 0
+    assert version.stdout.startswith("observer-orchestrator ")
+    created = await _run(
+        "observers", "create", "cli-1", "ticker", "-p", "interval=0.05", "--json", api=api
+    )
+    assert created.returncode == 0, created.stderr
+    oid = json.loads(created.stdout)["id"]
+    await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
+    listed = json.loads(
+        (await _run("observers", "list", "--name", "cli-", "--json", api=api)).stdout
+    )
+    assert [o["id"] for o in listed] == [oid]
+    table = await _run("observers", "list", api=api)
+    assert "cli-1" in table.stdout
+    assert "processing" in table.stdout
+    got = await _run("observers", "get", oid, api=api)
+    assert "checkpoint:" in got.stdout
+    paused = await _run("observers", "pause", oid, "--wait", api=api)
+    assert paused.returncode == 0, paused.stderr
+    assert f"{oid}: paused" in paused.stdout
+    resumed = await _run("observers", "resume", oid, "--wait", api=api)
+    assert f"{oid}: processing" in resumed.stdout
+    events = json.loads((await _run("observers", "events", oid, "--json", api=api)).stdout)
+    assert [e["event"] for e in events][:4] == ["created", "taken", "pausing", "paused"]
+    kinds = json.loads((await _run("kinds", "--json", api=api)).stdout)
+    assert "ticker" in {k["name"] for k in kinds}
+    services = json.loads((await _run("services", "list", "--json", api=api)).stdout)
+    assert [s["running"] for s in services] == [1]
+    # Drain by name and wait until it runs nothing: what a preStop hook does.
+    await cluster.start_service("b", worker_count=5)
+    drained = await _run("services", "drain", "--name", "a", "--wait", api=api)
+    assert drained.returncode == 0, drained.stderr
+    assert "drained" in drained.stdout
+    deleted = await _run("observers", "delete", oid, "--wait", api=api)
+    assert f"{oid}: deleted" in deleted.stdout
+
+
+async def test_failures_print_the_api_message_and_exit_1_usage_exits_2(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    api = f"http://127.0.0.1:{cluster.api_port}"
+    missing = await _run("observers", "get", str(uuid.uuid4()), api=api)
+    assert missing.returncode == 1
+    assert "404: no observer with id" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad = await _run("observers", "create", "x", "nope", api=api)
+    assert bad.returncode == 1
+    assert "unknown kind 'nope'" in bad.stderr
+    conflict = await _run("observers", "resume", str(uuid.uuid4()), api=api)
+    assert conflict.returncode == 1
+    usage = await _run("observers", "create", api=api)
+    assert usage.returncode == 2
+    unreachable = await _run("kinds", api="http://127.0.0.1:1")
+    assert unreachable.returncode == 1
+    assert "cannot reach the manager" in unreachable.stderr

@@ -39,15 +39,12 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
     b = await cluster.start_service("b", worker_count=20)
     b_id = await cluster.service_id(b)
     frozen_at = time.time()
-    a.signal(signal.SIGSTOP)
-    try:
+    async with cluster.frozen(a):
         await cluster.wait_all_running(
             ids, timeout=cluster.lease_ttl + 2, on={b_id}, fresh_after=frozen_at
         )
         failover = time.time() - frozen_at
-    finally:
-        resumed_at = time.time()
-        a.signal(signal.SIGCONT)
+    resumed_at = time.time()
     await quiet(1.0, "a stale copy that was not fenced would tick")
     assert ticks_of(cluster.tick_dir, a.pid, after=resumed_at) == 0, (
         "a stale copy ticked after SIGCONT"
@@ -144,10 +141,7 @@ async def test_delete_during_redistribution(cluster: Cluster) -> None:
             r = await c.delete(f"/observers/{victim}")
             assert r.status_code == 202
 
-        async def deleted() -> bool:
-            return (await cluster.observer(victim))["status"] == "deleted"
-
-        await wait_for(deleted, timeout=cluster.lease_ttl + 3, what="deleted after holder died")
+        await cluster.wait_status(victim, "deleted", timeout=cluster.lease_ttl + 3)
         deleted_at = time.time()
         await cluster.wait_all_running(ids[1:], timeout=cluster.lease_ttl + 3)
     finally:

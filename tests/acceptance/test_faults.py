@@ -199,10 +199,7 @@ async def test_kind_that_swallows_cancellation_cannot_stall_a_stop(cluster: Clus
 
 # ------------------------------------------------------------- delete racing a move or stop
 async def _deleted_and_released(cluster: Cluster, oid: uuid.UUID, holder: Proc) -> None:
-    async def deleted() -> bool:
-        return (await cluster.observer(oid))["status"] == "deleted"
-
-    await wait_for(deleted, timeout=15, what="deleted")
+    await cluster.wait_status(oid, "deleted", timeout=15)
     holder_id = await cluster.service_id(holder)
 
     async def runs_nothing() -> bool:
@@ -248,7 +245,7 @@ async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
             aio_pika.Message(HandoffMessage(observer_id=oid, to=b_id).to_bytes()),
             routing_key=f"{cluster.prefix}.control.{a_id}",
         )
-    await a.wait_log(f"handing {oid} over")
+    await a.wait_log("handing over to")
     async with cluster.api() as c:
         assert (await c.delete(f"/observers/{oid}")).status_code == 202
     await _deleted_and_released(cluster, oid, a)
@@ -276,15 +273,15 @@ async def test_suspend_past_the_lease_fences(cluster: Cluster, tmp_path: Path) -
     b = await cluster.start_service("b", worker_count=20)
     b_id = await cluster.service_id(b)
     stopped = time.monotonic()
-    a.signal(signal.SIGSTOP)
-    try:
+
+    def suspended_all_along() -> None:  # the monotonic clock missed the whole stop
+        set_suspend_lag(hook, time.monotonic() - stopped + 0.2)
+
+    async with cluster.frozen(a, before_waking=suspended_all_along):
         await cluster.wait_all_running(
             ids, timeout=cluster.lease_ttl + 5, on={b_id}, fresh_after=time.time()
         )
-    finally:
-        set_suspend_lag(hook, time.monotonic() - stopped + 0.2)
-        resumed = time.time()
-        a.signal(signal.SIGCONT)
+    resumed = time.time()
     await quiet(1.0, "a suspended copy would tick")
     assert ticks_of(cluster.tick_dir, a.pid, after=resumed) == 0, "a suspended copy ran on"
     assert_no_overlap(cluster.tick_dir)
@@ -309,14 +306,11 @@ async def test_frozen_copy_makes_no_side_effect_after_waking(cluster: Cluster) -
         frozen = next(p for p in procs if p.pid == rows[0]["pid"])
         other = next(p for p in procs if p is not frozen)
         other_id = await cluster.service_id(other)
-        frozen.signal(signal.SIGSTOP)
-        try:
+        async with cluster.frozen(frozen):
             await cluster.wait_all_running(
                 ids, timeout=cluster.lease_ttl + 5, on={other_id}, fresh_after=time.time()
             )
-        finally:
-            resumed = time.time()
-            frozen.signal(signal.SIGCONT)
+        resumed = time.time()
         await quiet(1.0, "a stale copy would make its side effect")
         stale += ticks_of(cluster.tick_dir, frozen.pid, after=resumed)
     assert stale == 0, f"{stale} side effects of stale copies after SIGCONT"

@@ -50,10 +50,7 @@ async def test_delete_stops_the_task_and_acks_the_message(cluster: Cluster) -> N
         assert r.status_code == 202
         assert r.json()["status"] in ("on_deleting", "deleted")
 
-    async def deleted() -> bool:
-        return (await cluster.observer(oid))["status"] == "deleted"
-
-    await wait_for(deleted, timeout=10, what="deleted")
+    await cluster.wait_status(oid, "deleted", timeout=10)
     stopped_at = await cluster.checkpoint_count(oid)
     await quiet(0.3, "a running copy would tick 6 times")
     assert await cluster.checkpoint_count(oid) == stopped_at
@@ -213,11 +210,7 @@ async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cl
     await cluster.start_manager()
     await cluster.start_service("a", worker_count=2)
     oid = (await cluster.create("bad", kind="always_fails"))["id"]
-
-    async def failed() -> bool:
-        return (await cluster.observer(oid))["status"] == "failed"
-
-    await wait_for(failed, timeout=15, what="failed")
+    await cluster.wait_status(oid, "failed", timeout=15)
     row = await cluster.observer(oid)
     assert row["restart_count"] == 2
     assert "boom" in row["last_error"]
@@ -247,7 +240,7 @@ async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cl
         return (await cluster.observer(oid))["epoch"] > row["epoch"]
 
     await wait_for(taken_again, timeout=10, what="restarted observer taken")
-    await wait_for(failed, timeout=15, what="failed again")
+    await cluster.wait_status(oid, "failed", timeout=15)
     assert (await cluster.observer(oid))["restart_count"] == 2
 
 
@@ -268,3 +261,63 @@ async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> No
     await cluster.start_service("a", worker_count=2)
     await cluster.wait_all_running([row["id"]], timeout=15)
     assert await cluster.q("SELECT count(*) FROM outbox", one=True) == 0
+
+
+async def test_pause_keeps_the_checkpoint_and_resume_goes_on_from_it(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=4)
+    oid = (await cluster.create("p1", interval=0.05))["id"]
+    await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
+    await wait_for(lambda: _gt(cluster, oid, 5), timeout=10, what="a few ticks")
+    async with cluster.api() as c:
+        r = await c.post(f"/observers/{oid}/pause")
+        assert r.status_code == 202
+        assert r.json()["status"] in ("pausing", "paused")
+
+    await cluster.wait_status(oid, "paused", timeout=10)
+    kept = await cluster.checkpoint_count(oid)
+    assert kept > 5
+    await quiet(0.5, "a paused copy would tick on")
+    assert await cluster.checkpoint_count(oid) == kept
+    async with cluster.api() as c:
+        assert (await c.post(f"/observers/{oid}/resume")).status_code == 200
+    await wait_for(lambda: _gt(cluster, oid, kept + 3), timeout=10, what="ticks after resume")
+    row = await cluster.observer(oid)
+    assert row["epoch"] == 2, "resumed as a new copy"
+
+
+async def test_a_pause_whose_holder_died_is_completed_by_the_sweeper(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=4)
+    oid = (await cluster.create("p2", interval=0.05))["id"]
+    await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
+    a.signal(signal.SIGSTOP)
+    try:
+        async with cluster.api() as c:
+            assert (await c.post(f"/observers/{oid}/pause")).json()["status"] == "pausing"
+
+        await cluster.wait_status(oid, "paused", timeout=cluster.lease_ttl + 5)
+    finally:
+        a.signal(signal.SIGCONT)
+
+
+async def test_a_service_serves_its_metrics(cluster: Cluster) -> None:
+    import httpx
+
+    from orch.cluster import free_port
+
+    await cluster.start_manager()
+    port = free_port()
+    await cluster.start_service("a", worker_count=4, metrics_port=port)
+    oid = uuid.UUID((await cluster.create("m", interval=0.05))["id"])
+    await cluster.wait_all_running([oid], timeout=10)
+
+    async def scraped() -> str | None:
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
+        return text if "orch_takes_total 1.0" in text else None
+
+    text = await wait_for(scraped, timeout=10, what="the take counted")
+    assert "orch_observers_running 1.0" in text
+    assert "orch_lease_renewal_seconds_count" in text
+    assert "orch_checkpoint_batch_size_bucket" in text

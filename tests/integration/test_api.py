@@ -133,6 +133,27 @@ async def test_restart_of_a_non_failed_observer_is_409(api: httpx.AsyncClient) -
     assert "only a failed observer" in r.json()["detail"]
 
 
+async def test_pause_resume_and_delete_of_an_observer_nobody_runs(api: httpx.AsyncClient) -> None:
+    o = (await api.post("/observers", json={"name": "p", "kind": "ticker"})).json()
+    paused = await api.post(f"/observers/{o['id']}/pause")
+    assert paused.status_code == 202
+    assert paused.json()["status"] == "paused", "nothing runs it: paused at once"
+    assert (await api.post(f"/observers/{o['id']}/pause")).json()["status"] == "paused"
+    resumed = await api.post(f"/observers/{o['id']}/resume")
+    assert resumed.status_code == 200
+    assert resumed.json()["status"] == "created"
+    again = await api.post(f"/observers/{o['id']}/resume")
+    assert again.status_code == 409
+    assert "only a paused observer" in again.json()["detail"]
+    await api.post(f"/observers/{o['id']}/pause")
+    assert (await api.delete(f"/observers/{o['id']}")).json()["status"] == "deleted"
+    late = await api.post(f"/observers/{o['id']}/pause")
+    assert late.status_code == 409
+    assert "deleted observer cannot be paused" in late.json()["detail"]
+    events = [e["event"] for e in (await api.get(f"/observers/{o['id']}/events")).json()]
+    assert events == ["created", "paused", "resumed", "paused", "deleted"]
+
+
 async def test_cluster_endpoints(api: httpx.AsyncClient) -> None:
     assert (await api.get("/healthz")).json() == {"status": "ok"}
     ready = await api.get("/readyz")
@@ -169,3 +190,17 @@ async def test_a_dead_leader_loop_stops_the_manager_through_an_event(
         assert isinstance(runtime.error, LoopDied)
     finally:
         await runtime.stop()
+
+
+async def test_metrics_show_the_cluster_and_the_requests(api: httpx.AsyncClient) -> None:
+    await api.post("/observers", json={"name": "m1", "kind": "ticker"})
+    await api.get("/observers/00000000-0000-0000-0000-000000000000")
+    text = (await api.get("/metrics")).text
+    assert 'orch_observers{kind="ticker",status="created"} 1.0' in text
+    assert "orch_outbox_backlog" in text
+    assert "orch_leader 1.0" in text or "orch_leader 0.0" in text
+    assert (
+        'orch_http_request_duration_seconds_count{code="404",method="GET",'
+        'route="/observers/{observer_id}"} 1.0'
+    ) in text, "labelled by route template, never by the id in the path"
+    assert "00000000-0000" not in text

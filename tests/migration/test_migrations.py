@@ -42,3 +42,24 @@ async def test_models_match_migrations(database_url: str) -> None:
         )
     await engine.dispose()
     assert diff == []
+
+
+async def test_constraints_are_named_as_the_models_name_them(database_url: str) -> None:
+    """Autogenerate does not compare check constraints; a migration that names one twice
+    over would go unnoticed until the next migration tries to drop it."""
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        rows = await conn.fetch(
+            "SELECT conname FROM pg_constraint WHERE contype = 'c' AND connamespace = "
+            "'public'::regnamespace"
+        )
+    finally:
+        await conn.close()
+    in_db = {r["conname"] for r in rows}
+    in_models = {
+        c.name
+        for table in Base.metadata.tables.values()
+        for c in table.constraints
+        if c.__class__.__name__ == "CheckConstraint"
+    }
+    assert in_db == in_models

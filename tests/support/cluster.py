@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,6 +55,18 @@ class Cluster(LocalCluster):
             },
             logdir=workdir,
         )
+
+    @contextlib.asynccontextmanager
+    async def frozen(
+        self, proc: Proc, *, before_waking: Callable[[], None] = lambda: None
+    ) -> AsyncIterator[None]:
+        """SIGSTOP ``proc`` inside; SIGCONT it on the way out, whatever happens."""
+        proc.signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            before_waking()
+            proc.signal(signal.SIGCONT)
 
     async def proxy(self, url: str) -> Proxy:
         """A proxy in front of the server at ``url``, closed after the processes stopped."""
@@ -110,6 +125,14 @@ class Cluster(LocalCluster):
         )
         assert row is not None
         return row
+
+    async def wait_status(
+        self, observer_id: uuid.UUID | str, status: str, *, timeout: float = 10
+    ) -> None:
+        async def reached() -> bool:
+            return bool((await self.observer(observer_id))["status"] == status)
+
+        await wait_for(reached, timeout=timeout, what=f"{observer_id} {status}")
 
     async def checkpoint_count(self, observer_id: uuid.UUID | str) -> int:
         row = await self.observer(observer_id)

@@ -87,6 +87,13 @@ class Harness:
     def lease(self) -> LeaseKeeper:
         return self.service.lease
 
+    async def started(self, kind: str = "tick", **fields: Any) -> tuple[Row, Any]:
+        """A row of ``kind`` taken and running here, with its delivery."""
+        row = self.store.add(kind, **fields)
+        delivery = await self.run(row)
+        await self.running(row)
+        return row, delivery
+
     async def run(self, row: Row, *, redelivered: bool = False) -> Any:
         delivery = await self.broker.session.deliver(row.start, redelivered=redelivered)
         return delivery
@@ -96,6 +103,13 @@ class Harness:
 
     async def stopped(self, row: Row) -> None:
         await until(lambda: row.id not in self.service.runners)
+
+    async def take_held(self, row: Row) -> asyncio.Task[Any]:
+        """Start a take that waits inside the store until ``store.hold`` is set."""
+        self.store.hold = asyncio.Event()
+        taking = asyncio.create_task(self.run(row))
+        await until(lambda: self.service.admission.in_flight == 1)
+        return taking
 
 
 @contextlib.asynccontextmanager
@@ -127,9 +141,7 @@ async def harness(worker_count: int = 10, **config: Any) -> AsyncIterator[Harnes
 # ---------------------------------------------------------------------------- admission
 async def test_a_start_is_taken_and_runs_and_checkpoints() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
+        row, delivery = await h.started()
         assert row.status is S.PROCESSING
         assert row.service_id == h.service.id
         assert row.epoch == 1
@@ -154,9 +166,7 @@ async def test_capacity_is_never_exceeded() -> None:
 
 async def test_a_duplicate_start_is_dropped() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         duplicate = await h.run(row)
         assert duplicate.outcome == "ack"
         assert row.epoch == 1
@@ -166,11 +176,10 @@ async def test_a_duplicate_start_is_dropped() -> None:
 async def test_a_cancel_that_arrives_while_taking_stops_it_at_once() -> None:
     async with harness() as h:
         row = h.store.add("tick")
-        h.store.hold = asyncio.Event()
-        taking = asyncio.create_task(h.run(row))
-        await until(lambda: h.service.admission.in_flight == 1)
+        taking = await h.take_held(row)
         row.status = S.ON_DELETING  # the API marked it while the take was in flight
         await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        assert h.store.hold is not None
         h.store.hold.set()
         delivery = await taking
         await until(lambda: row.status is S.DELETED)
@@ -178,23 +187,21 @@ async def test_a_cancel_that_arrives_while_taking_stops_it_at_once() -> None:
 
 
 # ----------------------------------------------------------------------------- settling
-async def test_delete_settles_deleted_and_acks() -> None:
+@pytest.mark.parametrize(("asked", "final"), [(S.ON_DELETING, S.DELETED), (S.PAUSING, S.PAUSED)])
+async def test_a_delete_or_pause_stops_the_copy_and_acks(asked: S, final: S) -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
-        row.status = S.ON_DELETING
+        row, delivery = await h.started()
+        row.status = asked  # what the API does, before its cancel broadcast
         await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
         await until(lambda: delivery.outcome == "ack")
-        assert row.status is S.DELETED
-        assert row.service_id is None
+        assert (row.status, row.service_id) == (final, None)
+        assert row.checkpoint is not None, "the checkpoint stays"
+        assert h.broker.sent == []
 
 
 async def test_handoff_releases_and_sends_a_directed_start() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
+        row, delivery = await h.started()
         target = uuid.uuid4()
         await h.broker.session.control(HandoffMessage(observer_id=row.id, to=target).to_bytes())
         await until(lambda: delivery.outcome == "ack")
@@ -204,9 +211,7 @@ async def test_handoff_releases_and_sends_a_directed_start() -> None:
 
 async def test_drain_releases_and_requeues_and_takes_no_more() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
+        row, delivery = await h.started()
         await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
         await until(lambda: delivery.outcome == "requeue")
         assert row.service_id is None
@@ -238,6 +243,28 @@ async def test_delete_while_stopping_for_another_reason_ends_deleted(during: str
             assert delivery.outcome == "ack"
 
 
+async def test_pause_wins_over_a_handoff() -> None:
+    async with harness() as h:
+        row = h.store.add("slow")
+        await h.run(row)
+        await until(lambda: row.id in h.service.runners)
+        await h.broker.session.control(
+            HandoffMessage(observer_id=row.id, to=uuid.uuid4()).to_bytes()
+        )
+        row.status = S.PAUSING
+        await h.stopped(row)
+        assert row.status is S.PAUSED
+        assert h.broker.sent == [], "a paused observer was handed on"
+
+
+async def test_a_start_for_a_paused_observer_is_dropped() -> None:
+    async with harness() as h:
+        row = h.store.add("tick", status=S.PAUSED)
+        delivery = await h.run(row)
+        assert delivery.outcome == "ack"
+        assert row.id not in h.service.runners
+
+
 async def test_spent_budget_fails_and_dead_letters() -> None:
     async with harness() as h:
         row = h.store.add("boom")
@@ -261,9 +288,7 @@ async def test_restart_budget_heals_after_its_window() -> None:
 
 async def test_a_copy_fenced_by_a_newer_epoch_stops_and_acks() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
+        row, delivery = await h.started()
         row.epoch += 1  # another service took it
         await until(lambda: delivery.outcome == "ack")
         assert row.id not in h.service.runners
@@ -272,9 +297,7 @@ async def test_a_copy_fenced_by_a_newer_epoch_stops_and_acks() -> None:
 # ------------------------------------------------------------------ the database goes away
 async def test_a_short_database_outage_is_not_the_kinds_error() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         h.store.available = False
         await asyncio.sleep(0.15)
         h.store.available = True
@@ -287,9 +310,7 @@ async def test_a_short_database_outage_is_not_the_kinds_error() -> None:
 
 async def test_a_failed_settle_is_retried_until_it_lands() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        delivery = await h.run(row)
-        await h.running(row)
+        row, delivery = await h.started()
         h.store.available = False
         row.status = S.ON_DELETING
         await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
@@ -306,9 +327,7 @@ async def test_renewal_handling_survives_a_database_outage() -> None:
         renewals = h.lease_db.renewals
         await until(lambda: h.lease_db.renewals > renewals + 3)
         h.store.available = True
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        await h.started()
 
 
 # --------------------------------------------------------------------------- the lease
@@ -316,9 +335,7 @@ async def test_an_ended_lease_session_is_replaced_while_the_broker_connection_ho
     """pg_terminate_backend, a pooler: nothing could take our observers while our broker
     connection lived, so the service goes on, on a new session with a new lock key."""
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         first = h.lease_db.sessions[-1]
         first.end()
         await until(lambda: len(h.lease_db.sessions) == 2)
@@ -333,9 +350,7 @@ async def test_an_ended_lease_session_is_replaced_while_the_broker_connection_ho
 
 async def test_an_ended_lease_session_whose_broker_link_cannot_be_proven_fences() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         delivery_session = h.broker.session
         delivery_session.dropped_by_broker = True  # closed at the broker, not noticed here yet
         h.lease_db.sessions[-1].end()
@@ -367,9 +382,7 @@ async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
 
 async def test_an_ended_lease_session_without_a_broker_session_fences() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         await h.broker.session.close()  # not reopened yet: between two broker sessions
         h.lease_db.sessions[-1].end()
         assert h.lease.fenced
@@ -378,9 +391,7 @@ async def test_an_ended_lease_session_without_a_broker_session_fences() -> None:
 
 async def test_a_suspend_past_the_lease_fences() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         h.clock.advance(TIMINGS.ttl)  # the machine slept; the monotonic clock did not count it
         await h.stopped(row)
         assert row.service_id is None
@@ -388,9 +399,7 @@ async def test_a_suspend_past_the_lease_fences() -> None:
 
 async def test_a_renewal_that_finds_the_lease_expired_fences() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         h.lease_db.expired = True
         await h.stopped(row)
         await until(lambda: len(h.lease_db.joins) == 2)
@@ -399,12 +408,11 @@ async def test_a_renewal_that_finds_the_lease_expired_fences() -> None:
 async def test_reconcile_never_releases_a_take_in_flight() -> None:
     async with harness() as h:
         row = h.store.add("tick")
-        h.store.hold = asyncio.Event()
-        taking = asyncio.create_task(h.run(row))
-        await until(lambda: h.service.admission.in_flight == 1)
+        taking = await h.take_held(row)
         reconcile = asyncio.create_task(h.service._reconcile())
         await asyncio.sleep(0.02)
         assert not reconcile.done(), "reconcile ran while a take was in flight"
+        assert h.store.hold is not None
         h.store.hold.set()
         await taking
         await reconcile
@@ -453,9 +461,7 @@ async def test_a_lost_lease_stops_even_a_copy_that_waits_long() -> None:
 
 async def test_kind_code_waits_for_a_fresh_renewal_after_a_pause() -> None:
     async with harness() as h:
-        row = h.store.add("tick")
-        await h.run(row)
-        await h.running(row)
+        row, _ = await h.started()
         h.lease_db.available = False  # renewals fail: the lease grows stale, not yet lost
         await asyncio.sleep(TIMINGS.stale_after + 0.05)
         paused_at = TICKS[row.id]

@@ -32,14 +32,21 @@ def test_unheld_is_taken(status: S) -> None:
     assert run(live(status)) is D.TAKE
 
 
-def test_deleted_and_deleting_without_live_holder_are_marked_deleted() -> None:
+def test_deleted_and_paused_are_dropped() -> None:
     assert run(live(S.DELETED)) is D.DROP_DELETED
-    assert run(live(S.ON_DELETING)) is D.DROP_DELETED
-    assert run(live(S.ON_DELETING, OTHER, holder_live=False)) is D.DROP_DELETED
+    assert run(live(S.PAUSED)) is D.DROP_PAUSED
 
 
-def test_deleting_with_live_holder_is_left_to_the_holder() -> None:
-    assert run(live(S.ON_DELETING, OTHER, holder_live=True)) is D.DROP_DELETING_ELSEWHERE
+@pytest.mark.parametrize("status", [S.ON_DELETING, S.PAUSING])
+def test_a_stop_nobody_runs_is_completed_here(status: S) -> None:
+    assert run(live(status)) is D.COMPLETE_STOP
+    assert run(live(status, OTHER, holder_live=False)) is D.COMPLETE_STOP
+    assert run(live(status, ME, holder_live=True), here=False) is D.COMPLETE_STOP
+
+
+@pytest.mark.parametrize("status", [S.ON_DELETING, S.PAUSING])
+def test_a_stop_with_a_live_holder_is_left_to_the_holder(status: S) -> None:
+    assert run(live(status, OTHER, holder_live=True)) is D.DROP_STOPPING_ELSEWHERE
 
 
 def test_failed_is_dropped() -> None:

@@ -1,0 +1,105 @@
+"""The manager's Prometheus metrics (``GET /metrics``).
+
+Counters of what this replica did (re-dispatches, moves, sweeps, requests) are counted as it
+happens. The state of the cluster (observers by status and kind, services, outbox) is read from
+the database when scraped, at most once every ``ORCH_METRICS_REFRESH`` seconds, by whichever
+replica is scraped: every replica shows the same cluster. No observer id is ever a label.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Info, generate_latest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from contracts import __version__
+from contracts.metrics import Metrics
+from manager import queries as q
+from manager.db import autocommit
+
+
+class ManagerMetrics(Metrics):
+    def __init__(self, *, refresh: float = 5.0) -> None:
+        super().__init__()
+        m = self
+        self.refresh_every = refresh
+        self._refreshed = -float("inf")
+        Info("orch_manager", "This manager replica", registry=m.registry).info(
+            {"version": __version__}
+        )
+        self.http = m.histogram(
+            "orch_http_request_duration_seconds",
+            "Time to answer an API request, by route template, method and status code",
+            "route",
+            "method",
+            "code",
+        )
+        self.observers = m.gauge(
+            "orch_observers", "Observers, by status and kind", "status", "kind"
+        )
+        self.services = m.gauge("orch_services", "Live services, by state", "state")
+        per_service = ("service", "service_id")
+        self.capacity = m.gauge(
+            "orch_service_capacity", "worker_count of each live service", *per_service
+        )
+        self.running = m.gauge(
+            "orch_service_running", "Observers each live service holds", *per_service
+        )
+        self.lease_age = m.gauge(
+            "orch_service_heartbeat_age_seconds",
+            "Seconds since each live service renewed its lease",
+            *per_service,
+        )
+        self.outbox_backlog = m.gauge("orch_outbox_backlog", "Outbox records not yet confirmed")
+        self.outbox_age = m.gauge(
+            "orch_outbox_oldest_age_seconds", "Age of the oldest outbox record (0 when empty)"
+        )
+        self.leader = m.gauge("orch_leader", "1 while this replica leads, else 0")
+        self.redispatches = m.counter(
+            "orch_redispatches_total",
+            "Observers re-dispatched by the leader, by reason (holder_gone, stuck)",
+            "reason",
+        )
+        self.moves = m.counter(
+            "orch_moves_total", "Observers asked to move, by reason (rebalance, drain)", "reason"
+        )
+        self.swept = m.counter(
+            "orch_services_swept_total",
+            "Services the sweeper found dead, by how (lease_expired, process_gone)",
+            "how",
+        )
+
+    def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
+        self.http.labels(route, method, str(code)).observe(seconds)
+
+    async def refresh(self, engine: AsyncEngine, *, leads: bool) -> None:
+        """Read the cluster's state from the database, unless it was read lately."""
+        self.leader.set(1 if leads else 0)
+        now = time.monotonic()
+        if now - self._refreshed < self.refresh_every:
+            return
+        self._refreshed = now
+        async with autocommit(engine) as conn:
+            observers = (await conn.execute(text(q.METRICS_OBSERVERS))).all()
+            services = (await conn.execute(text(q.METRICS_SERVICES))).all()
+            backlog, oldest = (await conn.execute(text(q.METRICS_OUTBOX))).one()
+        self.observers.clear()
+        for row in observers:
+            self.observers.labels(row.status, row.kind).set(row.n)
+        self.services.clear()
+        self.services.labels("taking_work").set(sum(1 for s in services if not s.draining))
+        self.services.labels("draining").set(sum(1 for s in services if s.draining))
+        for gauge in (self.capacity, self.running, self.lease_age):
+            gauge.clear()
+        for s in services:
+            labels = (s.name, str(s.id))
+            self.capacity.labels(*labels).set(s.worker_count)
+            self.running.labels(*labels).set(s.running)
+            self.lease_age.labels(*labels).set(s.heartbeat_age)
+        self.outbox_backlog.set(backlog)
+        self.outbox_age.set(oldest or 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
