@@ -10,6 +10,7 @@
     │   └── NameTaken
     ├── NotFound                  404
     ├── InvalidInput              422: the client's data cannot be accepted
+    │   ├── TooLarge              413
     │   ├── UnknownKind
     │   └── InvalidParams
     └── StartupError              a process cannot start (one readable line)
@@ -74,6 +75,10 @@ class NotFound(OrchError):
 
 class InvalidInput(OrchError):
     pass
+
+
+class TooLarge(InvalidInput):
+    """Part of the request is over its size limit (413)."""
 
 
 class UnknownKind(InvalidInput):

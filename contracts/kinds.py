@@ -28,7 +28,7 @@ class RestartPolicy(BaseModel):
     a transient error now and then is never failed for it. The count is kept in the database,
     so it survives a move between services."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_restarts: int = Field(default=5, ge=0, le=1000)
     base_delay: float = Field(default=1.0, ge=0.05, le=3600)

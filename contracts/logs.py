@@ -10,6 +10,7 @@ built by string concatenation.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import uuid
 from typing import Any, Literal
@@ -33,6 +34,25 @@ class _ProcessFields(logging.Filter):
         return True
 
 
+#: ``scheme://user:password@`` anywhere in a line: the password is never written.
+_CREDENTIALS = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@", re.I)
+
+
+def mask(text: str) -> str:
+    return _CREDENTIALS.sub(r"\g<head>***@", text)
+
+
+class _Masked(logging.Formatter):
+    """Formats with another formatter, then masks credentials in URLs."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask(self.inner.format(record))
+
+
 class _Text(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,16 +73,16 @@ def configure(level: str = "INFO", fmt: LogFormat = "text", **process: object) -
     _PROCESS.update({k: str(v) for k, v in process.items() if v is not None})
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ProcessFields())
-    if fmt == "json":
-        handler.setFormatter(
-            JsonFormatter(
-                "{asctime}{levelname}{name}{message}",
-                style="{",
-                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-            )
+    inner: logging.Formatter = (
+        JsonFormatter(
+            "{asctime}{levelname}{name}{message}",
+            style="{",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
         )
-    else:
-        handler.setFormatter(_Text())
+        if fmt == "json"
+        else _Text()
+    )
+    handler.setFormatter(_Masked(inner))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

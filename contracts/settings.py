@@ -137,14 +137,9 @@ def on_database(url: str, database: str) -> str:
 
 def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``***``, for errors and logs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    creds, at, host = netloc.rpartition("@")
-    if at and ":" in creds:
-        creds = creds.split(":", 1)[0] + ":***"
-    return f"{scheme}{sep}{creds}{at}{host}{slash}{path}"
+    from contracts.logs import mask
+
+    return mask(url)
 
 
 def where(url: str) -> str:

@@ -1,24 +1,28 @@
-"""The FastAPI application: routes, error mapping, and the lifespan that owns the connections
-and the leader election."""
+"""The FastAPI application: routes, the one error shape, who may call it, and the lifespan
+that starts and stops the manager's runtime."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from contracts import __version__
-from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, Transient
+from manager import problems
 from manager.api import console, health, observers, services
+from manager.auth import Authenticator, parse_tokens
 from manager.http import BodyLimit, Measure
 from manager.metrics import ManagerMetrics
 from manager.runtime import ManagerRuntime
 from manager.settings import ManagerSettings
 
-log = logging.getLogger(__name__)
+DESCRIPTION = """Keeps infinite tasks (observers) running exactly once on a pool of services.
+
+Every call but `/healthz`, `/readyz` and `/metrics` needs an API token (`Authorization: Bearer
+…`): the `read` role may look, the `admin` role may also change things. Every error is a
+problem document (RFC 9457): `type`, `title`, `status`, `detail`, and `errors` with the field
+paths of a validation error."""
 
 
 def create_app(
@@ -43,10 +47,11 @@ def create_app(
     app = FastAPI(
         title="observer-orchestrator",
         version=__version__,
-        description="Keeps infinite tasks (observers) running exactly once on a pool of services.",
+        description=DESCRIPTION,
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.state.auth = Authenticator(parse_tokens(settings.api_tokens), enabled=settings.auth == "on")
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout)
     # Outermost: it measures every answer, the body limit's 413 included.
     app.add_middleware(
         Measure,
@@ -58,25 +63,14 @@ def create_app(
     app.include_router(health.router)
     app.include_router(console.router)
     app.mount("/console/static", console.static, name="console-static")
-    _error_handlers(app)
+    problems.install(app)
+
+    def openapi() -> dict[str, object]:
+        if app.openapi_schema is None:
+            runtime_ = getattr(app.state, "orch", None)
+            kinds = sorted(runtime_.kinds) if runtime_ is not None else None
+            app.openapi_schema = problems.openapi_with_problems(app, kinds)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-_STATUS: list[tuple[type[OrchError], int]] = [
-    (NotFound, 404),
-    (Conflict, 409),
-    (InvalidInput, 422),
-    (Transient, 503),
-]
-
-
-def _error_handlers(app: FastAPI) -> None:
-    for cls, code in _STATUS:
-
-        async def handler(_: Request, exc: Exception, code: int = code) -> JSONResponse:
-            if isinstance(exc, Transient):
-                log.warning("unavailable: %s", exc)
-                return JSONResponse({"detail": "database or broker unavailable, try again"}, 503)
-            return JSONResponse({"detail": str(exc)}, status_code=code)
-
-        app.add_exception_handler(cls, handler)

@@ -186,3 +186,48 @@ async def audit_once(
         metrics.redispatches.labels("stuck").inc(len(ids))
     await box.publish_now(pending)
     return len(ids)
+
+
+@dataclass
+class Pruner:
+    """Retention: deleted observers (and their history) after ``keep``, dead services after
+    ``keep_services``, and no observer keeps more than ``max_events`` history rows. Live
+    observers are never touched: only ``deleted`` rows and unreferenced dead services go."""
+
+    engine: AsyncEngine
+    keep: float
+    keep_services: float
+    max_events: int
+    batch: int = 1000
+    #: History rows up to this id have been looked at (0: look at all once).
+    seen_events: int = 0
+
+    async def once(self) -> tuple[int, int, int]:
+        async with transaction(self.engine) as conn:
+            observers = (
+                await conn.execute(text(q.PRUNE_OBSERVERS), {"keep": self.keep, "n": self.batch})
+            ).all()
+            services = (
+                await conn.execute(
+                    text(q.PRUNE_SERVICES), {"keep": self.keep_services, "n": self.batch}
+                )
+            ).all()
+            newest = (await conn.execute(text(q.NEWEST_EVENT))).scalar_one()
+            heavy = (
+                await conn.execute(
+                    text(q.HEAVY_HISTORIES), {"after": self.seen_events, "cap": self.max_events}
+                )
+            ).all()
+            for row in heavy:
+                await conn.execute(
+                    text(q.TRIM_HISTORY), {"o": row.observer_id, "cap": self.max_events}
+                )
+        self.seen_events = newest
+        if observers or services or heavy:
+            log.info(
+                "retention: pruned %d deleted observers, %d dead services, trimmed %d histories",
+                len(observers),
+                len(services),
+                len(heavy),
+            )
+        return len(observers), len(services), len(heavy)

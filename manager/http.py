@@ -1,58 +1,81 @@
-"""ASGI middleware of the API: the body limit, and the measure of every request (latency
-histogram by route template, and an access line when asked for)."""
+"""ASGI middleware of the API: bounded request bodies, and the measure of every request
+(latency histogram by route template, and an access line that names who made it)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from manager.metrics import ManagerMetrics
+from manager.problems import problem
 
 access = logging.getLogger("manager.access")
 
 
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with 413, whether or not they say their size."""
+    """Read the whole body before the app sees it: over ``limit`` bytes is 413 (whether or not
+    the client said its size, chunked or not), not complete within ``timeout`` seconds is 408
+    (a slow client holds no worker for long)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, *, limit: int, timeout: float) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         for key, value in scope.get("headers", []):
             if key == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _too_large(self.limit, send)
+                await self._answer(scope, receive, send, 413)
                 return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge()
-            return message
-
+        chunks: list[bytes] = []
+        size = 0
         try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _too_large(self.limit, send)
+            async with asyncio.timeout(self.timeout):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.limit:
+                        await self._answer(scope, receive, send, 413)
+                        return
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            await self._answer(scope, receive, send, 408)
+            return
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            await problem(422, "the request body is not UTF-8")(scope, receive, send)
+            return
+        sent = False
 
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
-
-async def _too_large(limit: int, send: Send) -> None:
-    response = JSONResponse({"detail": f"request body larger than {limit} bytes"}, 413)
-    await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body})
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, code: int) -> None:
+        detail = (
+            f"request body larger than {self.limit} bytes"
+            if code == 413
+            else f"request body not received within {self.timeout:g} s"
+        )
+        await problem(code, detail, headers={"Connection": "close"})(scope, receive, send)
 
 
 class Measure:
@@ -85,12 +108,14 @@ class Measure:
                 self.metrics.observe_request(route, scope["method"], code, took)
             if self.access_log:
                 client = (scope.get("client") or ("-", 0))[0]
+                who = scope.get("state", {}).get("who", "-")
                 access.info(
-                    "%s %s %d %.1fms %s",
+                    "%s %s %d %.1fms %s %s",
                     scope["method"],
                     scope["path"],
                     code,
                     took * 1000,
                     client,
-                    extra={"who": scope.get("state", {}).get("who")},
+                    who,
+                    extra={"who": who},
                 )

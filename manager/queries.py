@@ -208,6 +208,36 @@ LEADER = (
 
 PING = "SELECT 1"
 
+# ---------------------------------------------------------------------- leader: retention
+# Deleted observers (their history goes with them: ON DELETE CASCADE) older than :keep seconds.
+PRUNE_OBSERVERS = f"""
+DELETE FROM observers WHERE id IN (
+    SELECT id FROM observers WHERE status = {_v(S.DELETED)}
+       AND modified_at < now() - make_interval(secs => :keep) LIMIT :n)
+RETURNING id
+"""
+# Dead services nobody refers to any more.
+PRUNE_SERVICES = """
+DELETE FROM services WHERE id IN (
+    SELECT s.id FROM services s WHERE s.is_deleted
+       AND s.modified_at < now() - make_interval(secs => :keep)
+       AND NOT EXISTS (SELECT 1 FROM observers o WHERE o.service_id = s.id)
+     LIMIT :n)
+RETURNING id
+"""
+# Observers with history written since event :after, and more than :cap events.
+HEAVY_HISTORIES = """
+SELECT e.observer_id, max(e.id) AS newest FROM observer_events e
+ WHERE e.observer_id IN (SELECT DISTINCT observer_id FROM observer_events WHERE id > :after)
+ GROUP BY e.observer_id HAVING count(*) > :cap
+"""
+# The oldest events of one observer beyond the newest :cap.
+TRIM_HISTORY = """
+DELETE FROM observer_events WHERE observer_id = :o AND id < (
+    SELECT id FROM observer_events WHERE observer_id = :o ORDER BY id DESC OFFSET :cap - 1 LIMIT 1)
+"""
+NEWEST_EVENT = "SELECT coalesce(max(id), 0) FROM observer_events"
+
 # ------------------------------------------------------------------------------ metrics
 METRICS_OBSERVERS = "SELECT status, kind, count(*) AS n FROM observers GROUP BY status, kind"
 METRICS_SERVICES = f"""

@@ -77,6 +77,13 @@ class ManagerRuntime:
                 "audit",
             ),
         }
+        pruner = background.Pruner(
+            self.engine,
+            keep=s.retention,
+            keep_services=s.service_retention,
+            max_events=s.max_events_per_observer,
+        )
+        loops["retention"] = background.every(s.prune_interval, pruner.once, "retention")
         if s.rebalance:
             rebalancer = Rebalancer(
                 self.engine,

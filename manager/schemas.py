@@ -4,25 +4,67 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from contracts.kinds import RestartPolicy
 from contracts.statuses import ObserverStatus
 
+#: Nesting of ``params`` (objects in arrays in objects …) beyond this is refused.
+MAX_PARAMS_DEPTH = 16
 
-class ObserverCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(
+def clean_text(value: str) -> str:
+    """Refuse what no database column and no JSON encoder should see: NUL and lone surrogates."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    if any("\ud800" <= ch <= "\udfff" for ch in value):
+        raise ValueError("must not contain a lone surrogate (invalid Unicode)")
+    return value
+
+
+def clean_params(value: dict[str, Any]) -> dict[str, Any]:
+    """Every string (keys too) clean, and nested no deeper than MAX_PARAMS_DEPTH."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_PARAMS_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_PARAMS_DEPTH} levels")
+        if isinstance(item, str):
+            clean_text(item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                clean_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return value
+
+
+SafeText = Annotated[str, AfterValidator(clean_text)]
+Name = Annotated[
+    SafeText,
+    Field(
         min_length=1,
         max_length=200,
         pattern=r"^\S(.*\S)?$",
         description="unique among observers that are not deleted",
+    ),
+]
+KindName = Annotated[
+    SafeText, Field(min_length=1, max_length=100, description="a registered observer kind")
+]
+
+
+class ObserverCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Name
+    kind: KindName
+    params: Annotated[dict[str, Any], AfterValidator(clean_params)] = Field(
+        default_factory=dict, description="validated by the kind"
     )
-    kind: str = Field(min_length=1, max_length=100, description="a registered observer kind")
-    params: dict[str, Any] = Field(default_factory=dict, description="validated by the kind")
     restart_policy: RestartPolicy | None = Field(
         default=None, description="overrides the kind's restart policy for this observer"
     )
@@ -90,7 +132,3 @@ class LeaderOut(BaseModel):
     live: bool = False
     this_replica: str
     this_replica_leads: bool
-
-
-class Problem(BaseModel):
-    detail: str

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
 
 from contracts.settings import CommonSettings
 
@@ -10,8 +12,15 @@ from contracts.settings import CommonSettings
 class ManagerSettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65_535)
+    #: API tokens: ``name:role:sha256-hex`` entries (comma- or newline-separated), or
+    #: ``@file`` with one a line. Make one with ``orch token new NAME --role admin``.
+    api_tokens: str = ""
+    #: ``disabled`` lets anyone call the API: for local development only.
+    auth: Literal["on", "disabled"] = "on"
     #: Largest request body accepted, bytes.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    #: A request body must arrive within this many seconds (408 otherwise).
+    body_timeout: float = Field(default=10.0, gt=0, le=300)
     #: Largest ``params`` of one observer (as JSON), bytes.
     max_params_bytes: int = Field(default=64 << 10, ge=64)
     #: How often the leader looks for dead services, seconds.
@@ -34,6 +43,13 @@ class ManagerSettings(CommonSettings):
     rebalance_min_age: float = Field(default=10.0, ge=0)
     #: An observer moved by a rebalance is not moved again within this many seconds.
     rebalance_cooldown: float = Field(default=600.0, ge=0)
+    #: Deleted observers (and their history) are kept this long, seconds (default 7 days).
+    retention: float = Field(default=7 * 86_400, ge=60)
+    #: Dead service rows are kept this long, seconds (default a day).
+    service_retention: float = Field(default=86_400, ge=60)
+    #: History rows kept per observer (the newest).
+    max_events_per_observer: int = Field(default=1000, ge=10, le=1_000_000)
+    prune_interval: float = Field(default=60.0, gt=0)
     #: Run the elected background loops in this process (off for a pure API replica).
     background: bool = True
     #: Log one line per request (method, path, status, time, who).
@@ -42,3 +58,15 @@ class ManagerSettings(CommonSettings):
     metrics: bool = True
     #: The database figures at /metrics are refreshed at most this often, seconds.
     metrics_refresh: float = Field(default=5.0, ge=0)
+
+    @model_validator(mode="after")
+    def _auth(self) -> Self:
+        from manager.auth import parse_tokens
+
+        if self.auth == "on" and not parse_tokens(self.api_tokens):
+            raise ValueError(
+                "ORCH_API_TOKENS is empty, so nobody could call the API: make a token with "
+                "`orch token new NAME --role admin`, or set ORCH_AUTH=disabled for local "
+                "development"
+            )
+        return self

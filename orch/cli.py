@@ -49,7 +49,9 @@ def main(
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    from contracts.logs import mask
+
+    err.print(f"[red]error:[/red] {mask(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -193,9 +195,15 @@ async def _up(services: int, worker_count: int, port: int) -> None:
         for i in range(services):
             await cluster.start_service(f"local-{i + 1}", worker_count)
         out.print(
-            f"API: http://127.0.0.1:{port}  (docs: http://127.0.0.1:{port}/docs); "
-            f"{services} services x {worker_count} workers. Ctrl-C stops everything."
+            f"console: http://127.0.0.1:{port}/console  API: http://127.0.0.1:{port} "
+            f"(docs: /docs); {services} services x {worker_count} workers. "
+            "Ctrl-C stops everything."
         )
+        if cluster.token:
+            out.print(
+                f"API token (admin, for this run only): {cluster.token}\n"
+                f"  export ORCH_TOKEN={cluster.token}   # for the orch command"
+            )
         while not stop.is_set():
             if not all(p.alive for p in cluster.procs):
                 err.print("[red]a process of the cluster exited; stopping the rest[/red]")
@@ -205,6 +213,80 @@ async def _up(services: int, worker_count: int, port: int) -> None:
         out.print("stopping…")
     finally:
         await cluster.stop()
+
+
+@app.command()
+def health(
+    url: Annotated[
+        str | None,
+        typer.Option(help="what to ask; default: this machine's manager, /healthz"),
+    ] = None,
+) -> None:
+    """Exit 0 when the process answers (a container's HEALTHCHECK): the manager's /healthz, or
+    a service's metrics port."""
+    import os
+
+    import httpx
+
+    target = url or f"http://127.0.0.1:{os.environ.get('ORCH_PORT', '8000')}/healthz"
+    try:
+        ok = httpx.get(target, timeout=3).status_code == 200
+    except httpx.HTTPError as exc:
+        _fail(f"{target}: {exc}")
+    if not ok:
+        _fail(f"{target} is not healthy")
+
+
+@app.command("broker-policy")
+def broker_policy(
+    max_length: Annotated[
+        int, typer.Option(min=1, help="messages the error queue keeps (the newest)")
+    ] = 100_000,
+    apply: Annotated[bool, typer.Option(help="apply it with rabbitmqctl on this machine")] = False,
+    management: Annotated[
+        str | None,
+        typer.Option(help="apply it through this management API (http://host:15672)"),
+    ] = None,
+) -> None:
+    """Limit the error queue's length with a broker policy (it would grow for ever)."""
+    import shlex
+
+    from orch import broker_policy as bp
+
+    settings = _settings(CommonSettings)
+    topology, vhost = settings.topology, bp.vhost_of(settings.amqp_url)
+    try:
+        if management:
+            done = bp.apply_with_management(topology, max_length, settings.amqp_url, management)
+        elif apply:
+            done = bp.apply_with_rabbitmqctl(topology, max_length, vhost)
+        else:
+            command = shlex.join(bp.rabbitmqctl_args(topology, max_length, vhost))
+            typer.echo("run on the broker's machine (or pass --apply / --management URL):")
+            typer.echo(f"  {command}")
+            return
+    except (RuntimeError, OSError) as exc:
+        _fail(f"could not apply the policy: {exc}")
+    out.print(f"{topology.error_queue} keeps at most {max_length} messages ({done})")
+
+
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("new")
+def token_new(
+    name: Annotated[str, typer.Argument(help="who or what will use it (logged with each call)")],
+    role: Annotated[str, typer.Option(help="read (look) or admin (also change)")] = "read",
+) -> None:
+    """Make an API token: the token goes to its user, the entry to ORCH_API_TOKENS (which
+    keeps only its SHA-256 digest)."""
+    from manager.auth import Role, new_token
+
+    if role not in ("read", "admin") or ":" in name or "," in name or not name.strip():
+        _fail("NAME must not contain ':' or ',' and --role must be read or admin", 2)
+    token, entry = new_token(name.strip(), Role(role))
+    typer.echo(f"token: {token}\nORCH_API_TOKENS entry: {entry}")
 
 
 @app.command()

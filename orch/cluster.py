@@ -99,6 +99,22 @@ class LocalCluster:
     logdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
     db: asyncpg.Connection | None = None
+    #: An admin API token made for this cluster (None when auth is off or tokens were given).
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if "ORCH_API_TOKENS" in self.env or os.environ.get("ORCH_API_TOKENS"):
+            return
+        if self.env.get("ORCH_AUTH", os.environ.get("ORCH_AUTH")) == "disabled":
+            return
+        from manager.auth import Role, new_token
+
+        self.token, entry = new_token("local-admin", Role.ADMIN)
+        self.env["ORCH_API_TOKENS"] = entry
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     @property
     def database_dsn(self) -> str:

@@ -139,7 +139,10 @@ class BenchCluster(LocalCluster):
     def api(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
         return httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{self.api_port}", timeout=60, limits=limits
+            base_url=f"http://127.0.0.1:{self.api_port}",
+            timeout=60,
+            limits=limits,
+            headers=self.auth_headers,
         )
 
     async def create_many(
@@ -156,7 +159,7 @@ class BenchCluster(LocalCluster):
         todo = iter(range(n))
 
         async def worker() -> None:
-            client = RawClient(self.api_port)
+            client = RawClient(self.api_port, self.token)
             try:
                 for i in todo:
                     body = {"name": f"{tag}-{i}", "kind": kind, "params": params}

@@ -11,8 +11,9 @@ from typing import Any
 
 
 class RawClient:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, token: str | None = None) -> None:
         self.port = port
+        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -24,7 +25,7 @@ class RawClient:
         data = json.dumps(body).encode()
         self._writer.write(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            f"{self._auth}Content-Length: {len(data)}\r\n\r\n".encode()
             + data
         )
         head = await self._reader.readuntil(b"\r\n\r\n")
@@ -44,6 +45,7 @@ async def create_for(
     port: int,
     seconds: float,
     *,
+    token: str | None = None,
     clients: int,
     body: Callable[[int, int], dict[str, Any]],
     progress: Callable[[], None] | None = None,
@@ -57,7 +59,7 @@ async def create_for(
 
     async def one(c: int) -> None:
         nonlocal created
-        client = RawClient(port)
+        client = RawClient(port, token)
         i = 0
         try:
             while time.monotonic() < stop_at:

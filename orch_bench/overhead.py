@@ -32,7 +32,7 @@ async def _round(bench: Bench, size: Size, tick: Tick, mode: str, r: int) -> tup
             return {"name": f"ob-{mode}-{r}-{client}-{i}", "kind": "ticker", "params": IDLE_TICKER}
 
         created, elapsed, _ = await create_for(
-            c.api_port, size.throughput_seconds / 2, clients=32, body=body
+            c.api_port, size.throughput_seconds / 2, token=c.token, clients=32, body=body
         )
     return statistics.median(starts), created / elapsed
 

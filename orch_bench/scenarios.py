@@ -57,7 +57,7 @@ async def measure_starts(c: BenchCluster, n: int, tick: Tick, tag: str = "start"
     """Milliseconds from POST to the first checkpoint, ``n`` times, one at a time."""
     t0: dict[uuid.UUID, float] = {}
     db = await c.connect()
-    client = RawClient(c.api_port)
+    client = RawClient(c.api_port, c.token)
     try:
         for i in range(n):
             sent = time.time()
@@ -106,6 +106,7 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
         created, elapsed, latencies = await create_for(
             c.api_port,
             size.throughput_seconds,
+            token=c.token,
             clients=32,
             body=body,
             progress=lambda: tick(advance=0),

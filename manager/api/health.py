@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", operation_id="health")
 async def healthz() -> dict[str, str]:
+    """The process answers."""
     return {"status": "ok"}
 
 
@@ -36,8 +37,9 @@ async def metrics(state: RuntimeDep) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/readyz")
+@router.get("/readyz", operation_id="ready", responses={503: {"description": "not ready"}})
 async def readyz(state: RuntimeDep) -> JSONResponse:
+    """Ready when both the database and the broker answer."""
     checks: dict[str, str] = {}
     try:
         async with autocommit(state.engine) as conn:

@@ -1,4 +1,4 @@
-"""/observers: create, list, read, delete, restart, history."""
+"""/observers: create, list, read, history, delete, restart, pause, resume."""
 
 from __future__ import annotations
 
@@ -7,41 +7,47 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Query, status
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from contracts.errors import TooLarge
 from contracts.kinds import get_kind
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
+from manager.auth import ADMIN, READ
 from manager.db import autocommit, transaction
 from manager.outbox import Pending
-from manager.schemas import ObserverCreate, ObserverEventOut, ObserverOut, ObserverPage, Problem
+from manager.problems import responses
+from manager.schemas import (
+    KindName,
+    ObserverCreate,
+    ObserverEventOut,
+    ObserverOut,
+    ObserverPage,
+    SafeText,
+)
 
 router = APIRouter(prefix="/observers", tags=["observers"])
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    404: {"model": Problem},
-    409: {"model": Problem},
-    422: {"model": Problem},
-}
+AUTH = (401, 403)
+ONE = (*AUTH, 404, 422, 503)
 
 
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=ObserverOut,
-    responses={**_ERRORS, 413: {"model": Problem}},
+    operation_id="createObserver",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 409, 413, 422, 503),
 )
-async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, object]:
+async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, Any]:
     """Start an observer. It is `created` at once and `processing` when a service takes it."""
     spec = get_kind(state.kinds, body.kind)
     params = spec.validate_params(body.params)
-    if len(json.dumps(params)) > state.settings.max_params_bytes:
-        raise HTTPException(
-            413,
-            f"params are larger than {state.settings.max_params_bytes} bytes",
-        )
+    limit = state.settings.max_params_bytes
+    if len(json.dumps(params)) > limit:
+        raise TooLarge(f"params are larger than {limit} bytes")
     policy = body.restart_policy.model_dump() if body.restart_policy else None
     async with autocommit(state.engine) as conn:  # one statement: row, history, outbox
         row, pending = await repo.create_observer(
@@ -51,18 +57,26 @@ async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, 
     return row
 
 
-@router.get("", response_model=ObserverPage)
+@router.get(
+    "",
+    response_model=ObserverPage,
+    operation_id="listObservers",
+    dependencies=[READ],
+    responses=responses(*AUTH, 422, 503),
+)
 async def list_observers(
     state: RuntimeDep,
     status_: Annotated[ObserverStatus | None, Query(alias="status")] = None,
-    kind: str | None = None,
+    kind: Annotated[KindName | None, Query()] = None,
     service_id: uuid.UUID | None = None,
     name: Annotated[
-        str | None, Query(max_length=200, description="matches any part of the name")
+        SafeText | None,
+        Query(min_length=1, max_length=200, description="matches any part of the name"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
-) -> dict[str, object]:
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+) -> dict[str, Any]:
+    """A page of observers, oldest first; `next_offset` is null on the last page."""
     async with autocommit(state.engine) as conn:
         items = await repo.list_observers(
             conn,
@@ -81,15 +95,28 @@ async def list_observers(
     }
 
 
-@router.get("/{observer_id}", response_model=ObserverOut, responses=_ERRORS)
-async def get_observer(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, object]:
+@router.get(
+    "/{observer_id}",
+    response_model=ObserverOut,
+    operation_id="getObserver",
+    dependencies=[READ],
+    responses=responses(*ONE),
+)
+async def get_observer(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
+    """One observer: where it runs (service, epoch), its checkpoint, its last error."""
     async with autocommit(state.engine) as conn:
         return await repo.get_observer(conn, observer_id)
 
 
-@router.get("/{observer_id}/events", response_model=list[ObserverEventOut], responses=_ERRORS)
-async def observer_events(observer_id: uuid.UUID, state: RuntimeDep) -> list[dict[str, object]]:
-    """History: every take (with its service and epoch), release, restart, failure, deletion."""
+@router.get(
+    "/{observer_id}/events",
+    response_model=list[ObserverEventOut],
+    operation_id="listObserverEvents",
+    dependencies=[READ],
+    responses=responses(*ONE),
+)
+async def observer_events(observer_id: uuid.UUID, state: RuntimeDep) -> list[dict[str, Any]]:
+    """History: every take (with its service and epoch), release, restart, pause, deletion."""
     async with autocommit(state.engine) as conn:
         return await repo.list_events(conn, observer_id)
 
@@ -105,24 +132,23 @@ async def _change(state: RuntimeDep, change: Change, observer_id: uuid.UUID) -> 
     return row
 
 
-def _route(method: str, suffix: str, change: Change, code: int, doc: str) -> None:
-    """One state-change route: the change and its outbox records in one transaction, then
-    published."""
+def _route(method: str, suffix: str, change: Change, code: int, op: str, doc: str) -> None:
+    """One state-change route (admin only)."""
 
     async def route(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
         return await _change(state, change, observer_id)
 
     route.__doc__ = doc
-    name = change.__name__
     router.add_api_route(
         "/{observer_id}" + suffix,
         route,
         methods=[method],
-        name=name,
-        operation_id=name,
+        name=change.__name__,
+        operation_id=op,
         status_code=code,
         response_model=ObserverOut,
-        responses=_ERRORS,
+        dependencies=[ADMIN],
+        responses=responses(*ONE, 409),
     )
 
 
@@ -131,6 +157,7 @@ _route(
     "",
     repo.delete_observer,
     status.HTTP_202_ACCEPTED,
+    "deleteObserver",
     """Cancel an observer: `deleted` at once if nothing runs it, else `on_deleting` until its
     service has stopped it. Repeating the call is harmless.""",
 )
@@ -139,6 +166,7 @@ _route(
     "/restart",
     repo.restart_observer,
     status.HTTP_200_OK,
+    "restartObserver",
     "Revive a `failed` observer: it starts again (from its last checkpoint) on some service.",
 )
 _route(
@@ -146,6 +174,7 @@ _route(
     "/pause",
     repo.pause_observer,
     status.HTTP_202_ACCEPTED,
+    "pauseObserver",
     """Stop an observer and keep it: `paused` at once if nothing runs it, else `pausing` until
     its service has stopped it (its last checkpoint stays). A delete wins over a pause.""",
 )
@@ -154,5 +183,6 @@ _route(
     "/resume",
     repo.resume_observer,
     status.HTTP_200_OK,
+    "resumeObserver",
     "Start a `paused` observer again, from its last checkpoint, on some service.",
 )

@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from fastapi import APIRouter
 
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
+from manager.auth import ADMIN, READ
 from manager.db import autocommit, transaction
 from manager.leader import current_leader
-from manager.schemas import KindOut, LeaderOut, Problem, ServiceOut
+from manager.problems import responses
+from manager.schemas import KindOut, LeaderOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
+AUTH = (401, 403)
 
 
-@router.get("/services", response_model=list[ServiceOut])
-async def list_services(
-    state: RuntimeDep, include_deleted: bool = False
-) -> list[dict[str, object]]:
+@router.get(
+    "/services",
+    response_model=list[ServiceOut],
+    operation_id="listServices",
+    dependencies=[READ],
+    responses=responses(*AUTH, 422, 503),
+)
+async def list_services(state: RuntimeDep, include_deleted: bool = False) -> list[dict[str, Any]]:
+    """Live services (all of them with `include_deleted`), with what each holds."""
     async with autocommit(state.engine) as conn:
         return await repo.list_services(conn, include_deleted=include_deleted)
 
@@ -27,9 +36,11 @@ async def list_services(
     "/services/{service_id}/drain",
     status_code=202,
     response_model=ServiceOut,
-    responses={404: {"model": Problem}},
+    operation_id="drainService",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 404, 422, 503),
 )
-async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, object]:
+async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
     """Stop a service taking work and move every observer off it (each resumes elsewhere from
     its checkpoint); afterwards it can be stopped with nothing moving again."""
     async with transaction(state.engine) as conn:
@@ -39,8 +50,15 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, o
     return row
 
 
-@router.get("/kinds", response_model=list[KindOut])
-async def list_kinds(state: RuntimeDep) -> list[dict[str, object]]:
+@router.get(
+    "/kinds",
+    response_model=list[KindOut],
+    operation_id="listKinds",
+    dependencies=[READ],
+    responses=responses(*AUTH),
+)
+async def list_kinds(state: RuntimeDep) -> list[dict[str, Any]]:
+    """The kinds this cluster runs, with their params' JSON schema and restart policy."""
     return [
         {
             "name": k.name,
@@ -52,8 +70,15 @@ async def list_kinds(state: RuntimeDep) -> list[dict[str, object]]:
     ]
 
 
-@router.get("/leader", response_model=LeaderOut)
-async def leader(state: RuntimeDep) -> dict[str, object]:
+@router.get(
+    "/leader",
+    response_model=LeaderOut,
+    operation_id="getLeader",
+    dependencies=[READ],
+    responses=responses(*AUTH, 503),
+)
+async def leader(state: RuntimeDep) -> dict[str, Any]:
+    """Which manager replica runs the background loops, and whether it is this one."""
     row = await current_leader(state.engine) or {"holder": None}
     return {
         **row,

@@ -5,7 +5,7 @@
 
 const REFRESH_MS = 2000;
 const PAGE = 50;
-const state = { offset: 0, next: null, services: new Map(), timer: null, busy: false };
+const state = { offset: 0, next: null, services: new Map(), timer: null, busy: false, asked: false };
 const $ = (sel) => document.querySelector(sel);
 
 function token() { return sessionStorage.getItem("orch-token") || ""; }
@@ -17,7 +17,10 @@ async function api(method, path, params) {
   if (token()) headers.Authorization = `Bearer ${token()}`;
   const r = await fetch(url, { method, headers });
   const body = r.headers.get("content-type")?.includes("json") ? await r.json() : null;
-  if (r.status === 401) askToken("This manager wants an API token.");
+  if (r.status === 401 && !state.asked) {
+    state.asked = true;  // once; the "API token" button asks again
+    askToken(token() ? "That API token was refused." : "This manager wants an API token.");
+  }
   if (!r.ok) throw new Error(`${r.status}: ${body?.detail ?? body?.title ?? r.statusText}`);
   return body;
 }
@@ -177,7 +180,7 @@ async function start() {
   $("#filters").addEventListener("submit", (e) => e.preventDefault());
   $("#prev").onclick = () => { state.offset = Math.max(0, state.offset - PAGE); refresh(); };
   $("#next").onclick = () => { if (state.next != null) { state.offset = state.next; refresh(); } };
-  $("#token").onclick = () => { askToken("Set the API token."); refresh(); };
+  $("#token").onclick = () => { state.asked = false; askToken("Set the API token."); refresh(); };
   window.addEventListener("hashchange", refresh);
   await refresh();
   state.timer = setInterval(refresh, REFRESH_MS);

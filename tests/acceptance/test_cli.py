@@ -40,7 +40,21 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
         start_new_session=True,
     )
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as api:
+        # orch up makes an admin token for the run and prints it.
+        assert proc.stdout is not None
+        seen = b""
+        while b"export ORCH_TOKEN=" not in seen:
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert line, f"orch up ended: {seen.decode(errors='replace')}"
+            seen += line
+        token = seen.split(b"export ORCH_TOKEN=")[1].split()[0].decode()
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=10, headers=headers
+        ) as api:
+            assert (
+                await api.get("/services", headers={"Authorization": "Bearer x"})
+            ).status_code == 401
 
             async def two_services() -> bool:
                 try:
@@ -62,6 +76,7 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
         # Ctrl-C reaches the whole process group, as in a terminal.
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        out = seen + out
     finally:
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -76,73 +91,75 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
     assert left.strip() == b"", "orch up left processes behind"
 
 
-def _orch(*args: str, api: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ORCH_API": api, "COLUMNS": "200"}
+def _orch(*args: str, api: str, token: str | None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ORCH_API": api, "COLUMNS": "200", "ORCH_TOKEN": token or ""}
     return subprocess.run(
         [sys.executable, "-m", "orch", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 
-async def _run(*args: str, api: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(_orch, *args, api=api)
+async def _run(
+    cluster: Cluster, *args: str, api: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``orch ARGS`` against the cluster's manager (or ``api``), with its admin token."""
+    url = api or f"http://127.0.0.1:{cluster.api_port}"
+    return await asyncio.to_thread(_orch, *args, api=url, token=cluster.token)
 
 
 async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
     await cluster.start_manager()
     await cluster.start_service("a", worker_count=5)
-    api = f"http://127.0.0.1:{cluster.api_port}"
-    version = await _run("--version", api=api)
+    version = await _run(cluster, "--version")
     assert version.returncode == 0
     assert version.stdout.startswith("observer-orchestrator ")
     created = await _run(
-        "observers", "create", "cli-1", "ticker", "-p", "interval=0.05", "--json", api=api
+        cluster, "observers", "create", "cli-1", "ticker", "-p", "interval=0.05", "--json"
     )
     assert created.returncode == 0, created.stderr
     oid = json.loads(created.stdout)["id"]
     await cluster.wait_all_running([uuid.UUID(oid)], timeout=10)
     listed = json.loads(
-        (await _run("observers", "list", "--name", "cli-", "--json", api=api)).stdout
+        (await _run(cluster, "observers", "list", "--name", "cli-", "--json")).stdout
     )
     assert [o["id"] for o in listed] == [oid]
-    table = await _run("observers", "list", api=api)
+    table = await _run(cluster, "observers", "list")
     assert "cli-1" in table.stdout
     assert "processing" in table.stdout
-    got = await _run("observers", "get", oid, api=api)
+    got = await _run(cluster, "observers", "get", oid)
     assert "checkpoint:" in got.stdout
-    paused = await _run("observers", "pause", oid, "--wait", api=api)
+    paused = await _run(cluster, "observers", "pause", oid, "--wait")
     assert paused.returncode == 0, paused.stderr
     assert f"{oid}: paused" in paused.stdout
-    resumed = await _run("observers", "resume", oid, "--wait", api=api)
+    resumed = await _run(cluster, "observers", "resume", oid, "--wait")
     assert f"{oid}: processing" in resumed.stdout
-    events = json.loads((await _run("observers", "events", oid, "--json", api=api)).stdout)
+    events = json.loads((await _run(cluster, "observers", "events", oid, "--json")).stdout)
     assert [e["event"] for e in events][:4] == ["created", "taken", "pausing", "paused"]
-    kinds = json.loads((await _run("kinds", "--json", api=api)).stdout)
+    kinds = json.loads((await _run(cluster, "kinds", "--json")).stdout)
     assert "ticker" in {k["name"] for k in kinds}
-    services = json.loads((await _run("services", "list", "--json", api=api)).stdout)
+    services = json.loads((await _run(cluster, "services", "list", "--json")).stdout)
     assert [s["running"] for s in services] == [1]
     # Drain by name and wait until it runs nothing: what a preStop hook does.
     await cluster.start_service("b", worker_count=5)
-    drained = await _run("services", "drain", "--name", "a", "--wait", api=api)
+    drained = await _run(cluster, "services", "drain", "--name", "a", "--wait")
     assert drained.returncode == 0, drained.stderr
     assert "drained" in drained.stdout
-    deleted = await _run("observers", "delete", oid, "--wait", api=api)
+    deleted = await _run(cluster, "observers", "delete", oid, "--wait")
     assert f"{oid}: deleted" in deleted.stdout
 
 
 async def test_failures_print_the_api_message_and_exit_1_usage_exits_2(cluster: Cluster) -> None:
     await cluster.start_manager()
-    api = f"http://127.0.0.1:{cluster.api_port}"
-    missing = await _run("observers", "get", str(uuid.uuid4()), api=api)
+    missing = await _run(cluster, "observers", "get", str(uuid.uuid4()))
     assert missing.returncode == 1
     assert "404: no observer with id" in missing.stderr
     assert "Traceback" not in missing.stderr
-    bad = await _run("observers", "create", "x", "nope", api=api)
+    bad = await _run(cluster, "observers", "create", "x", "nope")
     assert bad.returncode == 1
     assert "unknown kind 'nope'" in bad.stderr
-    conflict = await _run("observers", "resume", str(uuid.uuid4()), api=api)
+    conflict = await _run(cluster, "observers", "resume", str(uuid.uuid4()))
     assert conflict.returncode == 1
-    usage = await _run("observers", "create", api=api)
+    usage = await _run(cluster, "observers", "create")
     assert usage.returncode == 2
-    unreachable = await _run("kinds", api="http://127.0.0.1:1")
+    unreachable = await _run(cluster, "kinds", api="http://127.0.0.1:1")
     assert unreachable.returncode == 1
     assert "cannot reach the manager" in unreachable.stderr

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Dialog, Page, async_playwright
 
 from tests.support.cluster import Cluster, wait_for
 
@@ -56,7 +56,16 @@ async def test_the_console_follows_a_move_and_acts(
     await cluster.start_service("beta", worker_count=10)
     failing = uuid.UUID((await cluster.create("always-fails", kind="always_fails"))["id"])
     page = await browser.new_page(viewport={"width": 1280, "height": 900})
-    page.on("dialog", lambda dialog: dialog.accept())
+    prompts: list[str] = []
+
+    async def answer(dialog: Dialog) -> None:
+        if dialog.type == "prompt":  # the console asks for the API token once
+            prompts.append(dialog.message)
+            await dialog.accept(cluster.token or "")
+        else:
+            await dialog.accept()  # "are you sure?"
+
+    page.on("dialog", answer)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     await page.goto(f"http://127.0.0.1:{cluster.api_port}/console")
@@ -96,6 +105,8 @@ async def test_the_console_follows_a_move_and_acts(
     await page.click("#o-actions button:text('Resume')")
     await wait_for(lambda: _status_is(cluster, watched, "processing"), timeout=15, what="resumed")
     assert errors == [], f"the page raised: {errors}"
+    assert len(prompts) == 1, f"asked for the token {len(prompts)} times"
+    assert "wants an API token" in prompts[0]
 
 
 async def _has(page: Page, selector: str) -> bool:

@@ -185,7 +185,7 @@ async def test_two_managers_one_leader_and_failover(cluster: Cluster) -> None:
             if p.popen.poll() is not None:
                 continue
             try:
-                async with httpx.AsyncClient() as c:
+                async with httpx.AsyncClient(headers=cluster.auth_headers) as c:
                     r = await c.get(f"http://127.0.0.1:{_port_of(p)}/leader")
             except httpx.HTTPError:
                 continue  # just killed

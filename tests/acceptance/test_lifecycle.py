@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -250,7 +253,7 @@ async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> No
     from manager.db import make_engine
     from manager.settings import ManagerSettings
 
-    engine = make_engine(ManagerSettings(database_url=cluster.database_url))
+    engine = make_engine(ManagerSettings(database_url=cluster.database_url, auth="disabled"))
     async with engine.begin() as conn:
         row, _pending = await repository.create_observer(
             conn, name="orphan", kind="ticker", params={"interval": 0.05}, restart_policy=None
@@ -321,3 +324,41 @@ async def test_a_service_serves_its_metrics(cluster: Cluster) -> None:
     assert "orch_observers_running 1.0" in text
     assert "orch_lease_renewal_seconds_count" in text
     assert "orch_checkpoint_batch_size_bucket" in text
+
+
+async def test_the_error_queue_keeps_only_its_newest_messages(cluster: Cluster) -> None:
+    """A broker policy (set by `orch broker-policy --apply`, removed again after the test)."""
+    from tests.support.faults import rabbitmqctl
+
+    await cluster.start_manager()  # declares the queues
+    env = {**os.environ, **cluster.env}
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "orch", "broker-policy", "--max-length", "3", "--apply"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"{cluster.prefix}-errors-limit" in await asyncio.to_thread(
+            rabbitmqctl, "list_policies"
+        )
+        conn = await aio_pika.connect(cluster.amqp_url)
+        async with conn:
+            ch = await conn.channel()
+            for i in range(5):
+                await ch.default_exchange.publish(
+                    aio_pika.Message(str(i).encode()), routing_key=f"{cluster.prefix}.errors"
+                )
+
+            async def three() -> bool:
+                q = await ch.declare_queue(f"{cluster.prefix}.errors", passive=True)
+                return q.declaration_result.message_count == 3
+
+            await wait_for(three, timeout=10, what="the error queue capped at 3")
+            first = await (await ch.declare_queue(f"{cluster.prefix}.errors", passive=True)).get()
+            assert first.body == b"2", "the oldest went first"
+    finally:
+        await asyncio.to_thread(rabbitmqctl, "clear_policy", f"{cluster.prefix}-errors-limit")

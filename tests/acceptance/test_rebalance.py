@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import signal
 import sys
 import time
@@ -177,10 +178,11 @@ async def test_drain_cli(cluster: Cluster) -> None:
         api,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "ORCH_TOKEN": cluster.token or ""},
     )
     out, _ = await proc.communicate()
     assert proc.returncode == 0, out
     assert b"draining a" in out
-    async with httpx.AsyncClient() as c:
+    async with httpx.AsyncClient(headers=cluster.auth_headers) as c:
         services = (await c.get(f"{api}/services")).json()
     assert next(s for s in services if s["id"] == str(a_id))["draining"] is True

@@ -20,6 +20,7 @@ async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator
         amqp_url=servers.amqp_url,
         prefix=prefix,
         kind_modules="observer_service.kinds.recorder",
+        auth="disabled",
         max_body_bytes=4096,
         max_params_bytes=512,
     )
@@ -181,7 +182,9 @@ async def test_a_dead_leader_loop_stops_the_manager_through_an_event(
         raise RuntimeError("a bug in a leader loop")
 
     runtime = ManagerRuntime(
-        ManagerSettings(database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix)
+        ManagerSettings(
+            database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, auth="disabled"
+        )
     )
     runtime.leadership.loops = {"broken": broken}
     await runtime.start()

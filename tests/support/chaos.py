@@ -95,7 +95,11 @@ class Chaos:
 
     def _api(self) -> httpx.AsyncClient:
         manager = self.rng.choice([m for m in self.managers if m.alive])
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{manager.port}", timeout=30)
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{manager.port}",
+            timeout=30,
+            headers=self.cluster.auth_headers,
+        )
 
     async def _create(self) -> None:
         interval = self.rng.choice((0.05, 0.1))
@@ -193,7 +197,7 @@ class Chaos:
         for m in self.managers:
             if not m.alive:
                 continue
-            async with httpx.AsyncClient(timeout=5) as c:
+            async with httpx.AsyncClient(timeout=5, headers=self.cluster.auth_headers) as c:
                 try:
                     leads = (await c.get(f"http://127.0.0.1:{m.port}/leader")).json()
                 except httpx.HTTPError:

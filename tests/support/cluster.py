@@ -97,7 +97,9 @@ class Cluster(LocalCluster):
     # ------------------------------------------------------------- API and database
     def api(self) -> httpx.AsyncClient:
         assert self.api_port is not None, "start a manager first"
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.api_port}", timeout=30)
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{self.api_port}", timeout=30, headers=self.auth_headers
+        )
 
     async def q(self, sql: str, *args: Any, one: bool = False) -> Any:
         db = await self.connect()

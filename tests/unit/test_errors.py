@@ -72,3 +72,36 @@ def test_what_kind_code_sees_is_outside_the_tree() -> None:
     assert not issubclass(LeaseLost, Exception)
     with pytest.raises(LeaseLost), database_errors():
         raise LeaseLost("no")
+
+
+def test_no_log_line_carries_a_password(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from contracts import logs
+
+    for fmt in ("text", "json"):
+        logs.configure("INFO", fmt, service="s")  # type: ignore[arg-type]
+        logging.getLogger("t").warning(
+            "cannot reach %s", "postgresql://orch:hunter2@db:5432/orchestrator"
+        )
+        err = capsys.readouterr().err
+        assert "hunter2" not in err
+        assert "postgresql://orch:***@db:5432/orchestrator" in err
+    logging.getLogger().handlers.clear()
+
+
+def test_a_failed_migration_never_prints_the_password() -> None:
+    import subprocess
+    import sys
+
+    env = {"ORCH_DATABASE_URL": "postgresql://orch:hunter2@127.0.0.1:1/x", "PATH": ""}
+    r = subprocess.run(
+        [sys.executable, "-m", "orch", "migrate"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "hunter2" not in r.stdout + r.stderr
+    assert "cannot reach Postgres at 127.0.0.1:1/x" in r.stderr

@@ -1,0 +1,153 @@
+"""One error shape for every 4xx and 5xx: RFC 9457 problem details.
+
+``{"type": "about:blank", "title": "Not Found", "status": 404, "detail": "…"}``, served as
+``application/problem+json``; a validation error adds ``errors``, one per field, with its path
+(``loc``). Nothing a client sent is echoed back, so no input can make an error unencodable.
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+from starlette.routing import Match, Route
+
+from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, TooLarge, Transient
+from manager.auth import Forbidden, Unauthenticated
+
+log = logging.getLogger(__name__)
+MEDIA_TYPE = "application/problem+json"
+
+
+class FieldError(BaseModel):
+    loc: list[str | int] = Field(description="where: body, query or path, then the field path")
+    msg: str
+    type: str
+
+
+class Problem(BaseModel):
+    """What went wrong (RFC 9457)."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    errors: list[FieldError] | None = None
+
+
+_STATUS: list[tuple[type[OrchError], int]] = [
+    (Unauthenticated, 401),
+    (Forbidden, 403),
+    (NotFound, 404),
+    (Conflict, 409),
+    (TooLarge, 413),
+    (InvalidInput, 422),
+    (Transient, 503),
+]
+
+
+def _clean(text: object) -> str:
+    """A string any encoder takes (a lone surrogate becomes U+FFFD)."""
+    return str(text).encode("utf-8", "replace").decode("utf-8")
+
+
+def problem(
+    status: int,
+    detail: str,
+    *,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = Problem(
+        title=http.HTTPStatus(status).phrase,
+        status=status,
+        detail=_clean(detail),
+        errors=None if errors is None else [FieldError(**e) for e in errors],
+    )
+    return JSONResponse(
+        body.model_dump(exclude_none=True), status, headers=headers, media_type=MEDIA_TYPE
+    )
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI: the problem codes a route really returns."""
+    return {code: {"model": Problem, "description": http.HTTPStatus(code).phrase} for code in codes}
+
+
+def openapi_with_problems(app: FastAPI, kinds: list[str] | None) -> dict[str, Any]:
+    """The app's OpenAPI, with every 4xx and 5xx documented as ``application/problem+json``
+    (FastAPI would say ``application/json``, and its own 422 shape), and ``kind`` as the enum of
+    the kinds this cluster runs."""
+    from fastapi.openapi.utils import get_openapi
+
+    spec = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    components = spec.setdefault("components", {}).setdefault("schemas", {})
+    components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    components["FieldError"] = components["Problem"].pop("$defs")["FieldError"]
+    for key in ("HTTPValidationError", "ValidationError"):
+        components.pop(key, None)
+    problem_ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    for operations in spec["paths"].values():
+        for op in operations.values():
+            for code, answer in op.get("responses", {}).items():
+                if code.isdigit() and int(code) >= 400:
+                    answer["content"] = {MEDIA_TYPE: problem_ref}
+                    answer["description"] = http.HTTPStatus(int(code)).phrase
+    if kinds and "ObserverCreate" in components:
+        components["ObserverCreate"]["properties"]["kind"]["enum"] = sorted(kinds)
+    return spec
+
+
+def _methods_of(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= set(route.methods or ()) - {"HEAD"}
+    return sorted(methods)
+
+
+def install(app: FastAPI) -> None:
+    async def orch_error(_: Request, exc: Exception) -> JSONResponse:
+        code = next(c for cls, c in _STATUS if isinstance(exc, cls))
+        if code == 503:
+            log.warning("unavailable: %s", exc)
+            return problem(503, "the database or the broker is unavailable; try again")
+        headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+        return problem(code, str(exc), headers=headers)
+
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = [
+            {
+                "loc": [p if isinstance(p, int) else _clean(p) for p in e.get("loc", ())],
+                "msg": _clean(e.get("msg", "invalid")),
+                "type": _clean(e.get("type", "invalid")),
+            }
+            for e in exc.errors()
+        ]
+        return problem(422, "the request is not valid", errors=errors)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not just the first route's
+            headers["Allow"] = ", ".join(_methods_of(request))
+        return problem(exc.status_code, str(exc.detail), headers=headers)
+
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return problem(500, "an internal error; the manager's log says more")
+
+    for cls, _code in _STATUS:
+        app.add_exception_handler(cls, orch_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, crashed)
