@@ -98,7 +98,8 @@ class LocalCluster:
     #: Where process logs go; None lets them write to this terminal.
     logdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
-    db: asyncpg.Connection | None = None
+    #: A small pool, so that concurrent checks (a test's own tasks) never share one connection.
+    db: asyncpg.Pool | None = None
     #: An admin API token made for this cluster (None when auth is off or tokens were given).
     token: str | None = None
 
@@ -126,14 +127,15 @@ class LocalCluster:
         settings = CommonSettings(database_url=url) if url else CommonSettings()
         return settings.asyncpg_dsn
 
-    def spawn(self, name: str, args: list[str], **env: Any) -> Proc:
+    def spawn(self, name: str, args: list[str], *, module: str = "orch", **env: Any) -> Proc:
+        """Run ``python -m {module} {args}`` with the cluster's settings, logging to a file."""
         full_env = {**os.environ, **self.env, **{k: str(v) for k, v in env.items()}}
         full_env["PYTHONUNBUFFERED"] = "1"
         log = None if self.logdir is None else self.logdir / f"{name}-{len(self.procs)}.log"
         with contextlib.ExitStack() as stack:
             out = None if log is None else stack.enter_context(log.open("wb"))
             popen = subprocess.Popen(
-                [sys.executable, "-m", "orch", *args],
+                [sys.executable, "-m", module, *args],
                 env=full_env,
                 stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
@@ -142,9 +144,9 @@ class LocalCluster:
         self.procs.append(proc)
         return proc
 
-    async def connect(self) -> asyncpg.Connection:
+    async def connect(self) -> asyncpg.Pool:
         if self.db is None:
-            self.db = await asyncpg.connect(self.database_dsn)
+            self.db = await asyncpg.create_pool(self.database_dsn, min_size=1, max_size=4)
         return self.db
 
     async def start_manager(self, port: int | None = None, **env: Any) -> Proc:

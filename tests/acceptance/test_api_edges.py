@@ -12,6 +12,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -286,7 +287,9 @@ async def test_every_route_answers_every_role_as_it_should(cluster: Cluster) -> 
 
 # --------------------------------------------------------------------------------- fuzzing
 @pytest.mark.slow
-async def test_schemathesis_finds_no_500_and_no_answer_off_the_schema(cluster: Cluster) -> None:
+async def test_schemathesis_finds_no_500_and_no_answer_off_the_schema(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     # The built-in kinds only: nothing fuzzed may write files (the test kinds would).
     await cluster.start_manager(kind_modules="")
     st = shutil.which("schemathesis", path=os.path.dirname(sys.executable))
@@ -313,7 +316,7 @@ async def test_schemathesis_finds_no_500_and_no_answer_off_the_schema(cluster: C
         "30",
     ]
     result = await asyncio.to_thread(
-        subprocess.run, args, capture_output=True, text=True, timeout=900
+        subprocess.run, args, capture_output=True, text=True, timeout=900, cwd=tmp_path
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = json.dumps(result.stdout[-400:])
