@@ -18,9 +18,13 @@ Flush = Callable[[list[I]], Awaitable[Sequence[R]]]
 
 
 class Batcher(Generic[I, R]):
-    def __init__(self, flush: Flush[I, R], *, max_batch: int = 1000) -> None:
+    """``in_flight`` flushes may run at once (each on its own connection): a burst is then
+    not queued behind one slow round trip."""
+
+    def __init__(self, flush: Flush[I, R], *, max_batch: int = 1000, in_flight: int = 1) -> None:
         self._flush = flush
         self._max_batch = max_batch
+        self._in_flight = in_flight
         self._queue: asyncio.Queue[tuple[I, asyncio.Future[R]]] = asyncio.Queue()
 
     async def submit(self, item: I) -> R:
@@ -31,17 +35,34 @@ class Batcher(Generic[I, R]):
 
     async def run(self) -> None:
         """Flush for ever (a supervised side task of the service)."""
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self._max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                results = await self._flush([item for item, _ in batch])
-            except Exception as exc:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for (_, fut), result in zip(batch, results, strict=True):
+        slots = asyncio.Semaphore(self._in_flight)
+        flushing: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await slots.acquire()
+                batch = [await self._queue.get()]
+                while len(batch) < self._max_batch and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                task = asyncio.create_task(self._flush_one(batch))
+                flushing.add(task)
+                task.add_done_callback(flushing.discard)
+                task.add_done_callback(lambda _: slots.release())
+        finally:
+            for task in flushing:
+                task.cancel()
+
+    async def _flush_one(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
+        try:
+            results = await self._flush([item for item, _ in batch])
+        except Exception as exc:
+            for _, fut in batch:
                 if not fut.done():
-                    fut.set_result(result)
+                    fut.set_exception(exc)
+            return
+        except BaseException:
+            for _, fut in batch:
+                fut.cancel()
+            raise
+        for (_, fut), result in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(result)

@@ -70,6 +70,7 @@ class AmqpSession:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.connection: AbstractConnection | None = None
+        self._lookout: AbstractConnection | None = None
         self.version: tuple[int, ...] = (0,)
         self._work_queue: AbstractQueue | None = None
         self._work_tag: str | None = None
@@ -101,6 +102,13 @@ class AmqpSession:
             )
             self.connection.close_callbacks.add(self._on_close)
             self.version = broker_version(self.connection)
+            # Questions about other services go on a connection of their own: on the session's
+            # connection their answers would queue behind a burst of deliveries (a failover).
+            self._lookout = await aio_pika.connect(
+                self.settings.amqp_url_with_heartbeat,
+                timeout=10,
+                client_properties={"connection_name": f"{topo.prefix} lookout {service_id}"},
+            )
             work = await self.connection.channel(publisher_confirms=False)
             work.close_callbacks.add(self._on_close)
             await work.set_qos(prefetch_count=spec.prefetch)
@@ -148,11 +156,16 @@ class AmqpSession:
         """Whether that service's broker connection lives (its control queue exists)."""
         if self.connection is None or not self.is_open:
             raise BrokerUnavailable("broker session is not open")
-        return await service_present(self.connection, self.topology, service_id)
+        lookout = self._lookout
+        usable = lookout is not None and not lookout.is_closed
+        connection = lookout if usable and lookout is not None else self.connection
+        return await service_present(connection, self.topology, service_id)
 
     async def confirm_present(self) -> bool:
         """A round trip on this connection finding our own control queue: it never closed."""
-        return await self.service_present(self.service_id)
+        if self.connection is None or not self.is_open:
+            raise BrokerUnavailable("broker session is not open")
+        return await service_present(self.connection, self.topology, self.service_id)
 
     async def stop_consuming(self) -> None:
         """Take no more start messages (those already delivered stay ours to settle)."""
@@ -165,12 +178,13 @@ class AmqpSession:
                 log.warning("could not cancel the work consumer: %s", exc)
 
     async def close(self) -> None:
-        if self.connection is not None and not self.connection.is_closed:
-            try:
-                with broker_errors():
-                    await self.connection.close()
-            except BrokerUnavailable as exc:
-                log.warning("broker close failed: %s", exc)
+        for connection in (self._lookout, self.connection):
+            if connection is not None and not connection.is_closed:
+                try:
+                    with broker_errors():
+                        await connection.close()
+                except BrokerUnavailable as exc:
+                    log.warning("broker close failed: %s", exc)
         self._on_close()
 
 

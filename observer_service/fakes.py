@@ -33,7 +33,7 @@ from observer_service.ports import (
     Taken,
     TakeResult,
 )
-from observer_service.take import Decision, Facts, decide
+from observer_service.take import Decision, Departed, Facts, decide
 
 
 class ManualClock(Clock):
@@ -71,10 +71,15 @@ class Row:
         return StartMessage(observer_id=self.id, dispatch_id=self.dispatch_id)
 
 
+_service_keys = itertools.count(1_000_000)
+
+
 @dataclass
 class FakeService:
     live: bool = True
     lock_free: bool = False
+    #: The lock key of its lease session: a new one for a new session.
+    key: int = field(default_factory=lambda: next(_service_keys))
 
 
 class InMemoryStore:
@@ -109,7 +114,7 @@ class InMemoryStore:
         )
 
     async def take_many(
-        self, requests: Sequence[StartRequest], *, off_broker: frozenset[uuid.UUID] = frozenset()
+        self, requests: Sequence[StartRequest], departed: Departed
     ) -> list[TakeResult]:
         if self.hold is not None:
             await self.hold.wait()
@@ -121,14 +126,18 @@ class InMemoryStore:
                 facts = Facts(exists=False)
             else:
                 holder = self.services.get(row.service_id) if row.service_id else None
+                key = holder.key if holder is not None and row.service_id != self.me else None
+                lock_free, off_broker = departed.facts(
+                    key, lock_free=holder is not None and holder.lock_free
+                )
                 facts = Facts(
                     exists=True,
                     status=row.status,
                     dispatch_current=row.dispatch_id == req.start.dispatch_id,
                     holder=row.service_id,
                     holder_live=holder is not None and holder.live,
-                    holder_lock_free=holder is not None and holder.lock_free,
-                    holder_off_broker=True if row.service_id in off_broker else None,
+                    holder_lock_free=lock_free,
+                    holder_off_broker=off_broker,
                 )
             decision = decide(
                 facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here
@@ -145,7 +154,14 @@ class InMemoryStore:
                 row.status, row.service_id = STOPPED[row.status], None
                 out.append(TakeResult(decision))
             else:
-                out.append(TakeResult(decision, holder=None if row is None else row.service_id))
+                holder = self.services.get(row.service_id) if row and row.service_id else None
+                out.append(
+                    TakeResult(
+                        decision,
+                        holder=None if row is None else row.service_id,
+                        holder_key=None if holder is None else holder.key,
+                    )
+                )
         return out
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
@@ -353,6 +369,7 @@ class FakeSession:
         self.broker.errors.append(start)
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
+        self.broker.probes.append(service_id)
         return service_id in self.broker.present
 
     async def confirm_present(self) -> bool:
@@ -367,6 +384,8 @@ class FakeBroker:
         self.errors: list[StartMessage] = []
         #: Services whose control queue exists.
         self.present: set[uuid.UUID] = set()
+        #: Every question "is this service on the broker?" asked, in order.
+        self.probes: list[uuid.UUID] = []
         self.opened = asyncio.Event()
 
     @property

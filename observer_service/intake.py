@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from observer_service.ports import (
 from observer_service.retry import until_done, while_leased
 from observer_service.runner import Runner, StopReason, refused, run_observer
 from observer_service.settle import Disposition
-from observer_service.take import Decision
+from observer_service.take import Decision, Departed
 
 if TYPE_CHECKING:
     from observer_service.service import ObserverService
@@ -44,7 +45,9 @@ class Intake:
     def __init__(self, service: ObserverService, kinds: dict[str, KindSpec]) -> None:
         self.service = service
         self.kinds = kinds
-        self.takes: Batcher[StartRequest, TakeResult] = Batcher(self._take_batch)
+        self.takes: Batcher[StartRequest, TakeResult] = Batcher(self._take_batch, in_flight=2)
+        self.departed = Departed()
+        self._probes: dict[int, asyncio.Future[bool]] = {}
 
     async def on_start(self, delivery: Delivery) -> None:
         try:
@@ -106,7 +109,10 @@ class Intake:
         backoff = 0.005
         while True:
             result = await self.takes.submit(request)
-            if result.decision is not Decision.WAIT:
+            if result.decision is Decision.PROBE:
+                if await self._holder_gone(result):
+                    continue  # proven gone: decide again at once
+            elif result.decision is not Decision.WAIT:
                 break
             if s.stopping or _dead(s, delivery) or not s.lease.check_or_fence():
                 await s.settler.dispose(start, delivery, Disposition.REQUEUE)
@@ -134,33 +140,34 @@ class Intake:
         return taken
 
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult]:
-        """The flush of ``takes``: one read and one compare-and-set for the whole batch. Where a
-        holder's database session has ended, the broker is asked whether its process is gone."""
-        s = self.service
-        s.metrics.take_batch.observe(len(requests))
-        results = await s.store.take_many(requests)
-        probe = [i for i, r in enumerate(results) if r.decision is Decision.PROBE]
-        if not probe:
-            return results
-        holders = {h for i in probe if (h := results[i].holder) is not None}
-        gone: set[Any] = set()
-        session = s.session
-        for holder in holders:
-            try:
-                if session is not None and not await session.service_present(holder):
-                    gone.add(holder)
-            except BrokerUnavailable:
-                pass
-        again = await s.store.take_many([requests[i] for i in probe], off_broker=frozenset(gone))
-        for i, result in zip(probe, again, strict=True):
-            results[i] = (
-                result
-                if result.decision is not Decision.PROBE
-                else TakeResult(
-                    Decision.WAIT, holder=result.holder, holder_remaining=result.holder_remaining
-                )
-            )
-        return results
+        """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
+        self.service.metrics.take_batch.observe(len(requests))
+        return await self.service.store.take_many(requests, self.departed)
+
+    async def _holder_gone(self, result: TakeResult) -> bool:
+        """Whether the holder, whose database session has ended, is off the broker too. One
+        question per holder session at a time, shared by every start it held; ``departed``
+        remembers a yes for good."""
+        key, holder = result.holder_key, result.holder
+        if key is None or holder is None:
+            return False
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probes[key] = asyncio.ensure_future(self._ask_broker(holder, key))
+            probe.add_done_callback(lambda _: self._probes.pop(key, None))
+        return await asyncio.shield(probe)
+
+    async def _ask_broker(self, holder: uuid.UUID, key: int) -> bool:
+        session = self.service.session
+        if session is None:
+            return False
+        try:
+            present = await session.service_present(holder)
+        except BrokerUnavailable:
+            return False
+        if not present:
+            self.departed.off_broker(key)
+        return not present
 
     def _start_runner(self, taken: Taken, delivery: Delivery | None, *, cancelled: bool) -> bool:
         s = self.service

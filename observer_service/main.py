@@ -19,7 +19,7 @@ from observer_service.broker import AmqpBroker
 from observer_service.lease import LeaseKeeper
 from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
-from observer_service.store import PgLeaseDatabase, PgStore
+from observer_service.store import PgLeaseDatabase, PgStore, keep_session, prepare_connection
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,16 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     clock = Clock(settings.clock_hook)
     timings = settings.lease_timings
     # A query slower than a lease is useless: whatever it guarded has been fenced by then.
+    # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
+    # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
+    size = min(20, 2 + settings.worker_count)
     pool = await asyncpg.create_pool(
         settings.asyncpg_dsn,
-        min_size=1,
-        max_size=min(20, 2 + settings.worker_count),
+        min_size=min(4, size),
+        max_size=size,
+        max_inactive_connection_lifetime=0,
+        init=prepare_connection,
+        reset=keep_session,
         timeout=max(2.0, timings.ttl),
         command_timeout=max(5.0, 2 * timings.ttl),
     )

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
-from observer_service.take import Decision
+from observer_service.take import Decision, Departed
 
 Copy = tuple[uuid.UUID, int]  # (observer id, epoch): one copy of an observer
 
@@ -60,6 +60,8 @@ class TakeResult:
     decision: Decision
     taken: Taken | None = None
     holder: uuid.UUID | None = None
+    #: The lock key of the holder's lease session (what a PROBE proves gone).
+    holder_key: int | None = None
     #: For WAIT: seconds until the holder's lease expires.
     holder_remaining: float = 0.0
 
@@ -95,7 +97,7 @@ class Store(Protocol):
     me: uuid.UUID
 
     async def take_many(
-        self, requests: Sequence[StartRequest], *, off_broker: frozenset[uuid.UUID] = ...
+        self, requests: Sequence[StartRequest], departed: Departed
     ) -> list[TakeResult]: ...
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]: ...

@@ -53,6 +53,7 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
        COALESCE({live_service("s")}, false) AS holder_live,
        CASE WHEN s.id <> $2 AND {live_service("s")}
             THEN pg_try_advisory_xact_lock(s.lock_key) END AS holder_lock_free,
+       s.lock_key AS holder_key,
        EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8 AS holder_remaining
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
  WHERE o.id = ANY($1::uuid[])

@@ -29,7 +29,7 @@ from observer_service.ports import (
     Taken,
     TakeResult,
 )
-from observer_service.take import Decision, Facts, decide
+from observer_service.take import Decision, Departed, Facts, decide
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,12 @@ class PgStore:
         self.me = me
 
     async def take_many(
-        self, requests: Sequence[StartRequest], *, off_broker: frozenset[uuid.UUID] = frozenset()
+        self, requests: Sequence[StartRequest], departed: Departed
     ) -> list[TakeResult]:
         """Decide on every start message with one read, then write every take (and every delete
         of an unrun observer) with one compare-and-set each. A row that changed in between is
-        read and decided again. ``off_broker``: holders the caller found gone from the broker."""
+        read and decided again. ``departed``: holder sessions proven over, updated with every
+        lock found free."""
         results: dict[int, TakeResult] = {}
         todo = list(enumerate(requests))
         while todo:
@@ -57,13 +58,14 @@ class PgStore:
             }
             for i, req in todo:
                 row = by_id.get(req.observer_id)
-                decision = self._decide(req, row, off_broker)
+                decision = self._decide(req, row, departed)
                 if row is not None and decision in writes:
                     writes[decision].append((i, req, row))
                     continue
                 results[i] = TakeResult(
                     decision,
                     holder=None if row is None else row["service_id"],
+                    holder_key=None if row is None else row["holder_key"],
                     holder_remaining=0.0 if row is None else float(row["holder_remaining"] or 0),
                 )
             todo = []
@@ -86,19 +88,22 @@ class PgStore:
         return [results[i] for i in range(len(requests))]
 
     def _decide(
-        self, req: StartRequest, row: asyncpg.Record | None, off_broker: frozenset[uuid.UUID]
+        self, req: StartRequest, row: asyncpg.Record | None, departed: Departed
     ) -> Decision:
         if row is None:
             return decide(Facts(exists=False), me=self.me, redelivered=False, running_here=False)
-        holder = row["service_id"]
+        other = row["service_id"] not in (None, self.me)
+        lock_free, off_broker = departed.facts(
+            row["holder_key"] if other else None, lock_free=bool(row["holder_lock_free"])
+        )
         facts = Facts(
             exists=True,
             status=ObserverStatus(row["status"]),
             dispatch_current=row["dispatch_id"] == req.start.dispatch_id,
-            holder=holder,
+            holder=row["service_id"],
             holder_live=bool(row["holder_live"]),
-            holder_lock_free=bool(row["holder_lock_free"]),
-            holder_off_broker=True if holder in off_broker else None,
+            holder_lock_free=lock_free,
+            holder_off_broker=off_broker,
         )
         return decide(facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here)
 
@@ -175,6 +180,24 @@ class PgStore:
     async def held_count(self) -> int:
         with database_errors():
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
+
+
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset, a no-op: the service's statements leave no session state behind (no
+    LISTEN, cursor, session lock or setting; their advisory locks end with the statement), so a
+    connection goes back as it is, without the reset round trip asyncpg makes by default."""
+
+
+async def prepare_connection(conn: asyncpg.Connection) -> None:
+    """Prepare the statements of a takeover and of running copies on a new pool connection,
+    with empty arguments (they change nothing): the first takeover after a quiet spell then
+    waits for neither statement preparation nor type introspection."""
+    nobody = uuid.UUID(int=0)
+    await conn.fetch(q.FACTS, [], nobody)
+    for cas in (q.TAKE, q.COMPLETE_STOP):
+        await conn.fetch(cas, [], nobody, [], [], [], [], [])
+    await conn.fetch(q.CHECKPOINT, [], nobody, [], [])
+    await conn.fetch(q.LET_GO, [], nobody, [], "")
 
 
 def _taken(row: asyncpg.Record, epoch: int, req: StartRequest) -> Taken:

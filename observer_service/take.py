@@ -88,3 +88,40 @@ def decide(
     if facts.holder_off_broker is None:
         return Decision.PROBE
     return Decision.TAKE if facts.holder_off_broker else Decision.WAIT
+
+
+class Departed:
+    """Holder sessions proven over, by lock key; no two sessions ever share a key.
+
+    Both proofs stay true for ever, so one proof serves every later start held under that key:
+    ``ended``, the key's lock was free once (that database session is over and cannot come
+    back); ``gone``, ended and then off the broker as well (its process fences itself and never
+    runs anything under that key again; a rejoin takes a new key). A busy moment that makes the
+    lock look held (another taker trying it at the same instant) cannot undo either proof.
+    """
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._limit = limit
+        self._ended: dict[int, None] = {}
+        self._gone: dict[int, None] = {}
+
+    def _note(self, keys: dict[int, None], key: int) -> None:
+        keys[key] = None
+        if len(keys) > self._limit:
+            del keys[next(iter(keys))]  # the oldest proof; a miss only costs a probe
+
+    def lock_freed(self, key: int) -> None:
+        self._note(self._ended, key)
+
+    def off_broker(self, key: int) -> None:
+        self.lock_freed(key)
+        self._note(self._gone, key)
+
+    def facts(self, key: int | None, *, lock_free: bool) -> tuple[bool, bool | None]:
+        """(holder_lock_free, holder_off_broker) for a holder under ``key``, given what the
+        statement saw of its lock now; records a free lock."""
+        if key is None:
+            return lock_free, None
+        if lock_free:
+            self.lock_freed(key)
+        return key in self._ended, (True if key in self._gone else None)

@@ -7,7 +7,6 @@ lines are not.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from contracts.kinds import observer_kind
 from observer_service.context import ObserverContext
 
-_files: dict[Path, IO[str]] = {}
+_files: dict[str, IO[str]] = {}
 
 
 class RecorderParams(BaseModel):
@@ -30,25 +29,26 @@ class RecorderParams(BaseModel):
 
 
 def _file(directory: str) -> IO[str]:
-    path = Path(directory) / f"{os.getpid()}.jsonl"
-    f = _files.get(path)
+    f = _files.get(directory)
     if f is None:
+        path = Path(directory) / f"{os.getpid()}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = _files[path] = path.open("a", buffering=1)
+        f = _files[directory] = path.open("a", buffering=1)  # a line survives a SIGKILL
     return f
+
+
+def tick_line(observer: object, epoch: int, service: object, count: int) -> str:
+    """One tick as a JSON line: observer, epoch, service, process, wall time, count. Written
+    cheaply: at a 20 ms tick a thousand recorders write fifty thousand a second."""
+    return (
+        f'{{"o":"{observer}","e":{epoch},"s":"{service}","p":{os.getpid()},'
+        f'"t":{time.time()!r},"n":{count}}}\n'
+    )
 
 
 def write_tick(directory: str, ctx: ObserverContext, count: int) -> None:
     """Append one tick of this copy to ``{directory}/{pid}.jsonl`` (one JSON object a line)."""
-    line = {
-        "o": str(ctx.observer_id),
-        "e": ctx.epoch,
-        "s": str(ctx.service_id),
-        "p": os.getpid(),
-        "t": time.time(),
-        "n": count,
-    }
-    _file(directory).write(json.dumps(line) + "\n")
+    _file(directory).write(tick_line(ctx.observer_id, ctx.epoch, ctx.service_id, count))
 
 
 @observer_kind("recorder", params=RecorderParams)

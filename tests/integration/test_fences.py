@@ -19,7 +19,7 @@ from contracts.settings import asyncpg_dsn
 from observer_service import queries as q
 from observer_service.ports import Checkpoint, StartRequest
 from observer_service.store import PgLeaseDatabase, PgStore
-from observer_service.take import Decision
+from observer_service.take import Decision, Departed
 
 ROW_FIELDS = "status, service_id, epoch, checkpoint, restart_count, last_error"
 
@@ -63,9 +63,11 @@ async def row_of(pool: asyncpg.Pool, oid: uuid.UUID) -> dict[str, Any]:
     return dict(row)
 
 
-async def take(store: PgStore, start: StartMessage, **kw: Any) -> Any:
-    req = StartRequest(start, redelivered=kw.pop("redelivered", False), running_here=False)
-    (result,) = await store.take_many([req], **kw)
+async def take(
+    store: PgStore, start: StartMessage, *, redelivered: bool = False, departed: Any = None
+) -> Any:
+    req = StartRequest(start, redelivered=redelivered, running_here=False)
+    (result,) = await store.take_many([req], departed or Departed())
     return result
 
 
@@ -188,9 +190,63 @@ async def test_a_free_lock_alone_does_not_let_a_holder_be_taken_over(pool: async
     b = PgStore(pool, await service(pool))
     start = await observer(pool)
     await take(a, start)
-    redelivered = await take(b, start, redelivered=True)
+    departed = Departed()
+    redelivered = await take(b, start, redelivered=True, departed=departed)
     assert redelivered.decision is Decision.PROBE
-    assert (await take(b, start, redelivered=True, off_broker=frozenset({a.me}))).taken.epoch == 2
+    departed.off_broker(redelivered.holder_key)  # what B's probe of the broker found
+    assert (await take(b, start, redelivered=True, departed=departed)).taken.epoch == 2
+
+
+async def _holding_lock(pool: asyncpg.Pool, key: int) -> asyncpg.Connection:
+    """A connection of ``pool`` that holds the advisory lock ``key`` (release it after)."""
+    conn = await pool.acquire()
+    await conn.execute("SELECT pg_advisory_lock($1)", key)
+    return conn
+
+
+async def test_one_proof_of_departure_serves_every_start_its_holder_held(
+    pool: asyncpg.Pool,
+) -> None:
+    """Once A's session is proven over and A off the broker, B takes A's other observers
+    without asking again, even while something else holds A's old lock key for an instant
+    (the manager's sweeper trying it): a key is never used by a new session."""
+    a = PgStore(pool, await service(pool))
+    b = PgStore(pool, await service(pool))
+    x, y = await observer(pool), await observer(pool)
+    await take(a, x)
+    await take(a, y)
+    departed = Departed()
+    probed = await take(b, x, redelivered=True, departed=departed)
+    assert probed.decision is Decision.PROBE
+    departed.off_broker(probed.holder_key)
+    busy = await _holding_lock(pool, probed.holder_key)
+    try:
+        assert (await take(b, y, redelivered=True)).decision is Decision.WAIT, "no proof: wait"
+        assert (await take(b, y, redelivered=True, departed=departed)).taken.epoch == 2
+    finally:
+        await busy.execute("SELECT pg_advisory_unlock_all()")
+        await pool.release(busy)
+
+
+async def test_a_holder_back_on_a_new_session_is_not_covered_by_an_old_proof(
+    pool: asyncpg.Pool,
+) -> None:
+    a = PgStore(pool, await service(pool))
+    b = PgStore(pool, await service(pool))
+    x, y = await observer(pool), await observer(pool)
+    await take(a, x)
+    await take(a, y)
+    departed = Departed()
+    probed = await take(b, x, redelivered=True, departed=departed)
+    departed.off_broker(probed.holder_key)
+    new_key = probed.holder_key + 1
+    await pool.execute("UPDATE services SET lock_key = $2 WHERE id = $1", a.me, new_key)
+    session = await _holding_lock(pool, new_key)  # A rejoined: a new session, a new key
+    try:
+        assert (await take(b, y, redelivered=True, departed=departed)).decision is Decision.WAIT
+    finally:
+        await session.execute("SELECT pg_advisory_unlock_all()")
+        await pool.release(session)
 
 
 async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> None:

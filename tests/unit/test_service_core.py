@@ -21,6 +21,7 @@ from observer_service.context import ObserverContext
 from observer_service.fakes import (
     FakeBroker,
     FakeLeaseDatabase,
+    FakeService,
     InMemoryStore,
     ManualClock,
     Row,
@@ -171,6 +172,34 @@ async def test_a_duplicate_start_is_dropped() -> None:
         assert duplicate.outcome == "ack"
         assert row.epoch == 1
         assert len(h.service.runners) == 1
+
+
+async def test_a_crashed_holder_is_asked_after_once_for_all_it_held() -> None:
+    """Its session ended and it is off the broker: every start it held is taken, and the broker
+    is asked once, not once per batch of redeliveries."""
+    async with harness() as h:
+        gone = uuid.uuid4()
+        h.store.services[gone] = FakeService(live=True, lock_free=True)
+        rows = [h.store.add("tick", status=S.PROCESSING, service_id=gone) for _ in range(3)]
+        for row in rows:
+            await h.run(row, redelivered=True)
+            await h.running(row)
+        assert h.broker.probes == [gone]
+        assert [r.epoch for r in rows] == [1, 1, 1]
+
+
+async def test_a_holder_on_the_broker_is_never_taken_over_before_its_lease_ends() -> None:
+    async with harness() as h:
+        alive = uuid.uuid4()
+        h.store.services[alive] = FakeService(live=True, lock_free=True)
+        h.broker.present.add(alive)
+        row = h.store.add("tick", status=S.PROCESSING, service_id=alive)
+        taking = asyncio.create_task(h.run(row, redelivered=True))
+        await until(lambda: len(h.broker.probes) >= 2)  # asked again as it waits
+        assert row.service_id == alive
+        h.store.services[alive].live = False  # its lease ran out
+        await taking
+        await h.running(row)
 
 
 async def test_a_cancel_that_arrives_while_taking_stops_it_at_once() -> None:
