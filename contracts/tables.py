@@ -116,6 +116,19 @@ class Observer(Base):
         Index("ix_observers_status", "status"),
         # The audit asks "was anything taken lately?" (max(started_at)) several times a second.
         Index("ix_observers_started_at", "started_at"),
+        # What an idle cluster asks every second reads what it looks for, not every observer:
+        # the lease renewal, a service's observers being stopped...
+        Index(
+            "ix_observers_stopping",
+            "service_id",
+            postgresql_where=text("status IN ('on_deleting', 'pausing')"),
+        ),
+        # ...and the leader's audit, live observers that nobody holds.
+        Index(
+            "ix_observers_unheld",
+            "dispatched_at",
+            postgresql_where=text("service_id IS NULL AND status IN ('created', 'processing')"),
+        ),
     )
 
 

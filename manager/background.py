@@ -108,12 +108,16 @@ class Sweeper:
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
                 self.metrics.swept.labels("lease_expired").inc()
             gone = await self._gone(conn)
-            for d in (await conn.execute(text(q.DECLARE_GONE), {"ids": gone})).all():
+            declared = (
+                (await conn.execute(text(q.DECLARE_GONE), {"ids": gone})).all() if gone else []
+            )
+            for d in declared:
                 log.warning(
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
                 self.metrics.swept.labels("process_gone").inc()
-            orphans = (await conn.execute(text(q.ORPHANS))).all()
+            dead = list((await conn.execute(text(q.DEAD_SERVICES))).scalars().all())
+            orphans = (await conn.execute(text(q.ORPHANS), {"dead": dead})).all() if dead else []
             await complete_stops(
                 conn, [o.id for o in orphans if o.status in STOPPING], "holder gone"
             )

@@ -138,9 +138,12 @@ DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
     "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted RETURNING id, name"
 )
+# Dead services (the orphans' holders); then what they hold, by the service_id index. A sweep
+# reads what dead services still hold, not every observer.
+DEAD_SERVICES = f"SELECT s.id FROM services s WHERE NOT {live_service('s')}"
 ORPHANS = f"""
-SELECT o.id, o.status FROM observers o JOIN services s ON s.id = o.service_id
- WHERE {sql_in("o.status", HELD)} AND NOT {live_service("s")}
+SELECT o.id, o.status FROM observers o
+ WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
    FOR UPDATE OF o SKIP LOCKED
 """
 # New dispatch ids (old start messages become stale), nobody holding them.
