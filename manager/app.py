@@ -51,7 +51,12 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.auth = Authenticator(parse_tokens(settings.api_tokens), enabled=settings.auth == "on")
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout)
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        timeout=settings.body_timeout,
+        paths={"/observers/batch": settings.max_batch_body_bytes},
+    )
     # Outermost: it measures every answer, the body limit's 413 included.
     app.add_middleware(
         Measure,

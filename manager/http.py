@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -20,18 +21,25 @@ class BodyLimit:
     the client said its size, chunked or not), not complete within ``timeout`` seconds is 408
     (a slow client holds no worker for long)."""
 
-    def __init__(self, app: ASGIApp, *, limit: int, timeout: float) -> None:
+    def __init__(
+        self, app: ASGIApp, *, limit: int, timeout: float, paths: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.limit = limit
         self.timeout = timeout
+        #: Paths with a limit of their own (a bulk create).
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope["path"], self.limit)
         for key, value in scope.get("headers", []):
-            if key == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._answer(scope, receive, send, 413)
+            if key == b"content-length" and value.isdigit() and int(value) > limit:
+                if int(value) <= self._drain_cap(limit):
+                    await self._drain(receive)
+                await self._answer(scope, receive, send, 413, limit)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -44,13 +52,15 @@ class BodyLimit:
                         return
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.limit:
-                        await self._answer(scope, receive, send, 413)
+                    if size > limit:
+                        if message.get("more_body", False):
+                            await self._drain(receive, self._drain_cap(limit) - size)
+                        await self._answer(scope, receive, send, 413, limit)
                         return
                     chunks.append(chunk)
                     more = message.get("more_body", False)
         except TimeoutError:
-            await self._answer(scope, receive, send, 408)
+            await self._answer(scope, receive, send, 408, limit)
             return
         body = b"".join(chunks)
         try:
@@ -69,9 +79,30 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _answer(self, scope: Scope, receive: Receive, send: Send, code: int) -> None:
+    @staticmethod
+    def _drain_cap(limit: int) -> int:
+        return 4 * max(limit, 1 << 20)
+
+    async def _drain(self, receive: Receive, budget: int | None = None) -> None:
+        """Read and drop the rest of a body refused as too large, so that a client still
+        sending reads the 413 rather than a reset connection. Bounded in bytes and in time:
+        past either, the connection is closed on it."""
+        left = budget if budget is not None else 1 << 62
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(self.timeout, 2.0)):
+                while left > 0:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    left -= len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, code: int, limit: int
+    ) -> None:
         detail = (
-            f"request body larger than {self.limit} bytes"
+            f"request body larger than {limit} bytes"
             if code == 413
             else f"request body not received within {self.timeout:g} s"
         )

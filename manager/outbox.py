@@ -109,7 +109,8 @@ class Outbox:
         ids = {r.id for r in rows}
         self._in_flight |= ids  # a confirm can take longer than the relay's grace (fsync)
         try:
-            self._published.extend(await self._publish(rows))
+            done = await self._publish(rows)
+            self._published.extend(done)  # the list as it is now: a cleanup may have replaced it
         finally:
             self._in_flight -= ids
 

@@ -7,8 +7,11 @@
 
 from __future__ import annotations
 
+import functools
 import http
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
-from starlette.routing import Match, Route
+from starlette.routing import compile_path
 
 from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, TooLarge, Transient
 from manager.auth import Forbidden, Unauthenticated
@@ -57,6 +60,20 @@ def _clean(text: object) -> str:
     return str(text).encode("utf-8", "replace").decode("utf-8")
 
 
+def problem_of(
+    status: int, detail: str, *, errors: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The problem document, as a JSON object (also what a bulk create gives each failed
+    item)."""
+    body = Problem(
+        title=http.HTTPStatus(status).phrase,
+        status=status,
+        detail=_clean(detail),
+        errors=None if errors is None else [FieldError(**e) for e in errors],
+    )
+    return body.model_dump(exclude_none=True)
+
+
 def problem(
     status: int,
     detail: str,
@@ -64,15 +81,26 @@ def problem(
     errors: list[dict[str, Any]] | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = Problem(
-        title=http.HTTPStatus(status).phrase,
-        status=status,
-        detail=_clean(detail),
-        errors=None if errors is None else [FieldError(**e) for e in errors],
-    )
     return JSONResponse(
-        body.model_dump(exclude_none=True), status, headers=headers, media_type=MEDIA_TYPE
+        problem_of(status, detail, errors=errors), status, headers=headers, media_type=MEDIA_TYPE
     )
+
+
+def status_of(exc: OrchError) -> int:
+    """The HTTP status of one of the orchestrator's errors."""
+    return next(c for cls, c in _STATUS if isinstance(exc, cls))
+
+
+def field_errors(errors: Sequence[Any], *, under: Sequence[str | int] = ()) -> list[dict[str, Any]]:
+    """Pydantic's errors as FieldError objects, their paths under ``under``."""
+    return [
+        {
+            "loc": [*under, *(p if isinstance(p, int) else _clean(p) for p in e.get("loc", ()))],
+            "msg": _clean(e.get("msg", "invalid")),
+            "type": _clean(e.get("type", "invalid")),
+        }
+        for e in errors
+    ]
 
 
 def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -106,17 +134,29 @@ def openapi_with_problems(app: FastAPI, kinds: list[str] | None) -> dict[str, An
     return spec
 
 
+_VERBS = {"get", "put", "post", "delete", "patch", "options"}
+
+
+@functools.cache
+def _pattern(template: str) -> re.Pattern[str]:
+    return compile_path(template)[0]
+
+
 def _methods_of(request: Request) -> list[str]:
-    methods: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE:
-            methods |= set(route.methods or ()) - {"HEAD"}
-    return sorted(methods)
+    """The methods of the resource at this path, as the OpenAPI documents them. A literal path
+    (``/observers/batch``) is its own resource, not an id of the templated one beside it
+    (``/observers/{observer_id}``)."""
+    path = request.scope["path"]
+    paths: dict[str, dict[str, Any]] = request.app.openapi()["paths"]
+    matching = [t for t in paths if _pattern(t).match(path)]
+    chosen = [t for t in matching if "{" not in t] or matching
+    return sorted({verb.upper() for t in chosen for verb in paths[t] if verb in _VERBS})
 
 
 def install(app: FastAPI) -> None:
     async def orch_error(_: Request, exc: Exception) -> JSONResponse:
-        code = next(c for cls, c in _STATUS if isinstance(exc, cls))
+        assert isinstance(exc, OrchError)
+        code = status_of(exc)
         if code == 503:
             log.warning("unavailable: %s", exc)
             return problem(503, "the database or the broker is unavailable; try again")
@@ -125,15 +165,7 @@ def install(app: FastAPI) -> None:
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        errors = [
-            {
-                "loc": [p if isinstance(p, int) else _clean(p) for p in e.get("loc", ())],
-                "msg": _clean(e.get("msg", "invalid")),
-                "type": _clean(e.get("type", "invalid")),
-            }
-            for e in exc.errors()
-        ]
-        return problem(422, "the request is not valid", errors=errors)
+        return problem(422, "the request is not valid", errors=field_errors(exc.errors()))
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)

@@ -66,18 +66,29 @@ OUTBOX_DUE = (
 
 # -------------------------------------------------------------------------------- observers
 # One statement: the row, its history and its outbox record (one round trip).
-CREATE = f"""
-WITH o AS (
+# Many in one statement: a name already taken by a live observer skips its row (no error), so
+# one conflict fails only its own item.
+CREATE_MANY = f"""
+WITH v AS (
+    SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:kinds AS text[]),
+                         CAST(:params AS text[]), CAST(:ds AS uuid[]), CAST(:rps AS text[]),
+                         CAST(:bodies AS text[]))
+           WITH ORDINALITY AS v(id, name, kind, params, d, rp, body, n)
+), o AS (
     INSERT INTO observers AS o (id, name, kind, params, status, dispatch_id, restart_policy)
-    VALUES (:id, :name, :kind, CAST(:params AS jsonb), {_v(S.CREATED)}, :d,
-            CAST(:rp AS jsonb))
+    SELECT v.id, v.name, v.kind, CAST(v.params AS jsonb), {_v(S.CREATED)}, v.d,
+           CAST(v.rp AS jsonb)
+      FROM v ORDER BY v.n
+    ON CONFLICT (name) WHERE status <> {_v(S.DELETED)} DO NOTHING
     RETURNING {OBSERVER_COLUMNS}
 ), e AS (
     INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
 ), b AS (
-    INSERT INTO outbox (route, body) VALUES (:route, CAST(:body AS jsonb)) RETURNING id
+    INSERT INTO outbox (route, body)
+    SELECT :route, CAST(v.body AS jsonb) FROM v JOIN o ON o.id = v.id ORDER BY v.n
+    RETURNING id, CAST(body ->> 'observer_id' AS uuid) AS observer_id
 )
-SELECT o.*, b.id AS outbox_id FROM o, b
+SELECT o.*, b.id AS outbox_id FROM o JOIN b ON b.observer_id = o.id
 """
 GET = f"SELECT {OBSERVER_COLUMNS} FROM observers o WHERE o.id = :id"
 LIST = (

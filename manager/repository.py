@@ -50,38 +50,52 @@ async def record_events(
         )
 
 
+@dataclass(frozen=True)
+class NewObserver:
+    name: str
+    kind: str
+    params: dict[str, Any]
+    restart_policy: dict[str, Any] | None = None
+
+
+async def create_observers(
+    conn: AsyncConnection, new: Sequence[NewObserver]
+) -> tuple[list[dict[str, Any] | None], list[outbox.Pending]]:
+    """Rows, history and outbox records in one statement (one round trip). Each row, in the
+    order asked for, or None where a live observer already has that name."""
+    starts = [StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4()) for _ in new]
+    with database_errors():
+        rows = (
+            await conn.execute(
+                text(q.CREATE_MANY),
+                {
+                    "ids": [s.observer_id for s in starts],
+                    "names": [n.name for n in new],
+                    "kinds": [n.kind for n in new],
+                    "params": [to_json(n.params) for n in new],
+                    "ds": [s.dispatch_id for s in starts],
+                    "rps": [to_json(n.restart_policy) if n.restart_policy else None for n in new],
+                    "route": Route.WORK.value,
+                    "bodies": [to_json(s.to_json()) for s in starts],
+                },
+            )
+        ).all()
+    made = {r.id: _row(r) for r in rows}
+    pending = [
+        outbox.Pending(made[s.observer_id].pop("outbox_id"), WORK, s)
+        for s in starts
+        if s.observer_id in made
+    ]
+    return [made.get(s.observer_id) for s in starts], pending
+
+
 async def create_observer(
-    conn: AsyncConnection,
-    *,
-    name: str,
-    kind: str,
-    params: dict[str, Any],
-    restart_policy: dict[str, Any] | None,
+    conn: AsyncConnection, new: NewObserver
 ) -> tuple[dict[str, Any], outbox.Pending]:
-    """Row, history and outbox record in one statement (one round trip)."""
-    observer_id, dispatch_id = uuid.uuid4(), uuid.uuid4()
-    start = StartMessage(observer_id=observer_id, dispatch_id=dispatch_id)
-    try:
-        with database_errors():
-            row = (
-                await conn.execute(
-                    text(q.CREATE),
-                    {
-                        "id": observer_id,
-                        "name": name,
-                        "kind": kind,
-                        "params": to_json(params),
-                        "d": dispatch_id,
-                        "rp": to_json(restart_policy) if restart_policy else None,
-                        "route": Route.WORK.value,
-                        "body": to_json(start.to_json()),
-                    },
-                )
-            ).one()
-    except NameTaken:
-        raise NameTaken(name) from None
-    data = _row(row)
-    return data, outbox.Pending(data.pop("outbox_id"), WORK, start)
+    (row,), pending = await create_observers(conn, [new])
+    if row is None:
+        raise NameTaken(new.name)
+    return row, pending[0]
 
 
 async def get_observer(conn: AsyncConnection, observer_id: uuid.UUID) -> dict[str, Any]:

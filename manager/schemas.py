@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from contracts.kinds import RestartPolicy
 from contracts.statuses import ObserverStatus
+from manager.problems import Problem
 
 #: Nesting of ``params`` (objects in arrays in objects …) beyond this is refused.
 MAX_PARAMS_DEPTH = 16
@@ -67,6 +68,21 @@ class ObserverCreate(BaseModel):
     )
     restart_policy: RestartPolicy | None = Field(
         default=None, description="overrides the kind's restart policy for this observer"
+    )
+
+
+#: Observers in one bulk create at most.
+MAX_BATCH = 1000
+
+
+class ObserverBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    observers: list[Any] = Field(
+        min_length=1,
+        max_length=MAX_BATCH,
+        description="each one shaped like the body of createObserver; one that is not fails "
+        "alone, with a problem of its own",
     )
 
 
@@ -132,3 +148,16 @@ class LeaderOut(BaseModel):
     live: bool = False
     this_replica: str
     this_replica_leads: bool
+
+
+class BatchItemOut(BaseModel):
+    index: int = Field(description="its position in the request")
+    status: int = Field(description="201 when created, else the status of its problem")
+    observer: ObserverOut | None = None
+    problem: Problem | None = Field(default=None, description="why it was not created")
+
+
+class ObserverBatchOut(BaseModel):
+    created: int
+    failed: int
+    items: list[BatchItemOut] = Field(description="one per observer asked for, in order")

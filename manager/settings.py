@@ -12,6 +12,8 @@ from contracts.settings import CommonSettings
 class ManagerSettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65_535)
+    #: Processes serving the port, each a full replica (API and a leadership candidate).
+    workers: int = Field(default=1, ge=1, le=64)
     #: API tokens: ``name:role:sha256-hex`` entries (comma- or newline-separated), or
     #: ``@file`` with one a line. Make one with ``orch token new NAME --role admin``.
     api_tokens: str = ""
@@ -19,6 +21,8 @@ class ManagerSettings(CommonSettings):
     auth: Literal["on", "disabled"] = "on"
     #: Largest request body accepted, bytes.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    #: Largest body of ``POST /observers/batch`` (up to 1,000 observers), bytes.
+    max_batch_body_bytes: int = Field(default=16 << 20, ge=1024)
     #: A request body must arrive within this many seconds (408 otherwise).
     body_timeout: float = Field(default=10.0, gt=0, le=300)
     #: Largest ``params`` of one observer (as JSON), bytes.

@@ -115,6 +115,74 @@ def create(
     _show_json(o) if as_json else out.print(f"created {o['id']} ({o['status']})")
 
 
+#: Observers per POST /observers/batch (the API's most).
+BATCH = 1000
+
+
+def _observers_in(source: str) -> list[Any]:
+    """A JSON array of observers, or one JSON object a line; ``-`` is standard input."""
+    import sys
+    from pathlib import Path
+
+    text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    stripped = text.strip()
+    if stripped.startswith("["):
+        items = json.loads(stripped)
+    else:
+        items = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+    if not isinstance(items, list) or not items:
+        raise typer.BadParameter("expected a JSON array of observers, or one a line")
+    return items
+
+
+@observers_app.command("import")
+def import_observers(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="a file with a JSON array of observers (or one JSON object a line), - for stdin"
+        ),
+    ],
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Create many observers, a thousand a request (POST /observers/batch). Each is shaped like
+    the body of a single create; one that fails is reported and the others go on. Exits 1 when
+    any failed."""
+    from rich.progress import Progress
+
+    try:
+        items = _observers_in(source)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="SOURCE") from None
+    client = _client(api, token)
+    results: list[dict[str, Any]] = []
+    with Progress(console=err, transient=True, disable=as_json) as progress:
+        task = progress.add_task("creating", total=len(items))
+        for first in range(0, len(items), BATCH):
+            try:
+                answer = client.post(
+                    "/observers/batch", {"observers": items[first : first + BATCH]}
+                )
+            except ApiError as exc:
+                raise _failed(exc) from None
+            results += [{**item, "index": item["index"] + first} for item in answer["items"]]
+            progress.advance(task, len(answer["items"]))
+    failed = [r for r in results if r["status"] != 201]
+    if as_json:
+        _show_json({"created": len(results) - len(failed), "failed": len(failed), "items": results})
+    else:
+        for r in failed:
+            name = items[r["index"]].get("name") if isinstance(items[r["index"]], dict) else None
+            err.print(
+                f"[red]#{r['index']}[/red] {name or ''}: {r['problem']['detail']}", highlight=False
+            )
+        out.print(f"created {len(results) - len(failed)}, failed {len(failed)}")
+    if failed:
+        raise typer.Exit(1)
+
+
 def _pages(client: Client, **filters: Any) -> Iterator[list[dict[str, Any]]]:
     offset = filters.pop("offset", 0)
     while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -66,16 +67,25 @@ def _settings(cls: type[S], **overrides: Any) -> S:
         _fail("; ".join(lines), 2)
 
 
-def _run(
-    settings: CommonSettings, wait: float, run: Callable[[Any], Coroutine[Any, Any, int]]
-) -> None:
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run a server's main coroutine on uvloop where it is installed (it roughly halves the
+    event loop's own cost per request and per delivery), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> None:
     """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
     from contracts.kinds import load_kinds
 
     try:
         kinds = load_kinds(settings.kind_module_list)
         asyncio.run(check_servers(settings, wait=wait))
-        code = asyncio.run(run(kinds))
+        code = run(kinds)
     except StartupError as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -100,6 +110,9 @@ def migrate() -> None:
 def manager(
     host: Annotated[str | None, typer.Option(help="address to listen on")] = None,
     port: Annotated[int | None, typer.Option(help="port to listen on")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="processes serving the port (each a full replica)")
+    ] = None,
     wait: ServersWait = 0,
 ) -> None:
     """Run the HTTP API (and, if elected, the background loops)."""
@@ -107,13 +120,30 @@ def manager(
     from manager.leader import new_holder_id
     from manager.settings import ManagerSettings
 
-    settings = _settings(ManagerSettings, host=host, port=port)
-    replica = new_holder_id()
-    logs.configure(settings.log_level, settings.log_format, replica=replica)
-    _run(settings, wait, lambda kinds: _serve_manager(settings, kinds, replica))
+    settings = _settings(ManagerSettings, host=host, port=port, workers=workers)
+    if settings.workers == 1:
+        replica = new_holder_id()
+        logs.configure(settings.log_level, settings.log_format, replica=replica)
+        _run(settings, wait, lambda kinds: run_loop(_serve_manager(settings, kinds, replica)))
+    logs.configure(settings.log_level, settings.log_format)
+    _run(settings, wait, lambda kinds: _serve_workers(settings, kinds))
 
 
-async def _serve_manager(settings: Any, kinds: Any, replica: str) -> int:
+def _serve_workers(settings: Any, kinds: Any) -> int:
+    """``settings.workers`` replicas sharing one listening socket."""
+    from contracts import logs
+    from orch.workers import run_workers
+
+    def worker(sock: socket.socket, replica: str) -> int:
+        logs.configure(settings.log_level, settings.log_format, replica=replica)
+        return run_loop(_serve_manager(settings, kinds, replica, sock))
+
+    return run_workers(settings.host, settings.port, settings.workers, worker)
+
+
+async def _serve_manager(
+    settings: Any, kinds: Any, replica: str, sock: socket.socket | None = None
+) -> int:
     """Serve until a signal (0), or until a task of the runtime dies (1)."""
     import uvicorn
 
@@ -129,7 +159,7 @@ async def _serve_manager(settings: Any, kinds: Any, replica: str) -> int:
         access_log=False,
     )
     server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
     fatal = asyncio.create_task(runtime.fatal.wait())
     await asyncio.wait([serving, fatal], return_when=asyncio.FIRST_COMPLETED)
     if fatal.done():
@@ -153,7 +183,7 @@ def service(
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
-    _run(settings, wait, lambda kinds: serve(settings, kinds))
+    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds)))
 
 
 @app.command()

@@ -7,10 +7,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, HTTPException, Query, status
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from contracts.errors import TooLarge
+from contracts.errors import NameTaken, OrchError, TooLarge
 from contracts.kinds import get_kind
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
@@ -18,9 +19,12 @@ from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ
 from manager.db import autocommit, transaction
 from manager.outbox import Pending
-from manager.problems import responses
+from manager.problems import field_errors, problem_of, responses, status_of
+from manager.runtime import ManagerRuntime
 from manager.schemas import (
     KindName,
+    ObserverBatch,
+    ObserverBatchOut,
     ObserverCreate,
     ObserverEventOut,
     ObserverOut,
@@ -33,6 +37,17 @@ AUTH = (401, 403)
 ONE = (*AUTH, 404, 422, 503)
 
 
+def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
+    """What to insert, once the kind took the params (raises InvalidInput, TooLarge)."""
+    spec = get_kind(state.kinds, body.kind)
+    params = spec.validate_params(body.params)
+    limit = state.settings.max_params_bytes
+    if len(json.dumps(params)) > limit:
+        raise TooLarge(f"params are larger than {limit} bytes")
+    policy = body.restart_policy.model_dump() if body.restart_policy else None
+    return repo.NewObserver(body.name, body.kind, params, policy)
+
+
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
@@ -43,18 +58,63 @@ ONE = (*AUTH, 404, 422, 503)
 )
 async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, Any]:
     """Start an observer. It is `created` at once and `processing` when a service takes it."""
-    spec = get_kind(state.kinds, body.kind)
-    params = spec.validate_params(body.params)
-    limit = state.settings.max_params_bytes
-    if len(json.dumps(params)) > limit:
-        raise TooLarge(f"params are larger than {limit} bytes")
-    policy = body.restart_policy.model_dump() if body.restart_policy else None
+    new = _new(state, body)
     async with autocommit(state.engine) as conn:  # one statement: row, history, outbox
-        row, pending = await repo.create_observer(
-            conn, name=body.name, kind=body.kind, params=params, restart_policy=policy
-        )
+        row, pending = await repo.create_observer(conn, new)
     await state.outbox.publish_now([pending])
     return row
+
+
+@router.post(
+    "/batch",
+    response_model=ObserverBatchOut,
+    operation_id="createObservers",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 413, 422, 503),
+)
+async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, Any]:
+    """Start up to 1,000 observers in one transaction and one confirmed publish. An item that
+    is not valid, or whose name is taken (here or earlier in the batch), fails alone: its
+    `problem` says why, in the shape of every error of this API."""
+    items: list[dict[str, Any]] = []
+    todo: list[tuple[int, repo.NewObserver]] = []
+    names: set[str] = set()
+    for i, raw in enumerate(body.observers):
+        try:
+            new = _new(state, ObserverCreate.model_validate(raw))
+            if new.name in names:
+                raise NameTaken(new.name)
+            names.add(new.name)
+            todo.append((i, new))
+        except ValidationError as exc:
+            errors = field_errors(exc.errors(), under=("body", "observers", i))
+            items.append(_failed(i, 422, "the observer is not valid", errors))
+        except OrchError as exc:
+            items.append(_failed(i, status_of(exc), str(exc)))
+    pending: list[Pending] = []
+    if todo:
+        async with autocommit(state.engine) as conn:  # one statement for all of them
+            rows, pending = await repo.create_observers(conn, [new for _, new in todo])
+        for (i, new), row in zip(todo, rows, strict=True):
+            if row is None:
+                items.append(_failed(i, 409, str(NameTaken(new.name))))
+            else:
+                items.append({"index": i, "status": 201, "observer": row})
+    await state.outbox.publish_now(pending)
+    items.sort(key=lambda item: item["index"])
+    return {"created": len(pending), "failed": len(items) - len(pending), "items": items}
+
+
+@router.api_route("/batch", methods=["GET", "DELETE"], include_in_schema=False)
+async def batch_is_post_only() -> None:
+    """Without it, ``GET /observers/batch`` would read "batch" as an observer id (422)."""
+    raise HTTPException(405)
+
+
+def _failed(
+    index: int, code: int, detail: str, errors: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "status": code, "problem": problem_of(code, detail, errors=errors)}
 
 
 @router.get(

@@ -200,6 +200,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
     ("drain a missing service", "POST", f"/services/{NIL}/drain", {}, 404),
     ("drain a service that is not a uuid", "POST", "/services/x/drain", {}, 422),
     ("a method the route does not have", "PUT", "/observers", {"json": {}}, 405),
+    ("GET on the bulk create (not an observer id)", "GET", "/observers/batch", {}, 405),
     ("a route that does not exist", "GET", "/nope", {}, 404),
 ]
 
@@ -218,8 +219,14 @@ async def test_fifty_malformed_requests_get_the_right_4xx(cluster: Cluster) -> N
                 and body["status"] == expected
                 and body["detail"]
             )
+            if expected == 405:  # every method of the resource, and only those
+                allow = {"/observers": "GET, POST", "/observers/batch": "POST"}[path]
+                ok = ok and r.headers.get("allow") == allow
             if not ok:
-                wrong.append(f"{what}: {r.status_code} {r.text[:200]!r} (wanted {expected})")
+                wrong.append(
+                    f"{what}: {r.status_code} {r.text[:200]!r} {r.headers.get('allow')}"
+                    f" (wanted {expected})"
+                )
         # Conflicts, on one real observer.
         o = (await api.post("/observers", json=_body())).json()
         for what, method, path, expected in (

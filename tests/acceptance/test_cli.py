@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -145,6 +146,30 @@ async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
     assert "drained" in drained.stdout
     deleted = await _run(cluster, "observers", "delete", oid, "--wait")
     assert f"{oid}: deleted" in deleted.stdout
+
+
+async def test_import_creates_many_and_reports_each_failure(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    await cluster.start_manager()
+    many = [{"name": f"imp-{i}", "kind": "ticker", "params": {"interval": 60}} for i in range(1500)]
+    many[7] = {"name": "imp-bad", "kind": "no-such-kind"}
+    source = tmp_path / "observers.json"
+    source.write_text(json.dumps(many))
+    imported = await _run(cluster, "observers", "import", str(source))
+    assert imported.returncode == 1, "one failed"
+    assert "created 1499, failed 1" in imported.stdout
+    assert "#7" in imported.stderr
+    assert "imp-bad" in imported.stderr
+    lines = tmp_path / "more.jsonl"
+    lines.write_text(
+        "\n".join(json.dumps({"name": f"line-{i}", "kind": "ticker"}) for i in range(3))
+    )
+    again = await _run(cluster, "observers", "import", str(lines), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["created"] == 3
+    listed = await _run(cluster, "observers", "list", "--name", "imp-", "--all", "--json")
+    assert len(json.loads(listed.stdout)) == 1499
 
 
 async def test_failures_print_the_api_message_and_exit_1_usage_exits_2(cluster: Cluster) -> None:

@@ -22,6 +22,7 @@ async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator
         kind_modules="observer_service.kinds.recorder",
         auth="disabled",
         max_body_bytes=4096,
+        max_batch_body_bytes=32768,
         max_params_bytes=512,
     )
     app = create_app(settings)
@@ -207,3 +208,125 @@ async def test_metrics_show_the_cluster_and_the_requests(api: httpx.AsyncClient)
         'route="/observers/{observer_id}"} 1.0'
     ) in text, "labelled by route template, never by the id in the path"
     assert "00000000-0000" not in text
+
+
+async def test_every_create_is_published_once(
+    servers: Servers, database_url: str, prefix: str
+) -> None:
+    """Regression: a confirm that finished while the cleanup swapped its list of published
+    rows was forgotten, and the relay published that start a second time."""
+    import asyncio
+
+    import aio_pika
+
+    from contracts.topology import Topology
+    from orch.cluster import quiet, wait_for
+
+    settings = ManagerSettings(
+        database_url=database_url,
+        amqp_url=servers.amqp_url,
+        prefix=prefix,
+        auth="disabled",
+        relay_grace=0.2,
+        relay_interval=0.05,
+    )
+    app = create_app(settings)
+    n = 300
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            todo = iter(range(n))
+
+            async def creator() -> None:
+                for i in todo:
+                    r = await client.post("/observers", json={"name": f"p{i}", "kind": "ticker"})
+                    assert r.status_code == 201, r.text
+
+            await asyncio.gather(*(creator() for _ in range(32)))
+            await quiet(1.0, "give the relay time to publish anything left behind")
+        connection = await aio_pika.connect(servers.amqp_url)
+        async with connection:
+            channel = await connection.channel()
+
+            async def counted() -> int:
+                queue = await channel.declare_queue(Topology(prefix).work_queue, passive=True)
+                return int(queue.declaration_result.message_count or 0)
+
+            await wait_for(counted, timeout=10, what="the starts on the broker")
+            assert await counted() == n, "each start message published exactly once"
+
+
+async def test_a_bulk_create_fails_only_its_bad_items(api: httpx.AsyncClient) -> None:
+    await api.post("/observers", json={"name": "taken", "kind": "ticker"})
+    batch = [
+        {"name": "ok-1", "kind": "ticker", "params": {"interval": 2}},
+        {"name": "bad-kind", "kind": "nope"},
+        {"name": "bad-params", "kind": "ticker", "params": {"interval": "often"}},
+        {"name": "ok-1", "kind": "ticker"},  # twice in this batch
+        {"name": "taken", "kind": "ticker"},  # a live observer has it
+        ["not", "an", "object"],
+        {"name": "big", "kind": "recorder", "params": {"dir": "x" * 600}},
+        {"name": "ok-2", "kind": "ticker"},
+    ]
+    r = await api.post("/observers/batch", json={"observers": batch})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [i["status"] for i in body["items"]] == [201, 422, 422, 409, 409, 422, 413, 201]
+    assert (body["created"], body["failed"]) == (2, 6)
+    assert [i["index"] for i in body["items"]] == list(range(len(batch)))
+    for item in body["items"]:
+        if item["status"] == 201:
+            assert item["observer"]["status"] == "created"
+            got = await api.get(f"/observers/{item['observer']['id']}")
+            assert got.json()["name"] == item["observer"]["name"]
+        else:
+            problem = item["problem"]
+            assert problem["status"] == item["status"]
+            assert problem["title"]
+            assert problem["detail"]
+    invalid = body["items"][2]["problem"]
+    assert invalid["detail"]
+    non_object = body["items"][5]["problem"]
+    assert non_object["errors"][0]["loc"][:3] == ["body", "observers", 5]
+    assert "taken" in body["items"][4]["problem"]["detail"]
+
+
+async def test_a_bulk_create_is_bounded(api: httpx.AsyncClient) -> None:
+    many = [{"name": f"n{i}", "kind": "ticker"} for i in range(1001)]
+    r = await api.post("/observers/batch", json={"observers": many})
+    assert r.status_code == 422
+    assert r.headers["content-type"] == "application/problem+json"
+    assert (await api.post("/observers/batch", json={"observers": []})).status_code == 422
+    # Its own body limit: larger than a single create may send, up to the batch's.
+    pad = [{"name": f"p{i}", "kind": "recorder", "params": {"dir": "x" * 400}} for i in range(20)]
+    assert (await api.post("/observers", json={"pad": pad})).status_code == 413
+    r = await api.post("/observers/batch", json={"observers": pad})
+    assert r.status_code == 200, r.text
+    assert r.json()["created"] == 20
+    huge = "x" * (64 << 10)
+    r = await api.post("/observers/batch", content=b'{"observers": ["' + huge.encode() + b'"]}')
+    assert r.status_code == 413
+
+
+async def test_a_bulk_create_publishes_each_start_once(
+    servers: Servers, database_url: str, prefix: str
+) -> None:
+    import aio_pika
+
+    from contracts.topology import Topology
+
+    settings = ManagerSettings(
+        database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, auth="disabled"
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            batch = [{"name": f"b{i}", "kind": "ticker"} for i in range(1000)]
+            r = await client.post("/observers/batch", json={"observers": batch})
+            assert r.json()["created"] == 1000
+    connection = await aio_pika.connect(servers.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(Topology(prefix).work_queue, passive=True)
+        assert queue.declaration_result.message_count == 1000
