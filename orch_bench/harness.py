@@ -174,10 +174,32 @@ class BenchCluster(LocalCluster):
         return ids
 
     async def grow_to(self, level: int, *, tag: str) -> None:
-        """Idle tickers until ``level`` of them run (counting those made before)."""
+        """Idle tickers until ``level`` of them run (counting those made before), created in
+        bulk."""
         have = await self.running_count()
-        await self.create_many(level - have, "ticker", {"interval": 3600}, tag=tag)
+        await self.create_batches(level - have, "ticker", {"interval": 3600}, tag=tag)
         await self.wait_running(level, timeout=300)
+
+    async def create_batches(
+        self, n: int, kind: str, params: dict[str, Any], *, tag: str, batch: int = 1000
+    ) -> list[uuid.UUID]:
+        """Create ``n`` observers through ``POST /observers/batch``."""
+        ids: list[uuid.UUID] = []
+        client = RawClient(self.api_port, self.token)
+        try:
+            for first in range(0, n, batch):
+                items = [
+                    {"name": f"{tag}-{i}", "kind": kind, "params": params}
+                    for i in range(first, min(n, first + batch))
+                ]
+                status, text = await client.post("/observers/batch", {"observers": items})
+                body = json.loads(text)
+                if status != 200 or body["failed"]:
+                    raise RuntimeError(f"bulk create failed: {status} {text[:300]!r}")
+                ids += [uuid.UUID(item["observer"]["id"]) for item in body["items"]]
+        finally:
+            await client.close()
+        return ids
 
     async def running_count(self, ids: list[uuid.UUID] | None = None) -> int:
         db = await self.connect()
@@ -204,6 +226,19 @@ class BenchCluster(LocalCluster):
         await wait_for(enough, timeout=timeout, what=f"{n} observers running", every=0.2)
         return time.monotonic() - start
 
+    async def wait_moved(self, service_id: uuid.UUID, n: int, *, timeout: float) -> None:
+        """Until ``n`` observers run on the service ``service_id``."""
+        db = await self.connect()
+
+        async def moved() -> bool:
+            k = await db.fetchval(
+                "SELECT count(*) FROM observers WHERE service_id = $1 AND status = 'processing'",
+                service_id,
+            )
+            return bool(k >= n)
+
+        await wait_for(moved, timeout=timeout, what=f"{n} observers moved", every=0.05)
+
     async def busiest_service(self) -> tuple[int, uuid.UUID, int]:
         """(pid, service id, running) of the service running the most observers."""
         db = await self.connect()
@@ -218,14 +253,18 @@ class BenchCluster(LocalCluster):
     def proc_by_pid(self, pid: int) -> Any:
         return next(p for p in self.procs if p.pid == pid)
 
-    async def db_counters(self) -> tuple[float, int, int]:
+    async def db_counters(self) -> tuple[float, int, int, int]:
+        """(when, transactions, rows written, rows read) of this cluster's database so far.
+
+        PostgreSQL flushes a backend's counters up to seconds late: read them after a quiet
+        spell, never right after a burst."""
         db = await self.connect()
         row = await db.fetchrow(
-            "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted AS writes "
-            "FROM pg_stat_database WHERE datname = current_database()"
+            "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted AS writes, "
+            "tup_returned AS reads FROM pg_stat_database WHERE datname = current_database()"
         )
         assert row is not None
-        return time.monotonic(), int(row["xact_commit"]), int(row["writes"])
+        return time.monotonic(), int(row["xact_commit"]), int(row["writes"]), int(row["reads"])
 
     def broker_frames(self) -> int:
         """Frames the broker sent and received on this cluster's connections (its counters)."""
@@ -256,3 +295,38 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(cluster: LocalCluster, since: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds used so far (or since ``since``) by role: manager, services, PostgreSQL,
+    RabbitMQ, and this process (the load generator), read from /proc."""
+    ours = {p.pid: ("manager" if p.name == "manager" else "services") for p in cluster.procs}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        parent = int(fields[1])
+        if pid in ours:
+            role = ours[pid]
+        elif parent in ours:  # a manager worker
+            role = ours[parent]
+        elif b"postgres" in cmdline:
+            role = "postgres"
+        elif b"beam.smp" in cmdline or b"rabbitmq" in cmdline:
+            role = "rabbitmq"
+        elif pid == os.getpid():
+            role = "load generator"
+        else:
+            continue
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    if since is not None:
+        out = {role: seconds - since.get(role, 0.0) for role, seconds in out.items()}
+    return out

@@ -37,6 +37,7 @@ async def run(
     await bench.prepare()
     figures: list[Figure] = []
     started = datetime.datetime.now(datetime.UTC)
+    load_before = [round(x, 2) for x in os.getloadavg()]  # the machine's own noise, 1/5/15 min
     try:
         with Progress(
             TextColumn("{task.description:<12}"),
@@ -70,6 +71,7 @@ async def run(
             "date": started.isoformat(timespec="seconds"),
             "quick": quick,
             "lease_ttl": settings.lease_ttl,
+            "load_average_before": load_before,
             "machine": await asyncio.to_thread(machine, pg),
             "figures": [f.as_dict() for f in figures],
         }

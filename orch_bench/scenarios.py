@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 import uuid
@@ -11,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orch.cluster import wait_for
+from orch.cluster import quiet, wait_for
+from orch_bench.floor import measure_floor
 from orch_bench.harness import (
     Bench,
     BenchCluster,
     Figure,
+    cpu_by_role,
     cpu_seconds,
     median,
     percentile,
@@ -35,14 +38,28 @@ class Size:
     cancel_running: int
     cancel_samples: int
     failover_observers: int
+    crash_moved: tuple[int, ...]
+    bulk_observers: int
     density_levels: tuple[int, ...]
     cost_observers: tuple[int, ...]
     cost_services: tuple[int, ...]
     cost_seconds: float
 
 
-QUICK = Size(30, 5, 200, 40, 40, (1000,), (1000,), (1, 3), 5)
-FULL = Size(200, 30, 1000, 200, 200, (1000, 5000, 10000), (1000, 5000, 10000), (1, 3, 10), 10)
+QUICK = Size(30, 5, 200, 40, 40, (20, 100), 3000, (1000,), (1000,), (3,), 5)
+FULL = Size(
+    200,
+    30,
+    1000,
+    200,
+    200,
+    (10, 20, 100, 1000),
+    20_000,
+    (1000, 5000, 10000),
+    (1000, 5000, 10000),
+    (1, 3, 10),
+    10,
+)
 
 Tick = Callable[..., None]
 
@@ -94,15 +111,22 @@ async def start_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     return _distribution("start latency", "POST → first checkpoint", ms, "ms", p99_target=50)
 
 
+#: Manager processes in the intake scenarios: one per core, as an operator would run it.
+INTAKE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
 async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
-    """Creates per second through the API (32 keep-alive connections), and the time until all
-    of them run."""
-    async with bench.cluster("throughput") as c:
+    """Creates per second through one manager replica (one worker process per core) from 32
+    keep-alive connections, where the CPU goes meanwhile, and the latency of one client alone
+    (what a request costs when it does not queue behind 31 others)."""
+    async with bench.cluster("throughput", workers=INTAKE_WORKERS) as c:
         await c.start(services=2, worker_count=20_000)
+        alone = await measure_creates(c, 50, tag="solo")
 
         def body(client: int, i: int) -> dict[str, Any]:
             return {"name": f"tp-{client}-{i}", "kind": "ticker", "params": IDLE_TICKER}
 
+        before = cpu_by_role(c)
         created, elapsed, latencies = await create_for(
             c.api_port,
             size.throughput_seconds,
@@ -111,10 +135,13 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
             body=body,
             progress=lambda: tick(advance=0),
         )
+        cpu = {k: v / elapsed * 100 for k, v in cpu_by_role(c, since=before).items()}
         all_running = await c.wait_running(created, timeout=300)
         tick()
     rate = created / elapsed
     ms = [x * 1000 for x in latencies]
+    p99 = percentile(ms, 99)
+    split = ", ".join(f"{role} {pct:.0f} %" for role, pct in sorted(cpu.items()) if pct >= 1)
     return [
         Figure(
             "create throughput",
@@ -123,15 +150,102 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
             "1/s",
             "≥ 1000",
             rate >= 1000,
-            f"{created} in {elapsed:.1f} s, 32 connections",
+            f"{created} in {elapsed:.1f} s, 32 connections, {INTAKE_WORKERS} manager workers",
         ),
         Figure(
             "create throughput",
             "POST latency under that load p99",
-            round(percentile(ms, 99), 1),
+            round(p99, 1),
             "ms",
+            "< 100",
+            p99 < 100,
+        ),
+        Figure("create throughput", "POST latency p50", round(percentile(ms, 50), 1), "ms"),
+        Figure(
+            "create throughput",
+            "POST latency of one client alone p50",
+            round(percentile(alone, 50), 2),
+            "ms",
+            note=f"p99 {percentile(alone, 99):.1f} ms; under load a request waits its turn",
+        ),
+        Figure(
+            "create throughput",
+            "CPU during the load (% of one core)",
+            round(sum(cpu.values())),
+            "%",
+            note=f"{split}; {os.cpu_count()} cores",
         ),
         Figure("create throughput", "last create → all running", round(all_running, 2), "s"),
+    ]
+
+
+async def measure_creates(c: BenchCluster, n: int, *, tag: str) -> list[float]:
+    """Milliseconds per POST /observers from one client, ``n`` times."""
+    client = RawClient(c.api_port, c.token)
+    out: list[float] = []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            body = {"name": f"{tag}-{i}", "kind": "ticker", "params": IDLE_TICKER}
+            status, text = await client.post("/observers", body)
+            if status != 201:
+                raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+            out.append((time.perf_counter() - t) * 1000)
+    finally:
+        await client.close()
+    return out
+
+
+BULK_TARGET = 5000
+
+
+async def bulk_intake(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """Observers created with POST /observers/batch (1,000 a request, two connections): from
+    the first request until every one of them is processing."""
+    n = size.bulk_observers
+    async with bench.cluster("bulk", workers=INTAKE_WORKERS) as c:
+        await c.start(services=2, worker_count=n)
+        todo = iter(range(0, n, 1000))
+        posts: list[float] = []
+
+        async def sender(k: int) -> None:
+            for first in todo:
+                t = time.perf_counter()
+                await c.create_batches(min(1000, n - first), "ticker", IDLE_TICKER, tag=f"b{first}")
+                posts.append((time.perf_counter() - t) * 1000)
+                tick(advance=0)
+
+        before = cpu_by_role(c)
+        began = time.monotonic()
+        await asyncio.gather(sender(0), sender(1))
+        posted = time.monotonic() - began
+        await c.wait_running(n, timeout=300)
+        took = time.monotonic() - began
+        cpu = cpu_by_role(c, since=before)
+        tick()
+    rate = n / took
+    per = ", ".join(
+        f"{role} {seconds / n * 1000:.2f}" for role, seconds in sorted(cpu.items()) if seconds > 0
+    )
+    return [
+        Figure(
+            "bulk intake",
+            "observers/s reaching processing",
+            round(rate),
+            "1/s",
+            f"≥ {BULK_TARGET}",
+            rate >= BULK_TARGET,
+            f"{n} in {took:.1f} s, batches of 1000 on 2 connections",
+        ),
+        Figure("bulk intake", "observers/s accepted by the API", round(n / posted), "1/s"),
+        Figure("bulk intake", "batch POST latency p50", round(percentile(posts, 50)), "ms"),
+        Figure(
+            "bulk intake",
+            "CPU per observer",
+            round(sum(cpu.values()) / n * 1000, 2),
+            "ms",
+            note=f"by role, ms: {per}",
+        ),
     ]
 
 
@@ -173,17 +287,26 @@ async def cancel_latency(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     )
 
 
-async def _recorders(c: BenchCluster, n: int, services: int) -> list[uuid.UUID]:
+async def _recorders(
+    c: BenchCluster, n: int, services: int, interval: float = TICK
+) -> list[uuid.UUID]:
     await c.start(services=services, worker_count=n)
-    params = {"dir": str(c.workdir / "ticks"), "interval": TICK, "checkpoint_every": 50}
+    every = max(1, round(1 / interval))  # about one checkpoint a second
+    params = {"dir": str(c.workdir / "ticks"), "interval": interval, "checkpoint_every": every}
     ids = await c.create_many(n, "recorder", params, tag="r")
-    await c.wait_running(n, timeout=60)
-    await asyncio.sleep(1.0)
+    await c.wait_running(n, timeout=120)
+    await quiet(1.0, "let every recorder tick before the fault")
     return ids
 
 
 def _gap_figures(
-    scenario: str, c: BenchCluster, at: float, pid: int, target_ms: float, target: str
+    scenario: str,
+    c: BenchCluster,
+    at: float,
+    pid: int,
+    target_ms: float,
+    target: str,
+    interval: float = TICK,
 ) -> list[Figure]:
     """Gaps of the observers that ran in process ``pid`` at ``at``, and overlap of all."""
     ticks = read_ticks(c.workdir / "ticks")
@@ -200,8 +323,8 @@ def _gap_figures(
             round(worst, 1),
             "ms",
             target,
-            resumed and worst < target_ms,
-            f"{moved} moved; tick every {TICK * 1000:.0f} ms",
+            resumed and worst < target_ms if target else None,
+            f"{moved} moved; tick every {interval * 1000:.0f} ms",
         ),
         Figure(scenario, "median gap of the moved observers", round(median(finite), 1), "ms"),
         Figure(scenario, "all resumed", float(resumed), "bool", "1", resumed),
@@ -227,15 +350,61 @@ async def _stop_busiest(
         at = time.time()
         c.proc_by_pid(pid).signal(sig)
         await c.wait_running(size.failover_observers, timeout=60)
-        await asyncio.sleep(1.0)
+        await quiet(1.0, "let the moved recorders tick")
         tick()
         return _gap_figures(scenario, c, at, pid, target_ms, f"< {target_ms:g}")
 
 
+#: Crash failover targets by observers moved: (max gap below, times the floor at most).
+CRASH_TARGETS: dict[int, tuple[float, float | None]] = {20: (50, None), 100: (100, 2.0)}
+
+
 async def crash_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
-    return await _stop_busiest(
-        bench, size, tick, sig=signal.SIGKILL, scenario="crash failover (SIGKILL)", target_ms=100
-    )
+    """SIGKILL of a service running ``n`` observers while an idle one waits, for each ``n`` of
+    the size, next to the broker's own floor measured the same way in the same cluster."""
+    figures: list[Figure] = []
+    for n in size.crash_moved:
+        interval = TICK if n <= 100 else 0.1
+        scenario = f"crash failover, {n} moved"
+        async with bench.cluster(f"crash{n}") as c:
+            floor_s = await measure_floor(c, bench.settings.amqp_url, c.workdir, n, interval)
+            await _recorders(c, n, services=1, interval=interval)
+            victim = c.procs[-1]
+            heir = await c.start_service("s2", n)
+            heir_id = await c.service_id(heir)
+            await quiet(1.0, "let the idle service settle before the kill")
+            at = time.time()
+            victim.signal(signal.SIGKILL)
+            await c.wait_moved(heir_id, n, timeout=120)
+            await quiet(1.0, "let the moved recorders tick")
+            tick()
+            target_ms, ratio_target = CRASH_TARGETS.get(n, (0, None))
+            target = f"< {target_ms:g}" if target_ms else ""
+            gaps = _gap_figures(scenario, c, at, victim.pid, target_ms, target, interval)
+        floor_ms = [g * 1000 for g in floor_s]
+        floor_max = max(floor_ms)
+        worst = gaps[0].value or float("nan")
+        ratio = worst / floor_max
+        figures += [
+            *gaps[:2],
+            Figure(
+                scenario,
+                "the broker's floor, max gap",
+                round(floor_max, 1),
+                "ms",
+                note=f"bare aio-pika consumers, median {median(floor_ms):.1f} ms",
+            ),
+            Figure(
+                scenario,
+                "max gap ÷ floor",
+                round(ratio, 2),
+                "x",
+                f"≤ {ratio_target:g}" if ratio_target else "",
+                ratio <= ratio_target if ratio_target else None,
+            ),
+            *gaps[2:],
+        ]
+    return figures
 
 
 async def graceful_move(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
@@ -356,29 +525,44 @@ async def density(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     return figures
 
 
+#: PostgreSQL flushes an idle backend's counters within 10 s: measure only after that.
+COUNTERS_SETTLE = 11.0
+#: An idle cluster's database load may grow with its services, not with its observers.
+IDLE_TRANSACTIONS_TARGET = 100.0
+IDLE_READS_GROWTH_TARGET = 2.0
+
+
 async def cost_growth(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """Database and broker load of idle clusters: observers x services."""
     figures: list[Figure] = []
     top = max(size.cost_observers)
     for services in size.cost_services:
+        reads: dict[int, float] = {}
         async with bench.cluster(f"cost{services}") as c:
             await c.start(services=services, worker_count=top // services + 100)
             for level in size.cost_observers:
                 await c.grow_to(level, tag=f"k{level}")
-                await asyncio.sleep(2.0)
-                t0, x0, w0 = await c.db_counters()
+                await quiet(COUNTERS_SETTLE, "let the database's counters catch up")
+                t0, x0, w0, r0 = await c.db_counters()
                 f0 = await asyncio.to_thread(c.broker_frames)
                 await asyncio.sleep(size.cost_seconds)
-                t1, x1, w1 = await c.db_counters()
+                t1, x1, w1, r1 = await c.db_counters()
                 f1 = await asyncio.to_thread(c.broker_frames)
                 dt = t1 - t0
+                reads[level] = (r1 - r0) / dt
                 label = f"{level} observers, {services} services"
+                xacts = (x1 - x0) / dt
+                at_top = level == top and services == max(size.cost_services)
                 figures += [
                     Figure(
                         "cost growth",
                         f"db transactions/s ({label})",
-                        round((x1 - x0) / dt, 1),
+                        round(xacts, 1),
                         "1/s",
+                        f"≤ {IDLE_TRANSACTIONS_TARGET:g}" if at_top else "",
+                        xacts <= IDLE_TRANSACTIONS_TARGET if at_top else None,
                     ),
+                    Figure("cost growth", f"db rows read/s ({label})", round(reads[level]), "1/s"),
                     Figure(
                         "cost growth", f"db row writes/s ({label})", round((w1 - w0) / dt, 1), "1/s"
                     ),
@@ -387,6 +571,20 @@ async def cost_growth(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
                     ),
                 ]
                 tick()
+        low, high = min(reads), max(reads)
+        if high > low:
+            growth = reads[high] / max(reads[low], 1.0)
+            figures.append(
+                Figure(
+                    "cost growth",
+                    f"rows read/s at {high} ÷ at {low} observers ({services} services)",
+                    round(growth, 2),
+                    "x",
+                    f"≤ {IDLE_READS_GROWTH_TARGET:g}",
+                    growth <= IDLE_READS_GROWTH_TARGET,
+                    "grows with the services, not with the observers",
+                )
+            )
     return figures
 
 
@@ -417,8 +615,9 @@ def _distribution(
 SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
     "start": (start_latency, lambda s: s.start_samples),
     "throughput": (create_throughput, lambda s: 1),
+    "bulk": (bulk_intake, lambda s: 1),
     "cancel": (cancel_latency, lambda s: s.cancel_samples),
-    "crash": (crash_failover, lambda s: 1),
+    "crash": (crash_failover, lambda s: len(s.crash_moved)),
     "freeze": (freeze_failover, lambda s: 1),
     "graceful": (graceful_move, lambda s: 1),
     "join": (join_rebalance, lambda s: 1),
