@@ -633,5 +633,6 @@ def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
 
 
 SCENARIOS["observability"] = _observability()
-#: Left out of --quick (ask for them with --only): interleaved rounds take minutes.
-FULL_ONLY = frozenset({"observability"})
+#: Left out of --quick (ask for them with --only): the observability cost's interleaved rounds
+#: take minutes, and density's target (10,000 in one process) only a full run can show.
+FULL_ONLY = frozenset({"observability", "density"})
