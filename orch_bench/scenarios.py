@@ -46,7 +46,7 @@ class Size:
     cost_seconds: float
 
 
-QUICK = Size(30, 5, 200, 40, 40, (20, 100), 3000, (1000,), (1000,), (3,), 5)
+QUICK = Size(30, 5, 200, 40, 40, (20,), 3000, (1000,), (1000,), (3,), 5)
 FULL = Size(
     200,
     30,
@@ -70,6 +70,14 @@ async def _latencies(cluster: BenchCluster, t0: dict[uuid.UUID, float], sql: str
     return [(float(r["at"]) - t0[r["id"]]) * 1000 for r in rows]
 
 
+async def _create_idle(client: RawClient, name: str) -> uuid.UUID:
+    body = {"name": name, "kind": "ticker", "params": IDLE_TICKER}
+    status, text = await client.post("/observers", body)
+    if status != 201:
+        raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+    return uuid.UUID(json.loads(text)["id"])
+
+
 async def measure_starts(c: BenchCluster, n: int, tick: Tick, tag: str = "start") -> list[float]:
     """Milliseconds from POST to the first checkpoint, ``n`` times, one at a time."""
     t0: dict[uuid.UUID, float] = {}
@@ -78,11 +86,7 @@ async def measure_starts(c: BenchCluster, n: int, tick: Tick, tag: str = "start"
     try:
         for i in range(n):
             sent = time.time()
-            body = {"name": f"{tag}-{i}", "kind": "ticker", "params": IDLE_TICKER}
-            status, text = await client.post("/observers", body)
-            if status != 201:
-                raise RuntimeError(f"create failed: {status} {text[:200]!r}")
-            oid = uuid.UUID(json.loads(text)["id"])
+            oid = await _create_idle(client, f"{tag}-{i}")
             t0[oid] = sent
 
             async def checkpointed(oid: uuid.UUID = oid) -> bool:
@@ -186,10 +190,7 @@ async def measure_creates(c: BenchCluster, n: int, *, tag: str) -> list[float]:
     try:
         for i in range(n):
             t = time.perf_counter()
-            body = {"name": f"{tag}-{i}", "kind": "ticker", "params": IDLE_TICKER}
-            status, text = await client.post("/observers", body)
-            if status != 201:
-                raise RuntimeError(f"create failed: {status} {text[:200]!r}")
+            await _create_idle(client, f"{tag}-{i}")
             out.append((time.perf_counter() - t) * 1000)
     finally:
         await client.close()

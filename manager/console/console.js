@@ -10,12 +10,17 @@ const $ = (sel) => document.querySelector(sel);
 
 function token() { return sessionStorage.getItem("orch-token") || ""; }
 
-async function api(method, path, params) {
+async function api(method, path, params, json) {
   const url = new URL(path, window.location.origin);
   for (const [k, v] of Object.entries(params || {})) if (v !== "" && v != null) url.searchParams.set(k, v);
   const headers = { Accept: "application/json" };
   if (token()) headers.Authorization = `Bearer ${token()}`;
-  const r = await fetch(url, { method, headers });
+  const init = { method, headers };
+  if (json !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(json);
+  }
+  const r = await fetch(url, init);
   const body = r.headers.get("content-type")?.includes("json") ? await r.json() : null;
   if (r.status === 401 && !state.asked) {
     state.asked = true;  // once; the "API token" button asks again
@@ -60,6 +65,55 @@ function showError(err) {
 async function act(method, path, question) {
   if (question && !window.confirm(question)) return;
   try { await api(method, path); showError(null); } catch (err) { showError(err); }
+  await refresh();
+}
+
+// ------------------------------------------------------------------------------ creating
+const BATCH = 1000;  // the most POST /observers/batch takes in one request
+
+function parseObservers(text) {
+  const t = text.trim();
+  if (!t) return [];
+  try {
+    const whole = JSON.parse(t);
+    return Array.isArray(whole) ? whole : [whole];
+  } catch { /* not one JSON document: one object a line */ }
+  return t.split("\n").filter((l) => l.trim()).map((l, i) => {
+    try { return JSON.parse(l); } catch { throw new Error(`line ${i + 1} is not JSON`); }
+  });
+}
+
+function why(problem) {
+  const fields = (problem.errors || []).map((e) => `${e.loc.slice(3).join(".") || "item"}: ${e.msg}`);
+  return [problem.detail, ...fields].join("; ");
+}
+
+async function createMany() {
+  const progress = $("#create-progress");
+  const failures = $("#create-failures");
+  failures.replaceChildren();
+  let items;
+  try { items = parseObservers($("#create-text").value); } catch (err) { showError(err); return; }
+  showError(null);
+  $("#create-go").disabled = true;
+  let created = 0;
+  try {
+    for (let start = 0; start < items.length; start += BATCH) {
+      const out = await api("POST", "/observers/batch", null, { observers: items.slice(start, start + BATCH) });
+      created += out.created;
+      for (const item of out.items.filter((x) => x.problem)) {
+        const n = start + item.index + 1;
+        failures.append(el("li", `#${n}: ${item.status} ${why(item.problem)}`, "failed"));
+      }
+      progress.textContent = `${Math.min(start + BATCH, items.length)} of ${items.length} sent, ${created} created`;
+    }
+    progress.textContent = `${created} of ${items.length} created` +
+      (failures.children.length ? `, ${failures.children.length} failed` : "");
+  } catch (err) {
+    showError(err);
+  } finally {
+    $("#create-go").disabled = false;
+  }
   await refresh();
 }
 
@@ -180,6 +234,7 @@ async function start() {
   $("#filters").addEventListener("submit", (e) => e.preventDefault());
   $("#prev").onclick = () => { state.offset = Math.max(0, state.offset - PAGE); refresh(); };
   $("#next").onclick = () => { if (state.next != null) { state.offset = state.next; refresh(); } };
+  $("#create-go").onclick = createMany;
   $("#token").onclick = () => { state.asked = false; askToken("Set the API token."); refresh(); };
   window.addEventListener("hashchange", refresh);
   await refresh();

@@ -5,6 +5,7 @@ screenshot somewhere (the README's is made this way)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -115,3 +116,40 @@ async def _has(page: Page, selector: str) -> bool:
 
 async def _status_is(cluster: Cluster, oid: str, status: str) -> bool:
     return bool((await cluster.observer(oid))["status"] == status)
+
+
+async def test_the_console_creates_many_and_shows_each_failure(
+    cluster: Cluster, browser: Browser
+) -> None:
+    await cluster.start_manager()
+    tag = uuid.uuid4().hex[:6]
+    lines = [
+        {"name": f"{tag}-1", "kind": "ticker", "params": {"interval": 3600}},
+        {"name": f"{tag}-2", "kind": "ticker", "params": {"interval": 3600}},
+        {"name": f"{tag}-2", "kind": "ticker"},  # the same name again
+        {"name": f"{tag}-3", "kind": "no-such-kind"},
+        {"name": f"{tag}-4", "kind": "ticker"},
+    ]
+    page = await browser.new_page()
+    page.on("dialog", lambda d: d.accept(cluster.token or ""))
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(f"http://127.0.0.1:{cluster.api_port}/console")
+    await page.wait_for_selector("#observers")
+    await page.click("#create summary")
+    await page.fill("#create-text", "\n".join(json.dumps(x) for x in lines))  # JSON lines
+    await page.click("#create-go")
+
+    async def done() -> bool:
+        return "3 of 5 created, 2 failed" in await page.inner_text("#create-progress")
+
+    await wait_for(done, timeout=15, what="the console to report the bulk create")
+    failures = await page.locator("#create-failures li").all_inner_texts()
+    assert failures[0].startswith("#3: 409"), failures
+    assert failures[1].startswith("#4: 422"), failures
+    assert "kind" in failures[1], "the field that is wrong is named"
+    created = await (await cluster.connect()).fetchval(
+        "SELECT count(*) FROM observers WHERE name LIKE $1", f"{tag}-%"
+    )
+    assert created == 3
+    assert errors == [], f"the page raised: {errors}"

@@ -17,7 +17,7 @@ from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.settings import asyncpg_dsn
 from observer_service import queries as q
-from observer_service.ports import Checkpoint, StartRequest
+from observer_service.ports import Checkpoint, StartRequest, TakeResult
 from observer_service.store import PgLeaseDatabase, PgStore
 from observer_service.take import Decision, Departed
 
@@ -204,12 +204,10 @@ async def _holding_lock(pool: asyncpg.Pool, key: int) -> asyncpg.Connection:
     return conn
 
 
-async def test_one_proof_of_departure_serves_every_start_its_holder_held(
+async def _two_held_one_probed(
     pool: asyncpg.Pool,
-) -> None:
-    """Once A's session is proven over and A off the broker, B takes A's other observers
-    without asking again, even while something else holds A's old lock key for an instant
-    (the manager's sweeper trying it): a key is never used by a new session."""
+) -> tuple[PgStore, PgStore, uuid.UUID, Departed, TakeResult]:
+    """A holds two observers and is gone; B's take of the first asked for a proof (PROBE)."""
     a = PgStore(pool, await service(pool))
     b = PgStore(pool, await service(pool))
     x, y = await observer(pool), await observer(pool)
@@ -218,6 +216,16 @@ async def test_one_proof_of_departure_serves_every_start_its_holder_held(
     departed = Departed()
     probed = await take(b, x, redelivered=True, departed=departed)
     assert probed.decision is Decision.PROBE
+    return a, b, y, departed, probed
+
+
+async def test_one_proof_of_departure_serves_every_start_its_holder_held(
+    pool: asyncpg.Pool,
+) -> None:
+    """Once A's session is proven over and A off the broker, B takes A's other observers
+    without asking again, even while something else holds A's old lock key for an instant
+    (the manager's sweeper trying it): a key is never used by a new session."""
+    _, b, y, departed, probed = await _two_held_one_probed(pool)
     departed.off_broker(probed.holder_key)
     busy = await _holding_lock(pool, probed.holder_key)
     try:
@@ -231,13 +239,7 @@ async def test_one_proof_of_departure_serves_every_start_its_holder_held(
 async def test_a_holder_back_on_a_new_session_is_not_covered_by_an_old_proof(
     pool: asyncpg.Pool,
 ) -> None:
-    a = PgStore(pool, await service(pool))
-    b = PgStore(pool, await service(pool))
-    x, y = await observer(pool), await observer(pool)
-    await take(a, x)
-    await take(a, y)
-    departed = Departed()
-    probed = await take(b, x, redelivered=True, departed=departed)
+    a, b, y, departed, probed = await _two_held_one_probed(pool)
     departed.off_broker(probed.holder_key)
     new_key = probed.holder_key + 1
     await pool.execute("UPDATE services SET lock_key = $2 WHERE id = $1", a.me, new_key)
