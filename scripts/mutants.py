@@ -179,6 +179,13 @@ MUTANTS = [
         "STOPPED: dict[ObserverStatus, ObserverStatus] = {}",
         (f"{CORE}::test_delete_while_stopping_for_another_reason_ends_deleted",),
     ),
+    Mutant(
+        "departure proof: one holder's proof covers any holder",
+        "observer_service/take.py",
+        "return key in self._ended, (True if key in self._gone else None)",
+        "return bool(self._ended) or lock_free, (True if self._gone else None)",
+        (f"{FENCES}::test_a_holder_back_on_a_new_session_is_not_covered_by_an_old_proof",),
+    ),
 ]
 
 
