@@ -175,9 +175,9 @@ MUTANTS = [
     Mutant(
         "settle: the first stop reason decides the write",
         "contracts/statuses.py",
-        "STOPPED = {ObserverStatus.ON_DELETING: ObserverStatus.DELETED}",
-        "STOPPED: dict[ObserverStatus, ObserverStatus] = {}",
-        (f"{CORE}::test_delete_while_stopping_for_another_reason_ends_deleted",),
+        'return f"CASE {column} {cases} ELSE {column} END"',
+        "return column",
+        (f"{FAULTS}::test_delete_during_handoff_ends_deleted",),
     ),
     Mutant(
         "departure proof: one holder's proof covers any holder",
