@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_bench.ticklog import Tick, overlap_seconds, read_ticks
 from tests.support.cluster import Cluster, Proc, wait_for
 from tests.support.faults import via
 from tests.support.proxy import Proxy
@@ -65,6 +65,9 @@ class Chaos:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        #: Every service ever started, for naming the processes in a report.
+        self.all_services: list[Service] = []
 
     def note(self, what: str) -> None:
         line = f"{time.monotonic() - self.t0:7.2f}s {what}"
@@ -92,6 +95,7 @@ class Chaos:
             shutdown_timeout=2,
         )
         self.services.append(Service(proc, db, mq))
+        self.all_services.append(self.services[-1])
 
     def _api(self) -> httpx.AsyncClient:
         manager = self.rng.choice([m for m in self.managers if m.alive])
@@ -236,6 +240,37 @@ class Chaos:
         self.note(f"healed; faults: {dict(self.done)}")
 
     # ------------------------------------------------------------------ the verdict
+    async def _overlap_report(self, ticks: list[Tick], overlap: dict[str, float]) -> str:
+        """Each overlapping observer's copies (span, epoch, process) and its history, in the
+        run's own seconds, to read next to the fault log above."""
+        zero = self.wall0
+        names = {s.proc.pid: s.proc.name for s in self.all_services}
+        lines: list[str] = []
+        for oid in overlap:
+            spans: dict[tuple[int, int], list[float]] = {}
+            for t in ticks:
+                if t.observer == oid:
+                    span = spans.setdefault(t.copy, [t.at, t.at])
+                    span[1] = t.at
+            lines.append(f"observer {oid}:")
+            for (epoch, pid), (a, b) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+                who = names.get(pid, "?")
+                lines.append(
+                    f"  copy epoch {epoch} on {who} ({pid}): {a - zero:.2f}s .. {b - zero:.2f}s"
+                )
+            rows = await self.cluster.q(
+                "SELECT extract(epoch FROM e.at) AS at, e.event, e.epoch, s.name, e.detail "
+                "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
+                "WHERE e.observer_id = $1 ORDER BY e.id",
+                uuid.UUID(oid),
+            )
+            for r in rows:
+                lines.append(
+                    f"  {float(r['at']) - zero:7.2f}s {r['event']} epoch {r['epoch']} "
+                    f"{r['name'] or ''} {r['detail'] or ''}"
+                )
+        return "\n".join(lines)
+
     async def verify(self, *, timeout: float = 60) -> None:
         healed = time.time()
 
@@ -250,7 +285,12 @@ class Chaos:
         await asyncio.sleep(1.0)
         ticks = read_ticks(self.cluster.tick_dir)
         overlap = overlap_seconds(ticks)
-        assert overlap == {}, f"seed {self.seed}: two copies ran at once: {overlap}"
+        if overlap:
+            try:
+                report = await self._overlap_report(ticks, overlap)
+            except Exception as exc:  # the verdict stands without its details
+                report = f"(no report: {exc!r})"
+            raise AssertionError(f"seed {self.seed}: two copies ran at once: {overlap}\n{report}")
         rows = await self.cluster.q(
             "SELECT o.id, o.status, extract(epoch FROM e.at) AS deleted_at FROM observers o "
             "LEFT JOIN observer_events e ON e.observer_id = o.id AND e.event = 'deleted'"
