@@ -218,10 +218,15 @@ class Pruner:
             ).all()
             newest = (await conn.execute(text(q.NEWEST_EVENT))).scalar_one()
             heavy = (
-                await conn.execute(
-                    text(q.HEAVY_HISTORIES), {"after": self.seen_events, "cap": self.max_events}
-                )
-            ).all()
+                (
+                    await conn.execute(
+                        text(q.HEAVY_HISTORIES),
+                        {"after": self.seen_events, "newest": newest, "cap": self.max_events},
+                    )
+                ).all()
+                if newest > self.seen_events  # an idle cluster writes no history
+                else []
+            )
             for row in heavy:
                 await conn.execute(
                     text(q.TRIM_HISTORY), {"o": row.observer_id, "cap": self.max_events}

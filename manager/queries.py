@@ -239,10 +239,12 @@ DELETE FROM services WHERE id IN (
      LIMIT :n)
 RETURNING id
 """
-# Observers with history written since event :after, and more than :cap events.
+# Observers with history written in (:after, :newest], and more than :cap events. Both bounds
+# given, so that even a generic plan reads the new events by the primary key, not the table.
 HEAVY_HISTORIES = """
 SELECT e.observer_id, max(e.id) AS newest FROM observer_events e
- WHERE e.observer_id IN (SELECT DISTINCT observer_id FROM observer_events WHERE id > :after)
+ WHERE e.observer_id IN (SELECT DISTINCT observer_id FROM observer_events
+                          WHERE id > :after AND id <= :newest)
  GROUP BY e.observer_id HAVING count(*) > :cap
 """
 # The oldest events of one observer beyond the newest :cap.
