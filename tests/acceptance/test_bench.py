@@ -14,14 +14,14 @@ from tests.conftest import Servers
 
 EXPECTED = {
     "start latency": 3,
-    "create throughput": 3,
+    "create throughput": 6,
+    "bulk intake": 4,
     "cancel latency": 3,
-    "crash failover (SIGKILL)": 4,
+    "crash failover, 20 moved": 6,
     "freeze failover (SIGSTOP)": 4,
     "graceful move (SIGTERM)": 4,
     "join rebalance": 4,
-    "density": 4,
-    "cost growth": 6,
+    "cost growth": 4,
 }
 
 
