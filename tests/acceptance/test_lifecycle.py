@@ -256,7 +256,7 @@ async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> No
     engine = make_engine(ManagerSettings(database_url=cluster.database_url, auth="disabled"))
     async with engine.begin() as conn:
         row, _pending = await repository.create_observer(
-            conn, name="orphan", kind="ticker", params={"interval": 0.05}, restart_policy=None
+            conn, repository.NewObserver(name="orphan", kind="ticker", params={"interval": 0.05})
         )
     await engine.dispose()
     # No publish happened. Now the cluster comes up: the leader's relay publishes it.
