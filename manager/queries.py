@@ -145,9 +145,13 @@ SESSION_ENDED = (
     f"SELECT s.id FROM services s WHERE {live_service('s')} "
     "AND pg_try_advisory_xact_lock(s.lock_key)"
 )
+# Only while the row still names a lease session that has ended: a service that came back on a
+# new session (a new lock key, held) between the looks and this statement lives, and may already
+# run observers again. (The lock this transaction took when it looked is its own to take again.)
 DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
-    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted RETURNING id, name"
+    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted "
+    "AND pg_try_advisory_xact_lock(lock_key) RETURNING id, name"
 )
 # Dead services (the orphans' holders); then what they hold, by the service_id index. A sweep
 # reads what dead services still hold, not every observer.

@@ -180,6 +180,15 @@ MUTANTS = [
         (f"{FAULTS}::test_delete_during_handoff_ends_deleted",),
     ),
     Mutant(
+        "sweeper: declares gone a service back on a new session",
+        "manager/queries.py",
+        '"AND pg_try_advisory_xact_lock(lock_key) RETURNING id, name"',
+        '"RETURNING id, name"',
+        (
+            "tests/integration/test_sweeper.py::test_a_service_back_on_a_new_session_is_not_declared_gone",
+        ),
+    ),
+    Mutant(
         "departure proof: one holder's proof covers any holder",
         "observer_service/take.py",
         "return key in self._ended, (True if key in self._gone else None)",

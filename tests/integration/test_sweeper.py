@@ -1,0 +1,112 @@
+"""The leader's sweeper against the real database: a service is declared gone only while the
+lease session it was seen without is still the one its row names, never after it came back."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from contracts.settings import asyncpg_dsn
+from manager.background import Sweeper
+from manager.metrics import ManagerMetrics
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[tuple[asyncpg.Connection, AsyncEngine]]:
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    engine = create_async_engine(database_url)
+    try:
+        yield conn, engine
+    finally:
+        await engine.dispose()
+        await conn.close()
+
+
+class _Broker:
+    """The sweeper's view of the broker: nobody is present; ``before_answer`` runs first."""
+
+    def __init__(self) -> None:
+        self.before_answer: Callable[[], Awaitable[None]] | None = None
+
+    async def service_present(self, _sid: uuid.UUID) -> bool:
+        if self.before_answer is not None:
+            await self.before_answer()
+        return False
+
+
+class _Box:
+    async def publish_now(self, _pending: Any) -> None:
+        return None
+
+
+async def _held_by_a_live_service(conn: asyncpg.Connection) -> tuple[uuid.UUID, uuid.UUID]:
+    sid, oid = uuid.uuid4(), uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO services (id, name, worker_count, lock_key, lease_expires_at) "
+        "VALUES ($1, 'a', 10, $2, now() + interval '1 minute')",
+        sid,
+        secrets.randbits(63),  # nobody holds that lock: its session has ended
+    )
+    await conn.execute(
+        "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch) "
+        "VALUES ($1, $2, 'ticker', 'processing', $3, $4, 1)",
+        oid,
+        f"o-{oid}",
+        uuid.uuid4(),
+        sid,
+    )
+    return sid, oid
+
+
+async def test_a_service_back_on_a_new_session_is_not_declared_gone(
+    db: tuple[asyncpg.Connection, AsyncEngine], database_url: str
+) -> None:
+    """Seen without its session and off the broker once; before the second look's verdict it
+    rejoins on a new session (a new lock key, held) and runs its observer again. Declaring it
+    gone then would hand that observer to another service while it still runs here."""
+    conn, engine = db
+    sid, oid = await _held_by_a_live_service(conn)
+    broker = _Broker()
+    sweeper = Sweeper(engine, _Box(), broker, margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    await sweeper.once()
+    assert sid in sweeper.suspects, "first look: its lock is free and it is off the broker"
+    rejoined = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+
+        async def rejoin() -> None:  # while the sweeper asks the broker the second time
+            key = secrets.randbits(63)
+            await rejoined.execute("SELECT pg_advisory_lock($1)", key)
+            await rejoined.execute(
+                "UPDATE services SET lock_key = $2, lease_expires_at = now() + interval "
+                "'1 minute' WHERE id = $1",
+                sid,
+                key,
+            )
+
+        broker.before_answer = rejoin
+        await sweeper.once()
+        row = await conn.fetchrow("SELECT is_deleted FROM services WHERE id = $1", sid)
+        assert row is not None
+        assert not row["is_deleted"], "a service back on a new session was declared gone"
+        held = await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid)
+        assert held == sid, "its observer was re-dispatched while it runs it"
+    finally:
+        await rejoined.close()
+
+
+async def test_a_service_gone_twice_in_a_row_is_declared_gone(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+) -> None:
+    conn, engine = db
+    sid, oid = await _held_by_a_live_service(conn)
+    sweeper = Sweeper(engine, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    await sweeper.once()
+    await sweeper.once()
+    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) is None
