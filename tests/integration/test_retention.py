@@ -4,28 +4,14 @@ services go; a live observer is never touched, whatever its age; histories are c
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from contracts.settings import asyncpg_dsn
 from contracts.statuses import ObserverStatus
 from manager.background import Pruner
 
 OLD = "interval '30 days'"
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[tuple[asyncpg.Connection, AsyncEngine]]:
-    conn = await asyncpg.connect(asyncpg_dsn(database_url))
-    engine = create_async_engine(database_url)
-    try:
-        yield conn, engine
-    finally:
-        await engine.dispose()
-        await conn.close()
 
 
 async def _observer(conn: asyncpg.Connection, status: str, *, old: bool) -> uuid.UUID:

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
-import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts.settings import asyncpg_dsn
 from manager.background import Sweeper
 from manager.metrics import ManagerMetrics
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[tuple[asyncpg.Connection, AsyncEngine]]:
-    conn = await asyncpg.connect(asyncpg_dsn(database_url))
-    engine = create_async_engine(database_url)
-    try:
-        yield conn, engine
-    finally:
-        await engine.dispose()
-        await conn.close()
 
 
 class _Broker:
