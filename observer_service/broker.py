@@ -154,18 +154,20 @@ class AmqpSession:
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether that service's broker connection lives (its control queue exists)."""
-        if self.connection is None or not self.is_open:
-            raise BrokerUnavailable("broker session is not open")
+        connection = self._open_connection()
         lookout = self._lookout
-        usable = lookout is not None and not lookout.is_closed
-        connection = lookout if usable and lookout is not None else self.connection
+        if lookout is not None and not lookout.is_closed:
+            connection = lookout
         return await service_present(connection, self.topology, service_id)
 
     async def confirm_present(self) -> bool:
         """A round trip on this connection finding our own control queue: it never closed."""
+        return await service_present(self._open_connection(), self.topology, self.service_id)
+
+    def _open_connection(self) -> AbstractConnection:
         if self.connection is None or not self.is_open:
             raise BrokerUnavailable("broker session is not open")
-        return await service_present(self.connection, self.topology, self.service_id)
+        return self.connection
 
     async def stop_consuming(self) -> None:
         """Take no more start messages (those already delivered stay ours to settle)."""

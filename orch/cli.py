@@ -78,7 +78,7 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
         return runner.run(main)
 
 
-def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> None:
+def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> NoReturn:
     """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
     from contracts.kinds import load_kinds
 
