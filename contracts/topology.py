@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 from aiormq.exceptions import ChannelLockedResource
 
-from contracts.errors import broker_errors
+from contracts.errors import BrokerUnavailable, broker_errors
 
 QueueType = Literal["classic", "quorum"]
 
@@ -46,7 +46,7 @@ async def service_present(
     channel: AbstractChannel | None = None
     with broker_errors():
         try:
-            channel = await connection.channel(publisher_confirms=False)
+            channel = await _channel(connection)
             await channel.declare_queue(topology.control_queue(service_id), passive=True)
             return True
         except ChannelLockedResource:
@@ -56,6 +56,17 @@ async def service_present(
         finally:
             if channel is not None and not channel.is_closed:
                 await channel.close()
+
+
+async def _channel(connection: AbstractConnection) -> AbstractChannel:
+    """A channel of its own; a robust connection between two reconnects raises a plain
+    RuntimeError ("... closed"), which means the broker is unavailable."""
+    if connection.is_closed:
+        raise BrokerUnavailable("broker connection is closed")
+    try:
+        return await connection.channel(publisher_confirms=False)
+    except RuntimeError as exc:
+        raise BrokerUnavailable(f"broker connection is down: {exc}") from exc
 
 
 def broker_version(connection: AbstractConnection) -> tuple[int, ...]:
@@ -75,14 +86,15 @@ CONSUMER_TIMEOUT_CONF = "consumer_timeout = 604800000"
 def consumer_timeout_advice(version: tuple[int, ...]) -> str | None:
     """What to tell an operator whose broker cannot take the timeout per queue (before 3.12):
     its own consumer_timeout (30 minutes by default) applies to the start messages that stay
-    unacked while observers run, and every observer is stopped and taken again that often."""
+    unacked while observers run: that often the channel closes, and every start is redelivered
+    and adopted again (the copies go on)."""
     if version >= (3, 12) or version == (0,):
         return None
     shown = ".".join(map(str, version))
     return (
         f"RabbitMQ {shown} cannot take the consumer timeout per queue (3.12+ can): its own "
         "consumer_timeout (30 minutes unless set) closes the channel of every observer that "
-        "runs longer, and each is then stopped and taken again. Fix: add "
+        "runs longer (the copies go on; their starts are redelivered). Fix: add "
         f"`{CONSUMER_TIMEOUT_CONF}` to rabbitmq.conf (see deploy/rabbitmq.conf), or on a "
         "running broker: rabbitmqctl eval 'application:set_env(rabbit, consumer_timeout, "
         "604800000).' (it applies to channels opened afterwards)"

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from contracts.backoff import Backoff
 from contracts.clock import Clock
 from contracts.deadline import LeaseDeadline, LeaseTimings
 from contracts.errors import OrchError, Transient
@@ -98,7 +99,7 @@ class Leadership:
         done, _ = await asyncio.wait(tasks, timeout=max(0.0, min(due, self.deadline.remaining())))
         for t in done:
             raise LoopDied(f"leader loop {t.get_name()} died") from t.exception()
-        backoff = 0.02
+        backoff = Backoff(0.02, 0.25)
         while self.deadline.valid():
             sent = self.clock.now()
             try:
@@ -107,8 +108,7 @@ class Leadership:
                 )
             except (Transient, TimeoutError) as exc:
                 log.warning("leader renewal failed (%s); retrying", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(0.25, backoff * 2)
+                await asyncio.sleep(backoff.next())
                 continue
             if not ok or not self.deadline.valid():
                 return False

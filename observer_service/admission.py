@@ -25,6 +25,27 @@ class _Admitting:
     cancelled: bool = False
 
 
+@dataclass
+class Slot:
+    """One start's claim on a slot: taken when there is room (or when it waits for one), given
+    back unless a runner keeps it."""
+
+    slots: asyncio.Semaphore
+    held: bool = False
+
+    async def take(self, *, wait: bool) -> bool:
+        """Hold a slot: at once if one is free, else only with ``wait``. Whether one is held."""
+        if not self.held and (wait or not self.slots.locked()):
+            await self.slots.acquire()
+            self.held = True
+        return self.held
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
 class Admission:
     def __init__(self, worker_count: int) -> None:
         self.worker_count = worker_count
@@ -37,6 +58,9 @@ class Admission:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def slot(self) -> Slot:
+        return Slot(self.slots)
 
     def ids(self) -> set[uuid.UUID]:
         return set(self._admitting)

@@ -1,7 +1,9 @@
 """The service's broker edge: one AMQP session (a connection, a work channel, a control channel).
 
-A session is never repaired in place: when anything in it closes, the service stops the observers
-delivered on it (their deliveries are gone) and opens a new session. aio-pika errors become
+A session is never repaired in place: when anything in it closes, the service opens a new one.
+The copies delivered on the old one go on (the broker is no reason to stop a copy; the lease
+is what proves it is the only one); their deliveries are gone and they run as directed until a
+redelivery of their start reaches this service again and is adopted. aio-pika errors become
 ``BrokerUnavailable`` here.
 """
 
@@ -24,8 +26,8 @@ from aiormq.exceptions import (
 )
 
 from contracts.errors import BrokerUnavailable, broker_errors
-from contracts.messages import StartMessage
-from contracts.routing import ERRORS, Sender
+from contracts.messages import CancelMessage, StartMessage
+from contracts.routing import BROADCAST, ERRORS, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import Topology, broker_version, declare_topology, service_present
 from observer_service.ports import SessionSpec, Settling
@@ -42,11 +44,14 @@ class AmqpDelivery(Settling):
         self.message = message
         self.body = message.body
         self.redelivered = bool(message.redelivered)
-        self.generation = session.generation
         self._session = session
 
+    @property
+    def live(self) -> bool:
+        return self._session.is_open
+
     async def _settle(self, how: str) -> bool:
-        if not self._session.is_open:
+        if not self.live:
             return False
         try:
             with broker_errors():
@@ -147,6 +152,9 @@ class AmqpSession:
     async def send_error(self, start: StartMessage) -> None:
         await self._live_sender().publish(ERRORS, start)
 
+    async def send_cancel(self, observer_id: uuid.UUID) -> None:
+        await self._live_sender().publish(BROADCAST, CancelMessage(observer_id=observer_id))
+
     def _live_sender(self) -> Sender:
         if self._sender is None or not self.is_open:
             raise BrokerUnavailable("broker session is not open")
@@ -159,10 +167,6 @@ class AmqpSession:
         if lookout is not None and not lookout.is_closed:
             connection = lookout
         return await service_present(connection, self.topology, service_id)
-
-    async def confirm_present(self) -> bool:
-        """A round trip on this connection finding our own control queue: it never closed."""
-        return await service_present(self._open_connection(), self.topology, self.service_id)
 
     def _open_connection(self) -> AbstractConnection:
         if self.connection is None or not self.is_open:

@@ -93,6 +93,8 @@ class InMemoryStore:
         self.services: dict[uuid.UUID, FakeService] = {}
         self.available = True
         self.hold: asyncio.Event | None = None
+        #: This many take_many calls commit and then raise, as a lost reply would.
+        self.lose_replies = 0
         self.calls: list[str] = []
 
     def add(self, kind: str = "ticker", **fields: Any) -> Row:
@@ -140,7 +142,11 @@ class InMemoryStore:
                     holder_off_broker=off_broker,
                 )
             decision = decide(
-                facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here
+                facts,
+                me=self.me,
+                redelivered=req.redelivered,
+                running_here=req.running_here,
+                room=req.room,
             )
             if row is not None and decision is Decision.TAKE:
                 row.status, row.service_id, row.epoch = (
@@ -162,6 +168,9 @@ class InMemoryStore:
                         holder_key=None if holder is None else holder.key,
                     )
                 )
+        if self.lose_replies:
+            self.lose_replies -= 1
+            raise DatabaseUnavailable("connection lost before the reply")
         return out
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
@@ -169,7 +178,7 @@ class InMemoryStore:
         out = []
         for c in items:
             row = self.rows.get(c.observer_id)
-            ok = self._mine(row, (c.observer_id, c.epoch))
+            ok = self._mine(row, Copy(c.observer_id, c.epoch))
             if ok and row is not None:
                 row.checkpoint = json.loads(c.state_json)
             out.append(ok)
@@ -211,6 +220,20 @@ class InMemoryStore:
         if row is None or not self._mine(row, copy) or row.status is not ObserverStatus.PROCESSING:
             return False
         row.status, row.service_id, row.last_error = ObserverStatus.FAILED, None, error
+        return True
+
+    async def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
+        self._up("blame")
+        return self.blame_now(observer_id, reason)
+
+    def blame_now(self, observer_id: uuid.UUID, reason: str) -> bool:
+        """``blame`` from the watchdog thread."""
+        if not self.available:
+            raise DatabaseUnavailable("the fake database is down")
+        row = self.rows.get(observer_id)
+        if row is None or row.status not in (ObserverStatus.PROCESSING, ObserverStatus.CREATED):
+            return False
+        row.status, row.service_id, row.last_error = ObserverStatus.FAILED, None, reason
         return True
 
     async def reconcile(self, running: set[uuid.UUID]) -> int:
@@ -270,6 +293,7 @@ class FakeLeaseSession:
     async def join(self, ttl: float) -> bool:
         self._up()
         self.db.joins.append(self.lock_key)
+        self.db.key = self.lock_key
         self.db.expired = False
         return self.db.draining
 
@@ -278,8 +302,20 @@ class FakeLeaseSession:
         self.db.renewals += 1
         if self.db.expired:
             return None
+        self.db.key = self.lock_key
         deleting, self.db.deleting = self.db.deleting, []
         return Renewal(deleting=deleting, draining=self.db.draining)
+
+    async def held(self, timeout: float) -> set[Copy]:
+        self._up()
+        store = self.db.store
+        if store is None:
+            return set()
+        return {
+            Copy(r.id, r.epoch)
+            for r in store.rows.values()
+            if r.service_id == store.me and r.status in HELD
+        }
 
     async def close(self, *, deleted: bool) -> None:
         self._ended = True
@@ -290,7 +326,12 @@ class FakeLeaseSession:
 
 
 class FakeLeaseDatabase:
-    def __init__(self) -> None:
+    """``store``: where ``held`` reads the rows this service holds."""
+
+    def __init__(self, store: InMemoryStore | None = None) -> None:
+        self.store = store
+        #: The lock key the service's row names (published by each renewal).
+        self.key: int | None = None
         self.available = True
         self.expired = False
         self.draining = False
@@ -316,13 +357,16 @@ class FakeDelivery(Settling):
     def __init__(self, body: bytes, session: FakeSession, *, redelivered: bool) -> None:
         self.body = body
         self.redelivered = redelivered
-        self.generation = session.generation
         self._session = session
         #: "ack", "requeue", "reject", or None while unsettled.
         self.outcome: str | None = None
 
+    @property
+    def live(self) -> bool:
+        return self._session.is_open
+
     async def _settle(self, how: str) -> bool:
-        if not self._session.is_open:
+        if not self.live:
             return False
         self.outcome = how
         return True
@@ -336,8 +380,6 @@ class FakeSession:
         self.close_reason = "closed_here"
         self.version: tuple[int, ...] = (0,)
         self.consuming = True
-        #: The broker closed this connection and the service has not noticed yet.
-        self.dropped_by_broker = False
         self._on_start = on_start
         self._on_control = on_control
 
@@ -368,12 +410,12 @@ class FakeSession:
     async def send_error(self, start: StartMessage) -> None:
         self.broker.errors.append(start)
 
+    async def send_cancel(self, observer_id: uuid.UUID) -> None:
+        self.broker.cancels.append(observer_id)
+
     async def service_present(self, service_id: uuid.UUID) -> bool:
         self.broker.probes.append(service_id)
         return service_id in self.broker.present
-
-    async def confirm_present(self) -> bool:
-        return self.is_open and not self.dropped_by_broker
 
 
 class FakeBroker:
@@ -382,6 +424,7 @@ class FakeBroker:
         #: Starts published by the service: (start, directed to) — None is the work queue.
         self.sent: list[tuple[StartMessage, uuid.UUID | None]] = []
         self.errors: list[StartMessage] = []
+        self.cancels: list[uuid.UUID] = []
         #: Services whose control queue exists.
         self.present: set[uuid.UUID] = set()
         #: Every question "is this service on the broker?" asked, in order.

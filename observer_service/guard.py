@@ -9,6 +9,9 @@ lease before every resumption:
 - lease not confirmed for a while (this process may have been paused): the kind waits until
   the next renewal on the same database session proves nothing was taken, then goes on.
 
+Each step of kind code is timed too: one that blocked the event loop past the threshold ends
+the copy with ``LoopBlocked`` (``stalls.py``).
+
 What this cannot cover: synchronous code between the last check and the side effect, and tasks
 or threads that a kind starts itself (they are not driven through here).
 """
@@ -16,8 +19,14 @@ or threads that a kind starts itself (they are not driven through here).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+import uuid
 from collections.abc import Callable, Coroutine, Generator
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from observer_service.stalls import LoopBlocked, StallWatch, Step
 
 T = TypeVar("T")
 
@@ -26,13 +35,59 @@ T = TypeVar("T")
 Gate = Callable[[], "asyncio.Future[None] | None"]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How the guard times one copy's steps: ``watch`` marks them for the watchdog,
+    ``stalled(seconds)`` is told of a step past its threshold before the copy ends."""
+
+    watch: StallWatch
+    label: str
+    stalled: Callable[[float], None]
+    observer_id: uuid.UUID | None = None
+
+
 class _Guarded:
-    def __init__(self, coro: Coroutine[Any, Any, Any], gate: Gate) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], gate: Gate, timing: Timing | None) -> None:
         self._coro = coro
         self._gate = gate
+        self._timing = timing
+
+    def _step(self, value: Any, error: BaseException | None) -> Any:
+        """One step of kind code: timed and marked when a watch is set. A step past the
+        threshold ends the copy with LoopBlocked, unless it ended otherwise already (it
+        returned, or was stopped: a stop is never turned into an error)."""
+        coro, timing = self._coro, self._timing
+        if timing is None:
+            return coro.send(value) if error is None else coro.throw(error)
+        step = timing.watch.step = Step(timing.label, time.monotonic(), timing.observer_id)
+        try:
+            result = coro.send(value) if error is None else coro.throw(error)
+        except Exception as exc:
+            took = self._took(step)
+            if took and not isinstance(exc, StopIteration):
+                raise LoopBlocked(f"blocked the event loop for {took:.1f}s") from exc
+            raise
+        except BaseException:
+            self._took(step)
+            raise
+        if took := self._took(step):
+            with contextlib.suppress(BaseException):
+                coro.close()  # its finally blocks run now; it never resumes
+            raise LoopBlocked(f"blocked the event loop for {took:.1f}s")
+        return result
+
+    def _took(self, step: Step) -> float:
+        """The step's length if it was a stall (told to ``stalled``), else 0."""
+        assert self._timing is not None
+        took = time.monotonic() - step.started
+        self._timing.watch.step = None
+        if took <= self._timing.watch.threshold:
+            return 0.0
+        self._timing.stalled(took)
+        return took
 
     def __await__(self) -> Generator[Any, Any, Any]:
-        coro, gate = self._coro, self._gate
+        gate = self._gate
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -43,7 +98,7 @@ class _Guarded:
                 except BaseException as exc:  # LeaseLost, or cancelled while parked
                     error = exc
             try:
-                yielded = coro.send(value) if error is None else coro.throw(error)
+                yielded = self._step(value, error)
             except StopIteration as stop:
                 return stop.value
             value, error = None, None
@@ -53,6 +108,7 @@ class _Guarded:
                 error = exc
 
 
-def guarded(coro: Coroutine[Any, Any, T], gate: Gate) -> Any:
-    """Await ``coro`` with ``gate`` consulted before each of its resumptions."""
-    return _Guarded(coro, gate)
+def guarded(coro: Coroutine[Any, Any, T], gate: Gate, timing: Timing | None = None) -> Any:
+    """Await ``coro`` with ``gate`` consulted before each of its resumptions (and each step
+    timed, with ``timing``)."""
+    return _Guarded(coro, gate, timing)

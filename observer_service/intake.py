@@ -10,41 +10,92 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from contracts.errors import BrokerUnavailable
+from contracts.backoff import Backoff
+from contracts.clock import Clock
+from contracts.errors import BrokerUnavailable, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.logs import observer_log
 from contracts.messages import StartMessage
+from observer_service.admission import Admission, Slot
 from observer_service.batching import Batcher
 from observer_service.context import ObserverContext
+from observer_service.guard import Timing
+from observer_service.lease import LeaseKeeper
+from observer_service.metrics import ServiceMetrics
+from observer_service.origin import Origin, Queued
 from observer_service.ports import (
+    BrokerSession,
     Checkpoint,
     Copy,
     Delivery,
     ErrorRecord,
     StartRequest,
+    Store,
     Taken,
     TakeResult,
 )
 from observer_service.retry import until_done, while_leased
-from observer_service.runner import Runner, StopReason, refused, run_observer
-from observer_service.settle import Disposition
+from observer_service.runner import Runner, refused, run_observer
+from observer_service.settle import Disposition, Settler
+from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
-
-if TYPE_CHECKING:
-    from observer_service.service import ObserverService
 
 log = logging.getLogger(__name__)
 
 
+class Host(Protocol):
+    """What intake needs of the service around it."""
+
+    runners: dict[uuid.UUID, Runner]
+    checkpoints: Batcher[Checkpoint, bool]
+
+    def accepting(self) -> bool:
+        """Neither stopping nor draining: new copies may start here."""
+        ...
+
+    def broker(self) -> BrokerSession | None: ...
+
+    def add_runner(self, runner: Runner) -> None: ...
+
+    def cancel(self, observer_id: uuid.UUID) -> None: ...
+
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+
+
 class Intake:
-    def __init__(self, service: ObserverService, kinds: dict[str, KindSpec]) -> None:
-        self.service = service
+    def __init__(
+        self,
+        host: Host,
+        *,
+        me: uuid.UUID,
+        name: str,
+        kinds: dict[str, KindSpec],
+        store: Store,
+        lease: LeaseKeeper,
+        admission: Admission,
+        settler: Settler,
+        metrics: ServiceMetrics,
+        clock: Clock,
+        stalls: StallWatch,
+    ) -> None:
+        self.host = host
+        self.me = me
+        self.name = name
         self.kinds = kinds
+        self.store = store
+        self.lease = lease
+        self.admission = admission
+        self.settler = settler
+        self.metrics = metrics
+        self.clock = clock
+        self.stalls = stalls
         self.takes: Batcher[StartRequest, TakeResult] = Batcher(self._take_batch, in_flight=2)
         self.departed = Departed()
         self._probes: dict[int, asyncio.Future[bool]] = {}
@@ -56,93 +107,126 @@ class Intake:
             log.error("malformed start message sent to the error queue: %s", exc)
             await delivery.reject()
             return
-        await self.admit(start, delivery)
+        await self.admit(start, Queued(delivery))
 
-    async def admit(self, start: StartMessage, delivery: Delivery | None) -> None:
-        """Take the observer if the rule allows and a slot is free, then run it.
+    async def admit(self, start: StartMessage, origin: Origin) -> None:
+        """Take the observer if the rule allows and a slot is free, then run it; whatever
+        happens, the start is settled (run, acked, requeued or dead-lettered).
 
-        ``delivery`` is the work-queue delivery to hold while it runs; None for a directed
-        start, which is handed to the work queue whenever it cannot run here."""
-        s = self.service
+        ``origin``: the work-queue delivery to hold while it runs, or ``DIRECTED`` for a start
+        with no delivery behind it (handed to the work queue whenever it cannot run here)."""
         oid = start.observer_id
-        async with s.admission.admitting(oid) as entry:
-            if s.stopping or s.draining:
-                await s.settler.dispose(start, delivery, Disposition.REQUEUE)
-                return
-            existing = s.runners.get(oid)
-            if existing is not None and not s.session_open(existing.generation):
-                # A copy delivered on a dead session: it is being stopped; never run two here.
-                existing.stop(StopReason.CHANNEL_LOST)
-                await existing.finished.wait()
-                existing = None
-            if not s.lease.check_or_fence():
-                # Fenced: let others have it, but not in a tight loop back to us.
-                await asyncio.sleep(s.lease.timings.renew_interval)
-                await s.settler.dispose(start, delivery, Disposition.REQUEUE)
-                return
-            if delivery is None and s.admission.slots.locked():
-                await s.settler.dispose(start, None, Disposition.REQUEUE)  # no room any more
-                return
-            await s.admission.slots.acquire()
-            started = False
+        async with self.admission.admitting(oid) as entry:
             try:
-                taken = await self._take(start, delivery, running_here=existing is not None)
-                if taken is not None:
-                    started = self._start_runner(taken, delivery, cancelled=entry.cancelled)
-            finally:
-                if not started:
-                    s.admission.slots.release()
+                await self._admit(start, origin, cancelled=lambda: entry.cancelled)
+            except Exception:  # a bug: the start must still be settled
+                log.exception("admitting the start of %s failed: requeued", oid)
+                await self.settler.dispose(start, origin, Disposition.REQUEUE)
 
-    async def _take(
-        self, start: StartMessage, delivery: Delivery | None, *, running_here: bool
-    ) -> Taken | None:
-        """The taken observer, or None once the start message is settled otherwise."""
-        s = self.service
-        request = StartRequest(
-            start,
-            redelivered=delivery is not None and delivery.redelivered,
-            running_here=running_here,
-        )
-        # A holder that lost its channel releases its copy (or its lease runs out) within a
-        # lease; a redelivery still waiting after that is a duplicate of a copy that runs.
-        give_up = s.clock.now() + s.lease.timings.ttl + s.lease.timings.renew_interval
-        backoff = 0.005
+    async def _admit(
+        self, start: StartMessage, origin: Origin, *, cancelled: Callable[[], bool]
+    ) -> None:
+        existing = self.host.runners.get(start.observer_id)
+        if existing is not None and existing.stop_reason is not None:
+            await existing.finished.wait()  # being stopped: never run two here
+            existing = None
+        if (
+            existing is not None
+            and existing.runs(start.dispatch_id)
+            and isinstance(origin, Queued)
+            and existing.adopt(origin)
+        ):
+            # Its session closed while the copy went on: this redelivery is its start now.
+            existing.ctx.logger.info("adopted its redelivered start message")
+            return
+        if not self.host.accepting():
+            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            return
+        if not self.lease.check_or_fence():
+            # Fenced: let others have it, but not in a tight loop back to us.
+            await asyncio.sleep(self.lease.timings.renew_interval)
+            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            return
+        slot = self.admission.slot()
+        started = False
+        try:
+            request = StartRequest(
+                start,
+                redelivered=isinstance(origin, Queued) and origin.delivery.redelivered,
+                running_here=existing is not None,
+                room=await slot.take(wait=False),
+            )
+            taken = await self._take(request, origin, slot)
+            if taken is not None:
+                started = self._start_runner(taken, origin, cancelled=cancelled())
+        finally:
+            if not started:
+                slot.give_back()
+
+    async def _take(self, request: StartRequest, origin: Origin, slot: Slot) -> Taken | None:
+        """The taken observer (a slot held for it), or None once the start message is settled
+        otherwise. A database error is retried while the lease is surely ours; then the start
+        is requeued (whatever the database holds for us is let go before the lease comes
+        back). A take whose reply was lost is found by the retry: the row names us, and it is
+        taken again with a new epoch."""
+        start = request.start
+        timings = self.lease.timings
+        # A redelivered start whose holder lives is a duplicate: the holder goes on through a
+        # lost broker session. It waits only for the moment a crashed holder's database
+        # session takes to be seen ended after its broker connection.
+        give_up = self.clock.now() + timings.stale_after
+        backoff = Backoff(0.005, 0.25)
+
+        def alive() -> bool:
+            return self.host.accepting() and self.lease.check_or_fence()
+
         while True:
-            result = await self.takes.submit(request)
+            try:
+                result = await while_leased(partial(self.takes.submit, request), alive)
+            except LeaseLost:
+                await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                return None
+            if result.decision is Decision.NO_ROOM:
+                if not isinstance(origin, Queued):
+                    await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                    return None
+                # Free it may be taken; wait for room (the prefetch bounds how many wait here).
+                request = replace(request, room=await slot.take(wait=True))
+                continue
             if result.decision is Decision.PROBE:
                 if await self._holder_gone(result):
                     continue  # proven gone: decide again at once
             elif result.decision is not Decision.WAIT:
                 break
-            if s.stopping or _dead(s, delivery) or not s.lease.check_or_fence():
-                await s.settler.dispose(start, delivery, Disposition.REQUEUE)
+            if not alive() or (isinstance(origin, Queued) and not origin.live):
+                await self.settler.dispose(start, origin, Disposition.REQUEUE)
                 return None
-            if s.clock.now() > give_up:
+            if self.clock.now() > give_up:
                 result = TakeResult(Decision.DROP_DUPLICATE)
                 break
-            await asyncio.sleep(min(backoff, max(0.005, result.holder_remaining)))
-            backoff = min(backoff * 2, 0.25)
+            await asyncio.sleep(min(backoff.next(), max(0.005, result.holder_remaining)))
         if result.decision is not Decision.TAKE:
             observer_log(log, observer_id=start.observer_id).info(
                 "start message: %s", result.decision.value
             )
-            await s.settler.dispose(start, delivery, Disposition.ACK)
+            await self.settler.dispose(start, origin, Disposition.ACK)
             return None
         taken = result.taken
         assert taken is not None
-        if s.stopping or s.draining or _dead(s, delivery) or not s.lease.check_or_fence():
+        if not alive():
             # Too late to run it here: let go at once so that another service takes it.
             await until_done(
-                lambda: s.let_go(taken.copy, "taken while stopping"), "letting go of a late take"
+                lambda: self.settler.let_go(taken.copy, "taken while stopping"),
+                "letting go of a late take",
             )
-            await s.settler.dispose(start, delivery, Disposition.REQUEUE)
+            await self.settler.dispose(start, origin, Disposition.REQUEUE)
             return None
         return taken
 
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
-        self.service.metrics.take_batch.observe(len(requests))
-        return await self.service.store.take_many(requests, self.departed)
+        self.metrics.take_batch.observe(len(requests))
+        return await self.store.take_many(requests, self.departed)
 
     async def _holder_gone(self, result: TakeResult) -> bool:
         """Whether the holder, whose database session has ended, is off the broker too. One
@@ -158,7 +242,7 @@ class Intake:
         return await asyncio.shield(probe)
 
     async def _ask_broker(self, holder: uuid.UUID, key: int) -> bool:
-        session = self.service.session
+        session = self.host.broker()
         if session is None:
             return False
         try:
@@ -169,14 +253,13 @@ class Intake:
             self.departed.off_broker(key)
         return not present
 
-    def _start_runner(self, taken: Taken, delivery: Delivery | None, *, cancelled: bool) -> bool:
-        s = self.service
+    def _start_runner(self, taken: Taken, origin: Origin, *, cancelled: bool) -> bool:
         spec = self.kinds.get(taken.kind)
         params: Any = taken.params
         error: str | None = None
         policy: RestartPolicy | None = None
         if spec is None:
-            error = f"kind {taken.kind!r} is not installed on service {s.config.name}"
+            error = f"kind {taken.kind!r} is not installed on service {self.name}"
         else:
             try:
                 policy = spec.policy(taken.restart_policy)
@@ -185,7 +268,7 @@ class Intake:
             except ValidationError as exc:
                 error = f"invalid params or restart policy: {exc}"
         if spec is None or policy is None or error is not None:
-            s.spawn(self._fail_unrunnable(taken, delivery, error or "unrunnable"))
+            self.host.spawn(self._fail_unrunnable(taken, origin, error or "unrunnable"))
             return False
         copy = taken.copy
         ctx = ObserverContext(
@@ -193,60 +276,73 @@ class Intake:
             name=taken.name,
             kind=taken.kind,
             epoch=taken.epoch,
-            service_id=s.id,
+            service_id=self.me,
             params=params,
             last_checkpoint=taken.checkpoint,
             save=lambda state: self._save(copy, state),
-            alive=s.lease.check_or_fence,
+            alive=self.lease.check_or_fence,
         )
-        runner = Runner(taken=taken, spec=spec, ctx=ctx, delivery=delivery)
+        runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin)
 
         async def record_error(error: str) -> ErrorRecord:
             return await self._record_error(copy, taken.kind, error, policy)
 
+        timing = Timing(
+            self.stalls,
+            f"observer {taken.observer_id} ({taken.kind}, epoch {taken.epoch})",
+            lambda seconds: self._stalled(runner, seconds),
+            taken.observer_id,
+        )
         runner.task = asyncio.create_task(
-            run_observer(spec, ctx, policy, gate=s.lease.gate, record_error=record_error),
+            run_observer(
+                spec, ctx, policy, gate=self.lease.gate, record_error=record_error, timing=timing
+            ),
             name=f"observer-{taken.observer_id}",
         )
-        s.add_runner(runner)
-        s.metrics.takes.inc()
+        self.host.add_runner(runner)
+        self.metrics.takes.inc()
         if cancelled:
-            s.cancel(taken.observer_id)
+            self.host.cancel(taken.observer_id)
         ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
 
+    def _stalled(self, runner: Runner, seconds: float) -> None:
+        """A step of this copy blocked the loop: it ends as its own error (counted against its
+        budget). One that cost this service its lease is blamed: settling fails it at once,
+        needing no lease, before anything could release it to another service."""
+        ctx = runner.ctx
+        self.metrics.stalls.labels(ctx.kind).inc()
+        reason = f"blocked the event loop for {seconds:.1f}s"
+        ctx.logger.error("%s", reason)
+        if self.stalls.blamed(seconds, lease_valid=self.lease.check_or_fence()):
+            runner.blame = reason
+
     async def _save(self, copy: Copy, state: Any) -> None:
         """A checkpoint: fenced, batched, retried while the lease holds."""
-        item = Checkpoint(copy[0], copy[1], json.dumps(state))
-        s = self.service
-        if not await while_leased(lambda: s.checkpoints.submit(item), s.lease.check_or_fence):
-            s.metrics.fenced.labels("checkpoint").inc()
+        item = Checkpoint(copy.observer_id, copy.epoch, json.dumps(state))
+        checkpoints = self.host.checkpoints
+        if not await while_leased(lambda: checkpoints.submit(item), self.lease.check_or_fence):
+            self.metrics.fenced.labels("checkpoint").inc()
             raise refused("checkpoint")
 
     async def _record_error(
         self, copy: Copy, kind: str, error: str, policy: RestartPolicy
     ) -> ErrorRecord:
-        s = self.service
         record = await while_leased(
-            lambda: s.store.record_error(copy, error, policy), s.lease.check_or_fence
+            lambda: self.store.record_error(copy, error, policy), self.lease.check_or_fence
         )
         if record is None:
-            s.metrics.fenced.labels("restart_record").inc()
+            self.metrics.fenced.labels("restart_record").inc()
             raise refused("restart record")
-        (s.metrics.failed if record.failed else s.metrics.restarts).labels(kind).inc()
+        (self.metrics.failed if record.failed else self.metrics.restarts).labels(kind).inc()
         return record
 
-    async def _fail_unrunnable(self, taken: Taken, delivery: Delivery | None, error: str) -> None:
-        s = self.service
+    async def _fail_unrunnable(self, taken: Taken, origin: Origin, error: str) -> None:
         observer_log(
             log, observer_id=taken.observer_id, name=taken.name, kind=taken.kind, epoch=taken.epoch
         ).error("cannot run: %s", error)
-        failed = await until_done(lambda: s.store.fail(taken.copy, error), "failing an observer")
+        failed = await until_done(lambda: self.store.fail(taken.copy, error), "failing an observer")
         if failed:
-            s.metrics.failed.labels(taken.kind).inc()
+            self.metrics.failed.labels(taken.kind).inc()
         how = Disposition.DEAD_LETTER if failed else Disposition.ACK
-        await s.settler.dispose(taken.start, delivery, how)
-
-
-def _dead(service: ObserverService, delivery: Delivery | None) -> bool:
-    return delivery is not None and not service.session_open(delivery.generation)
+        await self.settler.dispose(taken.start, origin, how)

@@ -1,22 +1,24 @@
 """The service's lease: one row renewed for all its observers, held through one database session
 whose advisory lock shows others that this process lives.
 
-Takers treat a holder as gone only when its lock is free *and* its broker connection is gone
-(its exclusive control queue no longer exists). So when the lease session ends while the process
-lives (a pooler, ``pg_terminate_backend``, a database restart), nothing can take our observers
-as long as our broker connection stays open. The keeper then reconnects on a new session with a
-new lock key and goes on only after a round trip on the *same* broker connection proves that
-connection never closed meanwhile; if it cannot prove it, or the broker connection closes while
-the lease session is down, it fences.
+Takers treat a live holder as gone only when its lock is free *and* its broker connection is
+gone (its exclusive control queue no longer exists), and their compare-and-set holds only while
+the holder's row still names the lock key they found free. So when the lease session ends while
+the process lives (a pooler, ``pg_terminate_backend``, a database restart), possibly while it is
+also cut off from the broker: every copy pauses at its next resumption; the keeper connects a new
+session (a new lock key), renews on it, which publishes the new key (from that commit on, no
+fast take can land), and then reads which rows are still ours. Copies whose rows another service
+took meanwhile are stopped without resuming (``Listener.superseded``); the others go on.
 
 States (``state()``, which kind code and admission consult before every step):
 
 - FRESH: renewed recently; work goes on.
 - STALE: valid, but not confirmed for ``renew_interval + margin`` (this process may have been
-  paused, its session may have ended meanwhile): work waits for the next renewal.
-- LOST: fenced. The local deadline passed, a renewal found the lease expired in the database, or
-  both links were lost at once. Every copy is stopped at once (``on_lost``); the lease comes
-  back only after the service has stopped everything and let go of it (``allow_rejoin``).
+  paused, its session may have ended meanwhile), or the lease session ended and the new one has
+  not yet shown what is still ours: work waits for the next renewal.
+- LOST: fenced. The local deadline passed, or a renewal found the lease expired in the database.
+  Every copy is stopped at once (``Listener.lease_lost``); the lease comes back only after the
+  service has stopped everything and let go of it (``allow_rejoin``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Collection
+from typing import Protocol
 
+from contracts.backoff import Backoff
 from contracts.clock import Clock
 from contracts.deadline import LeaseDeadline, LeaseTimings
-from contracts.errors import BrokerUnavailable, DatabaseUnavailable, LeaseLost
-from observer_service.ports import LeaseDatabase, LeaseSession, Renewal, Witness
+from contracts.errors import DatabaseUnavailable, LeaseLost
+from observer_service.ports import Copy, LeaseDatabase, LeaseSession, Renewal
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,23 @@ class LeaseState(enum.Enum):
     LOST = "lost"
 
 
+class Listener(Protocol):
+    """What the keeper tells the service, and asks of it (all synchronous)."""
+
+    def lease_lost(self, reason: str) -> None:
+        """The lease is lost: stop every copy now."""
+
+    def renewal_took(self, seconds: float) -> None: ...
+
+    def copies(self) -> Collection[Copy]:
+        """The copies running here."""
+        ...
+
+    def superseded(self, copies: Collection[Copy]) -> None:
+        """These copies were taken by another service while the lease session was down: stop
+        them before they resume."""
+
+
 class LeaseKeeper:
     def __init__(
         self,
@@ -48,21 +69,19 @@ class LeaseKeeper:
         *,
         timings: LeaseTimings,
         clock: Clock,
+        listener: Listener,
     ) -> None:
         self.database = database
         self.timings = timings
         self.clock = clock
+        self.listener = listener
         self.deadline = LeaseDeadline(clock, timings)
-        #: Called (synchronously) the moment the lease is lost; the service sets it.
-        self.on_lost: Callable[[str], None] = lambda _reason: None
-        #: Told how long each renewal took; the service sets it.
-        self.observe_renewal: Callable[[float], None] = lambda _seconds: None
-        #: The broker session to prove continuity with; the service sets it.
-        self.witness: Callable[[], Witness | None] = lambda: None
         self._session: LeaseSession | None = None
         self._fenced = True  # nothing runs before the first renewal
-        #: Set while the lease session is down: the broker session that must stay open.
-        self._bridging: Witness | None = None
+        #: The lease session ended: copies wait until a new session shows what is still ours.
+        self._bridging = False
+        #: Retry soon, then less often: 20 ms doubling up to 250 ms.
+        self._backoff = Backoff(0.02, 0.25)
         self._rejoin = asyncio.Event()
         self._wake = asyncio.Event()
         self._waiters: set[asyncio.Future[None]] = set()
@@ -76,7 +95,7 @@ class LeaseKeeper:
         if not self.deadline.valid():
             self.fence("lease deadline passed")
             return LeaseState.LOST
-        return LeaseState.STALE if self.deadline.stale() else LeaseState.FRESH
+        return LeaseState.STALE if self._bridging or self.deadline.stale() else LeaseState.FRESH
 
     def check_or_fence(self) -> bool:
         """True while the lease is surely ours; fences everything the moment it is not."""
@@ -105,36 +124,25 @@ class LeaseKeeper:
         if self._fenced:
             return
         self._fenced = True
-        self._bridging = None
+        self._bridging = False
         self.deadline.expire()
         log.warning("lease lost (%s): stopping every observer of this service", reason)
         for fut in list(self._waiters):
             if not fut.done():
                 fut.set_exception(LeaseLost(reason))
         try:
-            self.on_lost(reason)
+            self.listener.lease_lost(reason)
         except Exception:
             log.exception("stopping the observers after a lost lease failed")
 
     def session_ended(self) -> None:
-        """The lease session ended by itself: reconnect, keeping the observers only if the
-        broker connection proves it stayed open (see the module's docstring)."""
-        if self._fenced or self._bridging is not None:
+        """The lease session ended by itself: pause, and reconnect (see the module's
+        docstring)."""
+        if self._fenced or self._bridging:
             return
-        witness = self.witness()
-        if witness is None:
-            self.fence("lease session ended while off the broker")
-            return
-        log.warning(
-            "lease session ended; reconnecting (broker session %d must hold)", witness.generation
-        )
-        self._bridging = witness
+        log.warning("lease session ended: observers pause until a new session shows they are ours")
+        self._bridging = True
         self._wake.set()
-
-    def broker_lost(self, generation: int) -> None:
-        """The service's broker session closed."""
-        if self._bridging is not None and self._bridging.generation == generation:
-            self.fence("lease session and broker connection both lost")
 
     def allow_rejoin(self) -> None:
         """The service runs nothing and holds nothing: the lease may come back."""
@@ -164,79 +172,91 @@ class LeaseKeeper:
         session = await self._connect()
         sent = self.clock.now()
         await session.join(self.timings.ttl)
-        self._bridging = None
+        self._bridging = False
         self._confirmed(sent)
         self._rejoin.clear()
 
-    async def _bridge(self) -> None:
-        """A new session after ours ended, kept only if the broker connection held."""
-        witness = self._bridging
-        assert witness is not None
-        await self._connect()
-        try:
-            held = await witness.confirm_present()
-        except BrokerUnavailable:
-            held = False
-        if not held:
-            self.fence("lease session ended and the broker connection did not hold")
-            return
-        if self._bridging is witness:
-            self._bridging = None
+    async def _bridge(self) -> Renewal | None:
+        """A new session after ours ended: publish its lock key with a renewal, then stop the
+        copies whose rows were taken meanwhile. None when the lease had expired (fenced)."""
+        session = await self._connect()
+        before = set(self.listener.copies())  # each one's take committed before this renewal
+        renewal = await session.renew(
+            self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
+        )
+        if renewal is None:
+            self.fence("the lease had expired in the database")
+            return None
+        held = await session.held(timeout=max(0.05, self.deadline.remaining()))
+        if session.ended:  # its end went unheard while we were bridging: bridge again
+            raise DatabaseUnavailable("the new lease session ended too")
+        if taken := before - held:
+            log.warning(
+                "%d observers were taken by others while the lease session was down", len(taken)
+            )
+            self.listener.superseded(taken)
+        if self.check_or_fence():
+            self._bridging = False
+            log.info("lease back on a new session: %d observers go on", len(before & held))
+        return renewal
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
         """Renew for ever; fence when the lease is no longer surely ours; rejoin when allowed."""
-        backoff = 0.0
+        wait = 0.0
         while True:
             if self._fenced:
                 await self._rejoin.wait()
                 try:
                     await self._join()
                     log.info("lease back on a new session")
-                    backoff = 0.0
+                    self._backoff.reset()
                 except DatabaseUnavailable as exc:
-                    backoff = _next(backoff)
-                    log.warning("cannot rejoin yet (%s); retrying in %.2fs", exc, backoff)
-                    await asyncio.sleep(backoff)
+                    wait = self._backoff.next()
+                    log.warning("cannot rejoin yet (%s); retrying in %.2fs", exc, wait)
+                    await asyncio.sleep(wait)
                 continue
-            if backoff:
-                await asyncio.sleep(backoff)
-            elif self._bridging is None:
+            if wait:
+                await asyncio.sleep(wait)
+            elif not self._bridging:
                 due = self.timings.renew_interval - (self.clock.now() - self.deadline.confirmed)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self._wake.wait(), max(0.0, min(due, self.deadline.remaining()))
                     )
-            backoff = await self._renew_once(backoff)
+            wait = await self._renew_once()
 
-    async def _renew_once(self, backoff: float) -> float:
+    async def _renew_once(self) -> float:
         """One renewal; returns the wait before the next attempt (0: on schedule)."""
         if not self.check_or_fence():
             return 0.0
         sent = self.clock.now()
         try:
-            if self._bridging is not None:
-                await self._bridge()
-                if self._fenced:
+            renewal: Renewal | None
+            if self._bridging:
+                renewal = await self._bridge()
+                if renewal is None:
                     return 0.0
-            session = self._session
-            assert session is not None
-            renewal = await session.renew(
-                self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
-            )
-            self.observe_renewal(self.clock.now() - sent)
+            else:
+                session = self._session
+                assert session is not None
+                renewal = await session.renew(
+                    self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
+                )
+            self.listener.renewal_took(self.clock.now() - sent)
         except DatabaseUnavailable as exc:
             if self._session is not None and self._session.ended:
                 self.session_ended()
-            backoff = _next(backoff)
-            log.warning("lease renewal failed (%s); retrying in %.2fs", exc, backoff)
-            return backoff
+            wait = self._backoff.next()
+            log.warning("lease renewal failed (%s); retrying in %.2fs", exc, wait)
+            return wait
         if renewal is None:
             self.fence("the lease had expired in the database")
             return 0.0
         if not self.check_or_fence():  # the deadline passed while we waited: do not extend
             return 0.0
+        self._backoff.reset()
         self._confirmed(sent)
         self.renewals.put_nowait(renewal)
         return 0.0
@@ -247,8 +267,3 @@ class LeaseKeeper:
         self._fenced = True
         if session is not None:
             await session.close(deleted=deleted)
-
-
-def _next(backoff: float) -> float:
-    """Retry soon, then less often: 20 ms doubling up to 250 ms."""
-    return min(0.25, max(0.02, backoff * 2))

@@ -16,10 +16,15 @@ from contracts.errors import DatabaseUnavailable, StartupError
 from contracts.kinds import KindSpec
 from contracts.settings import default_host
 from observer_service.broker import AmqpBroker
-from observer_service.lease import LeaseKeeper
 from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
-from observer_service.store import PgLeaseDatabase, PgStore, keep_session, prepare_connection
+from observer_service.store import (
+    PgLeaseDatabase,
+    PgStore,
+    ThreadBlame,
+    keep_session,
+    prepare_connection,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +54,14 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         timeout=max(2.0, timings.ttl),
         command_timeout=max(5.0, 2 * timings.ttl),
     )
-    lease = LeaseKeeper(
-        PgLeaseDatabase(
-            settings.asyncpg_dsn,
-            service_id=service_id,
-            name=settings.name,
-            worker_count=settings.worker_count,
-            host=default_host(),
-            version=__version__,
-            connect_timeout=max(1.0, timings.ttl / 2),
-        ),
-        timings=timings,
-        clock=clock,
+    lease_database = PgLeaseDatabase(
+        settings.asyncpg_dsn,
+        service_id=service_id,
+        name=settings.name,
+        worker_count=settings.worker_count,
+        host=default_host(),
+        version=__version__,
+        connect_timeout=max(1.0, timings.ttl / 2),
     )
     service = ObserverService(
         service_id=service_id,
@@ -69,12 +70,15 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
             worker_count=settings.worker_count,
             shutdown_timeout=settings.shutdown_timeout,
             check_every=settings.check_every,
+            loop_stall=settings.loop_stall,
         ),
         kinds=kinds,
         store=PgStore(pool, service_id),
         broker=AmqpBroker(settings),
-        lease=lease,
+        lease_database=lease_database,
+        timings=timings,
         clock=clock,
+        blame_now=ThreadBlame(settings.asyncpg_dsn, service_id),
     )
     if settings.metrics_port is not None:
         service.metrics.serve(settings.metrics_port)

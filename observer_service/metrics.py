@@ -37,6 +37,11 @@ class ServiceMetrics(Metrics):
         self.take_batch = m.histogram(
             "orch_take_batch_size", "Start messages decided by one statement", buckets=SIZES
         )
+        self.stalls = m.counter(
+            "orch_loop_stalls_total",
+            "Steps of kind code that blocked the event loop past ORCH_LOOP_STALL, by kind",
+            "kind",
+        )
         self.reconnects = m.counter(
             "orch_broker_reconnects_total", "Broker sessions opened after the first"
         )

@@ -11,14 +11,19 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
 from observer_service.take import Decision, Departed
 
-Copy = tuple[uuid.UUID, int]  # (observer id, epoch): one copy of an observer
+
+class Copy(NamedTuple):
+    """One copy of an observer: the observer and the epoch it was taken with."""
+
+    observer_id: uuid.UUID
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,10 @@ class StartRequest:
 
     start: StartMessage
     redelivered: bool
-    #: A copy of this observer runs here on a live broker session.
+    #: A copy of this observer runs here (and is not being stopped).
     running_here: bool
+    #: A slot is held for it: a take may run it. Without one, TAKE is answered NO_ROOM.
+    room: bool = True
 
     @property
     def observer_id(self) -> uuid.UUID:
@@ -48,7 +55,7 @@ class Taken:
 
     @property
     def copy(self) -> Copy:
-        return (self.observer_id, self.epoch)
+        return Copy(self.observer_id, self.epoch)
 
     @property
     def start(self) -> StartMessage:
@@ -112,6 +119,11 @@ class Store(Protocol):
 
     async def fail(self, copy: Copy, error: str) -> bool: ...
 
+    async def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
+        """Fail the observer whatever copy holds it (it blocked the event loop past the lease:
+        not fenced, since this service's lease is gone by then)."""
+        ...
+
     async def reconcile(self, running: set[uuid.UUID]) -> int: ...
 
     async def held_count(self) -> int: ...
@@ -129,20 +141,14 @@ class LeaseSession(Protocol):
 
     async def renew(self, ttl: float, timeout: float) -> Renewal | None: ...
 
+    async def held(self, timeout: float) -> set[Copy]:
+        """The copies the database says this service holds, read after the last renewal
+        committed."""
+        ...
+
     async def close(self, *, deleted: bool) -> None: ...
 
     def terminate(self) -> None: ...
-
-
-class Witness(Protocol):
-    """A broker session that can prove it has been open all along."""
-
-    generation: int
-
-    async def confirm_present(self) -> bool:
-        """A round trip on this same connection finding our control queue: the connection (so
-        the queue) has been open without a break since it was made. Raises BrokerUnavailable."""
-        ...
 
 
 class LeaseDatabase(Protocol):
@@ -152,19 +158,23 @@ class LeaseDatabase(Protocol):
 
 
 class Delivery(Protocol):
-    """A start message delivered from the work queue; settling is a no-op once its session
-    is closed (the broker has requeued it then)."""
+    """A start message delivered from the work queue. Once its session is closed the broker
+    has requeued it, and settling it does nothing (each call says whether it settled)."""
 
     body: bytes
     redelivered: bool
-    generation: int
 
-    async def ack(self) -> None: ...
+    @property
+    def live(self) -> bool:
+        """Its session is open: settling it still means something."""
+        ...
 
-    async def requeue(self) -> None: ...
+    async def ack(self) -> bool: ...
+
+    async def requeue(self) -> bool: ...
 
     async def reject(self) -> bool:
-        """Dead-letter it; False when its session is gone."""
+        """Dead-letter it."""
         ...
 
 
@@ -174,11 +184,11 @@ class Settling:
     async def _settle(self, how: str) -> bool:
         raise NotImplementedError
 
-    async def ack(self) -> None:
-        await self._settle("ack")
+    async def ack(self) -> bool:
+        return await self._settle("ack")
 
-    async def requeue(self) -> None:
-        await self._settle("requeue")
+    async def requeue(self) -> bool:
+        return await self._settle("requeue")
 
     async def reject(self) -> bool:
         return await self._settle("reject")
@@ -203,11 +213,11 @@ class BrokerSession(Protocol):
 
     async def send_error(self, start: StartMessage) -> None: ...
 
+    async def send_cancel(self, observer_id: uuid.UUID) -> None: ...
+
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether the service's exclusive control queue exists: its broker connection lives."""
         ...
-
-    async def confirm_present(self) -> bool: ...
 
 
 OnStart = Callable[[Delivery], Awaitable[None]]

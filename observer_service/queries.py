@@ -60,12 +60,21 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
 """
 
 # $1 ids, $2 me, $3 epochs seen, $4 dispatch ids seen, $5 statuses seen, $6 holders seen,
-# $7 details: the compare-and-set stands in for a row lock (the epoch is the row's version).
+# $7 details, $8 the live holder's lock key found free (NULL unless taking from a live holder):
+# the compare-and-set stands in for a row lock (the epoch is the row's version). A take from a
+# live holder also holds only while the holder's row names the key found free: the FOR SHARE
+# lock orders it with the holder's renewal on a new session (which publishes a new key), so
+# either the take lands first and that holder's next look at its rows sees it, or the key has
+# changed and the take does not land.
 _SEEN = """
-  FROM unnest($1::uuid[], $3::bigint[], $4::uuid[], $5::text[], $6::uuid[], $7::text[])
-       AS v(id, epoch, dispatch_id, status, holder, detail)
+  FROM unnest($1::uuid[], $3::bigint[], $4::uuid[], $5::text[], $6::uuid[], $7::text[],
+              $8::bigint[])
+       AS v(id, epoch, dispatch_id, status, holder, detail, holder_key)
  WHERE o.id = v.id AND o.epoch = v.epoch AND o.dispatch_id = v.dispatch_id
    AND o.status = v.status AND o.service_id IS NOT DISTINCT FROM v.holder
+   AND (v.holder_key IS NULL
+        OR EXISTS (SELECT 1 FROM services s
+                    WHERE s.id = v.holder AND s.lock_key = v.holder_key FOR SHARE))
 """
 TAKE = with_events(
     f"UPDATE observers o SET status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, "
@@ -134,6 +143,17 @@ FAIL = with_events(
     "$4::text",
 )
 
+# $1 id, $2 me, $3 reason: a copy blocked the event loop for longer than the lease, which cost
+# this service its lease: the observer is failed with no lease needed (whoever holds it now runs
+# the same blocking code). Only a failure, never a take: it cannot make two copies run.
+BLAME = with_events(
+    f"UPDATE observers SET status = {_FAILED}, service_id = NULL, last_error = $3, "
+    f"modified_at = now() WHERE id = $1 AND $2::uuid IS NOT NULL "
+    f"AND status IN ({_PROCESSING}, '{ObserverStatus.CREATED.value}') RETURNING id, epoch",
+    event(Event.FAILED),
+    "$3::text",
+)
+
 # $1 observers this service runs, $2 me: let go of what the database says we hold but we do
 # not run (after a fence, or when the periodic check finds a difference).
 RECONCILE = with_events(
@@ -143,6 +163,10 @@ RECONCILE = with_events(
     _let_go_event("u.status"),
     "'not running here'",
 )
+
+# $1 me: the copies the database says this service holds (read after a renewal on a new lease
+# session, to find what was taken while the old one was down).
+HELD_COPIES = f"SELECT id, epoch FROM observers WHERE service_id = $1 AND {sql_in('status', HELD)}"
 
 HELD_COUNT = f"SELECT count(*) FROM observers WHERE service_id = $1 AND {sql_in('status', HELD)}"
 

@@ -15,8 +15,9 @@ from enum import Enum
 from contracts.errors import Fenced
 from contracts.kinds import KindSpec, RestartPolicy
 from observer_service.context import ObserverContext
-from observer_service.guard import Gate, guarded
-from observer_service.ports import Copy, Delivery, ErrorRecord, Taken
+from observer_service.guard import Gate, Timing, guarded
+from observer_service.origin import Origin, Queued
+from observer_service.ports import Copy, ErrorRecord, Taken
 
 
 class StopReason(Enum):
@@ -30,7 +31,8 @@ class StopReason(Enum):
     DRAIN = "service draining"
     HANDOFF = "handed off"
     LEASE_LOST = "lease lost"
-    CHANNEL_LOST = "broker channel lost"
+    #: Another service took it while this one's lease session was down (found on the new one).
+    SUPERSEDED = "taken by another service"
 
 
 class ObserverReturned(Exception):
@@ -42,12 +44,14 @@ class Runner:
     taken: Taken
     spec: KindSpec
     ctx: ObserverContext
-    #: The unacked start message behind this copy; None for a directed start.
-    delivery: Delivery | None
+    #: Where it came from: how its start message is settled when it stops.
+    origin: Origin
     task: asyncio.Task[str] | None = None
     stop_reason: StopReason | None = None
     #: For a handoff: the service that should take it next.
     handoff_to: uuid.UUID | None = None
+    #: It blocked the event loop past the lease: fail it, whatever else stopped it.
+    blame: str | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -62,10 +66,17 @@ class Runner:
     def copy(self) -> Copy:
         return self.taken.copy
 
-    @property
-    def generation(self) -> int | None:
-        """The broker session its delivery came on (None: a directed start)."""
-        return None if self.delivery is None else self.delivery.generation
+    def runs(self, dispatch_id: uuid.UUID) -> bool:
+        """It runs (is not being stopped) for that dispatch of the observer."""
+        return self.stop_reason is None and self.taken.dispatch_id == dispatch_id
+
+    def adopt(self, origin: Queued) -> bool:
+        """Hold a redelivered start of this copy, if it holds no live delivery of its own (its
+        session closed and it went on); False for a duplicate."""
+        if self.origin.live:
+            return False
+        self.origin = origin
+        return True
 
     def stop(self, reason: StopReason, *, to: uuid.UUID | None = None) -> None:
         """Ask the copy to stop now. The first reason given decides where it goes next."""
@@ -87,6 +98,7 @@ async def run_observer(
     *,
     gate: Gate,
     record_error: RecordError,
+    timing: Timing | None = None,
 ) -> str:
     """Run the kind; after an error, record it (the database counts restarts in a window that
     heals) and restart in place after a backoff with jitter. Returns the last error once the
@@ -96,7 +108,7 @@ async def run_observer(
     """
     while True:
         try:
-            await guarded(spec.run(ctx), gate)
+            await guarded(spec.run(ctx), gate, timing)
             error = describe(ObserverReturned("run() returned; an observer must run until stopped"))
         except Exception as exc:
             error = describe(exc)

@@ -12,13 +12,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from contracts.backoff import Backoff
 from contracts.clock import Clock
+from contracts.deadline import LeaseTimings
+from contracts.errors import BrokerUnavailable
 from contracts.kinds import KindSpec
 from contracts.messages import (
     CONTROL_MESSAGE,
@@ -34,17 +37,20 @@ from observer_service.batching import Batcher
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
+from observer_service.origin import DIRECTED
 from observer_service.ports import (
     Broker,
     BrokerSession,
     Checkpoint,
     Copy,
+    LeaseDatabase,
     SessionSpec,
     Store,
 )
 from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
 from observer_service.settle import Settler
+from observer_service.stalls import BlameNow, StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ class ServiceConfig:
     shutdown_timeout: float = 10.0
     #: How often the rows this service holds are compared with what it runs, seconds.
     check_every: float = 30.0
+    #: A step of kind code longer than this, seconds, is a stall (``stalls.py``).
+    loop_stall: float = 2.0
 
 
 class ObserverService:
@@ -68,20 +76,19 @@ class ObserverService:
         kinds: dict[str, KindSpec],
         store: Store,
         broker: Broker,
-        lease: LeaseKeeper,
+        lease_database: LeaseDatabase,
+        timings: LeaseTimings,
         clock: Clock,
         metrics: ServiceMetrics | None = None,
+        blame_now: BlameNow | None = None,
     ) -> None:
         self.id = service_id
         self.metrics = metrics or ServiceMetrics()
         self.metrics.running_is(lambda: len(self.runners))
         self.config = config
         self.store = store
-        self.broker = broker
-        self.lease = lease
-        lease.on_lost = self._on_lease_lost
-        lease.witness = lambda: self.session if self.session and self.session.is_open else None
-        lease.observe_renewal = self.metrics.renewal.observe
+        self._broker = broker
+        self.lease = LeaseKeeper(lease_database, timings=timings, clock=clock, listener=self)
         self.clock = clock
         self.runners: dict[uuid.UUID, Runner] = {}
         self.admission = Admission(config.worker_count)
@@ -93,10 +100,28 @@ class ObserverService:
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch)
         self._let_go = Batcher(self._let_go_batch)
-        self.settler = Settler(
-            let_go=self.let_go, session=lambda: self.session, metrics=self.metrics
+        self.stalls = StallWatch(
+            config.loop_stall,
+            lease_valid=self.lease.deadline.valid,
+            outlives_lease=timings.ttl - timings.margin - timings.renew_interval,
+            blame_now=blame_now,
         )
-        self.intake = Intake(self, kinds)
+        self.settler = Settler(
+            let_go=self.let_go, blame=store.blame, session=self.broker, metrics=self.metrics
+        )
+        self.intake = Intake(
+            self,
+            me=service_id,
+            name=config.name,
+            kinds=kinds,
+            store=store,
+            lease=self.lease,
+            admission=self.admission,
+            settler=self.settler,
+            metrics=self.metrics,
+            clock=clock,
+            stalls=self.stalls,
+        )
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
@@ -108,6 +133,7 @@ class ObserverService:
 
     async def run(self) -> int:
         await self.lease.start()
+        self.stalls.start()
         log.info(
             "service %s (%s) up: worker_count=%d",
             self.id,
@@ -135,6 +161,7 @@ class ObserverService:
                 exc = None if task.cancelled() else task.exception()
                 log.critical("side task %r died (%r): stopping the service", task.get_name(), exc)
         await self._shutdown(side)
+        self.stalls.stop()
         return code
 
     async def _shutdown(self, side: list[asyncio.Task[Any]]) -> None:
@@ -176,11 +203,14 @@ class ObserverService:
 
     # ----------------------------------------------------------------- broker
     async def _broker_loop(self) -> None:
-        backoff = 0.05
+        """One broker session after another. A closed session stops nothing: the copies
+        delivered on it go on under the lease (their starts are adopted again when redelivered
+        here, and dropped as duplicates elsewhere)."""
+        backoff = Backoff(0.05, 5.0, jitter=0.2)
         opened = 0
         while not self.stopping:
             try:
-                session = await self.broker.open(
+                session = await self._broker.open(
                     SessionSpec(
                         service_id=self.id,
                         prefetch=self.config.worker_count,
@@ -189,12 +219,12 @@ class ObserverService:
                         on_control=self._on_control,
                     )
                 )
-            except Exception as exc:  # any failure to open is retried
-                log.warning("broker unreachable (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+            except BrokerUnavailable as exc:
+                delay = backoff.next()
+                log.warning("broker unreachable (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
                 continue
-            backoff = 0.05
+            backoff.reset()
             opened += 1
             if opened == 1 and (advice := consumer_timeout_advice(session.version)):
                 log.warning("%s", advice)
@@ -203,17 +233,18 @@ class ObserverService:
             self.session = session
             await session.closed.wait()
             self.metrics.channel_closes.labels(session.close_reason).inc()
-            self.lease.broker_lost(session.generation)
-            self._stop_where(_delivered_on(session.generation), StopReason.CHANNEL_LOST)
+            if self.runners:
+                log.warning(
+                    "broker session closed: %d observers go on under the lease", len(self.runners)
+                )
             await session.close()
 
-    def session_open(self, generation: int | None) -> bool:
-        """Whether the session of that generation is the current one and open (None: no
-        delivery behind it, always true)."""
-        if generation is None:
-            return True
+    def broker(self) -> BrokerSession | None:
         s = self.session
-        return s is not None and s.generation == generation and s.is_open
+        return s if s is not None and s.is_open else None
+
+    def accepting(self) -> bool:
+        return not (self.stopping or self.draining)
 
     # ----------------------------------------------------------------- runners
     def add_runner(self, runner: Runner) -> None:
@@ -279,7 +310,7 @@ class ObserverService:
             log.error("malformed control message ignored: %s", exc)
             return
         if isinstance(control, DirectedStart):
-            await self.intake.admit(control.start(), None)
+            await self.intake.admit(control.start(), DIRECTED)
         elif isinstance(control, HandoffMessage):
             runner = self.runners.get(control.observer_id)
             if runner is not None:
@@ -298,11 +329,21 @@ class ObserverService:
         else:
             self.admission.cancel(observer_id)
 
-    # ----------------------------------------------------------------- lease
-    def _on_lease_lost(self, reason: str) -> None:
+    # ----------------------------------------------------------------- lease (its listener)
+    def lease_lost(self, reason: str) -> None:
         self.metrics.lease_lost.labels(reason).inc()
         self._stop_where(lambda r: True, StopReason.LEASE_LOST)
         self._lease_lost.set()
+
+    def renewal_took(self, seconds: float) -> None:
+        self.metrics.renewal.observe(seconds)
+
+    def copies(self) -> Collection[Copy]:
+        return [r.copy for r in self.runners.values()]
+
+    def superseded(self, copies: Collection[Copy]) -> None:
+        gone = set(copies)
+        self._stop_where(lambda r: r.copy in gone, StopReason.SUPERSEDED)
 
     async def _renewals(self) -> None:
         """What renewals learn: own observers being deleted (a missed broadcast), a drain; and
@@ -354,7 +395,3 @@ class ObserverService:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _delivered_on(generation: int) -> Callable[[Runner], bool]:
-    return lambda r: r.generation == generation

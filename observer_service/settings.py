@@ -15,5 +15,8 @@ class ServiceSettings(CommonSettings):
     shutdown_timeout: float = Field(default=10.0, gt=0)
     #: How often a service compares the rows it holds with what it runs, seconds.
     check_every: float = Field(default=30.0, gt=0)
+    #: A step of kind code that blocks the event loop longer than this, seconds, is a stall: it
+    #: counts against the copy's restart budget (one past the lease fails it at once).
+    loop_stall: float = Field(default=2.0, gt=0)
     #: Serve Prometheus metrics on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65_535)

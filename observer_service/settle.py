@@ -19,7 +19,8 @@ from contracts.errors import BrokerUnavailable, Fenced, LeaseLost
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
 from observer_service.metrics import ServiceMetrics
-from observer_service.ports import BrokerSession, Copy, Delivery
+from observer_service.origin import Origin
+from observer_service.ports import BrokerSession, Copy
 from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
 
@@ -38,6 +39,7 @@ class Disposition(Enum):
 
 
 LetGo = Callable[[Copy, str], Awaitable[ObserverStatus | None]]
+Blame = Callable[[uuid.UUID, str], Awaitable[bool]]
 
 
 class Settler:
@@ -45,27 +47,36 @@ class Settler:
         self,
         *,
         let_go: LetGo,
+        blame: Blame,
         session: Callable[[], BrokerSession | None],
         metrics: ServiceMetrics,
     ) -> None:
         self._let_go = let_go
+        self._blame = blame
         self._session = session
         self.metrics = metrics
+
+    async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
+        """Release a stopped copy (or complete its stop); None where it was fenced."""
+        return await self._let_go(copy, detail)
 
     async def conclude(self, runner: Runner) -> None:
         """Record why the copy stopped and settle its message."""
         task = runner.task
         assert task is not None
         assert task.done()
-        start, delivery = runner.taken.start, runner.delivery
+        start, origin = runner.taken.start, runner.origin
         exc = None if task.cancelled() else task.exception()
+        if runner.blame is not None:
+            await self._fail_blamed(runner, runner.blame)
+            return
         if isinstance(exc, Fenced):
             runner.ctx.logger.warning("fenced (%s): stopped", exc)
-            await self.dispose(start, delivery, Disposition.ACK)
+            await self.dispose(start, origin, Disposition.ACK)
             return
         if not task.cancelled() and exc is None:  # the restart budget is spent: row failed
             runner.ctx.logger.error("failed after its last restart: %s", task.result())
-            await self.dispose(start, delivery, Disposition.DEAD_LETTER)
+            await self.dispose(start, origin, Disposition.DEAD_LETTER)
             return
         reason = runner.stop_reason
         if reason is None:
@@ -82,38 +93,44 @@ class Settler:
         elif status is ObserverStatus.PROCESSING:
             self.metrics.releases.labels(reason.name.lower()).inc()
         if status is not ObserverStatus.PROCESSING:
-            await self.dispose(start, delivery, Disposition.ACK)
+            await self.dispose(start, origin, Disposition.ACK)
         elif reason is StopReason.HANDOFF and runner.handoff_to is not None:
-            await self.dispose(start, delivery, Disposition.HANDOFF, to=runner.handoff_to)
+            await self.dispose(start, origin, Disposition.HANDOFF, to=runner.handoff_to)
         else:
-            await self.dispose(start, delivery, Disposition.REQUEUE)
+            await self.dispose(start, origin, Disposition.REQUEUE)
+
+    async def _fail_blamed(self, runner: Runner, reason: str) -> None:
+        """Failed with no lease needed, before its message goes anywhere; a cancel tells
+        whoever took it meanwhile (a takeover during the stall) to stop it too."""
+        oid = runner.observer_id
+        if await until_done(lambda: self._blame(oid, reason), f"failing observer {oid}"):
+            self.metrics.failed.labels(runner.ctx.kind).inc()
+            runner.ctx.logger.error("failed: %s, past the lease", reason)
+        await self._publish(runner.taken.start, lambda s: s.send_cancel(oid))
+        await self.dispose(runner.taken.start, runner.origin, Disposition.ACK)
 
     async def dispose(
         self,
         start: StartMessage,
-        delivery: Delivery | None,
+        origin: Origin,
         how: Disposition,
         *,
         to: uuid.UUID | None = None,
     ) -> None:
-        """Settle the start behind a copy. A directed start has no delivery: requeueing or
-        dead-lettering it publishes it anew; if that fails, the leader's audit re-dispatches it.
-        A delivery whose session is gone needs nothing: the broker has requeued it."""
+        """Settle the start behind a copy on its delivery; what the origin cannot settle (no
+        delivery, or its session is gone) is published anew, and if that fails too, the
+        leader's audit re-dispatches the observer."""
         if how is Disposition.ACK:
-            if delivery is not None:
-                await delivery.ack()
+            await origin.ack()
         elif how is Disposition.HANDOFF:
             if await self._publish(start, lambda s: s.send_start(start, on=to)):
-                if delivery is not None:
-                    await delivery.ack()
-            elif delivery is not None:
-                await delivery.requeue()
-        elif how is Disposition.REQUEUE:
-            if delivery is not None:
-                await delivery.requeue()
-            else:
+                await origin.ack()
+            elif not await origin.requeue():
                 await self._publish(start, lambda s: s.send_start(start))
-        elif delivery is None or not await delivery.reject():
+        elif how is Disposition.REQUEUE:
+            if not await origin.requeue():
+                await self._publish(start, lambda s: s.send_start(start))
+        elif not await origin.reject():
             await self._publish(start, lambda s: s.send_error(start))
 
     async def _publish(
@@ -126,7 +143,5 @@ class Settler:
             await send(session)
             return True
         except BrokerUnavailable as exc:
-            log.warning(
-                "could not publish the start of %s (the audit will): %s", start.observer_id, exc
-            )
+            log.warning("could not publish for %s: %s", start.observer_id, exc)
             return False

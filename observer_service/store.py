@@ -5,6 +5,7 @@ become ``DatabaseUnavailable`` here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -105,13 +106,27 @@ class PgStore:
             holder_lock_free=lock_free,
             holder_off_broker=off_broker,
         )
-        return decide(facts, me=self.me, redelivered=req.redelivered, running_here=req.running_here)
+        return decide(
+            facts,
+            me=self.me,
+            redelivered=req.redelivered,
+            running_here=req.running_here,
+            room=req.room,
+        )
 
     async def _compare_and_set(
         self, sql: str, batch: list[tuple[int, StartRequest, asyncpg.Record]]
     ) -> dict[uuid.UUID, int]:
         def detail(row: asyncpg.Record) -> str | None:
             return f"from {row['service_id']}" if row["service_id"] else None
+
+        def key(row: asyncpg.Record) -> int | None:
+            """The lock key found free, for a take from a live holder: the write holds only
+            while the holder's row still names it (the holder has not come back on a new
+            session meanwhile)."""
+            return (
+                row["holder_key"] if row["holder_live"] and row["service_id"] != self.me else None
+            )
 
         with database_errors():
             rows = await self.pool.fetch(
@@ -123,6 +138,7 @@ class PgStore:
                 [r["status"] for _, _, r in batch],
                 [r["service_id"] for _, _, r in batch],
                 [detail(r) for _, _, r in batch],
+                [key(r) for _, _, r in batch],
             )
         return {r["id"]: r["epoch"] for r in rows}
 
@@ -172,6 +188,11 @@ class PgStore:
             row = await self.pool.fetchrow(q.FAIL, copy[0], self.me, copy[1], error)
         return row is not None
 
+    async def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
+        with database_errors():
+            row = await self.pool.fetchrow(q.BLAME, observer_id, self.me, reason)
+        return row is not None
+
     async def reconcile(self, running: set[uuid.UUID]) -> int:
         with database_errors():
             rows = await self.pool.fetch(q.RECONCILE, list(running), self.me)
@@ -180,6 +201,26 @@ class PgStore:
     async def held_count(self) -> int:
         with database_errors():
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
+
+
+class ThreadBlame:
+    """Fails an observer from the watchdog thread while the service's event loop is blocked:
+    on a connection and a short-lived event loop of its own (it happens rarely)."""
+
+    def __init__(self, dsn: str, me: uuid.UUID) -> None:
+        self.dsn = dsn
+        self.me = me
+
+    def __call__(self, observer_id: uuid.UUID, reason: str) -> None:
+        asyncio.run(self._blame(observer_id, reason))
+
+    async def _blame(self, observer_id: uuid.UUID, reason: str) -> None:
+        with database_errors():
+            conn = await asyncpg.connect(self.dsn, timeout=2)
+            try:
+                await conn.execute(q.BLAME, observer_id, self.me, reason, timeout=2)
+            finally:
+                await conn.close(timeout=2)
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -195,7 +236,7 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
     nobody = uuid.UUID(int=0)
     await conn.fetch(q.FACTS, [], nobody)
     for cas in (q.TAKE, q.COMPLETE_STOP):
-        await conn.fetch(cas, [], nobody, [], [], [], [], [])
+        await conn.fetch(cas, [], nobody, [], [], [], [], [], [])
     await conn.fetch(q.CHECKPOINT, [], nobody, [], [])
     await conn.fetch(q.LET_GO, [], nobody, [], "")
 
@@ -261,6 +302,11 @@ class PgLeaseSession:
                 q.RENEW, self.service_id, ttl, self.lock_key, timeout=timeout
             )
         return None if row is None else Renewal(deleting=list(row[0]), draining=bool(row[1]))
+
+    async def held(self, timeout: float) -> set[Copy]:
+        with self._errors():
+            rows = await self.conn.fetch(q.HELD_COPIES, self.service_id, timeout=timeout)
+        return {Copy(r["id"], r["epoch"]) for r in rows}
 
     async def close(self, *, deleted: bool) -> None:
         """Leave (graceful stop) and end the session, freeing the lock."""

@@ -25,6 +25,8 @@ class Decision(Enum):
     #: Being deleted or paused, and nobody runs it: complete that (deleted, paused), then drop.
     COMPLETE_STOP = "drop: its stop completed here"
     WAIT = "wait: held by a live service"
+    #: It may be taken, but this start holds no slot: wait for one, then decide again.
+    NO_ROOM = "wait: no free slot"
     #: The holder's database session has ended; ask the broker whether its process is gone too.
     PROBE = "probe: is the holder gone from the broker too?"
 
@@ -51,14 +53,18 @@ def decide(
     me: uuid.UUID,
     redelivered: bool,
     running_here: bool,
+    room: bool = True,
 ) -> Decision:
-    """``running_here``: a copy of this observer runs in this process on a live broker session.
+    """``running_here``: a copy of this observer runs in this process (not being stopped).
+    ``room``: a slot is held for this start; a take without one is answered NO_ROOM.
 
     A holder other than me whose lease is live may be taken over before its lease expires only
     when its process is provably gone: its database session ended (the lock is free) *and* its
     broker connection closed (its exclusive control queue is gone). Either alone happens to a
-    live process (a pooler, a database restart, a broker restart), and that process may still
-    run its copy until it notices.
+    live process (a pooler, a database restart, a broker restart, a partition), and that
+    process goes on with its copies; a holder that sees its session end pauses them until a
+    new session shows which are still its (``lease.py``), and the take's compare-and-set holds
+    only while the holder's row still names the lock key found free.
     """
     if not facts.exists:
         return Decision.DROP_MISSING
@@ -76,18 +82,20 @@ def decide(
     if facts.status in STOPPING:
         return Decision.DROP_STOPPING_ELSEWHERE if other_live else Decision.COMPLETE_STOP
     # created or processing
+    take = Decision.TAKE if room else Decision.NO_ROOM
     if not other_live:
-        return Decision.TAKE
+        return take
     # Held by another live service. A first delivery can only be a duplicate publish: the
-    # holder's own delivery is still unacked on its channel. A redelivery may mean the holder's
-    # channel closed (it is stopping its copy and will release it), or a requeued duplicate.
+    # holder's own delivery is still unacked on its channel. A redelivery means the holder's
+    # channel closed: its process crashed (its lock is about to be free), or it goes on without
+    # that delivery (a broker restart, a partition): then this is a duplicate, after a wait.
     if not redelivered:
         return Decision.DROP_DUPLICATE
     if not facts.holder_lock_free:
         return Decision.WAIT
     if facts.holder_off_broker is None:
         return Decision.PROBE
-    return Decision.TAKE if facts.holder_off_broker else Decision.WAIT
+    return take if facts.holder_off_broker else Decision.WAIT
 
 
 class Departed:

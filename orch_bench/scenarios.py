@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -25,7 +27,7 @@ from orch_bench.harness import (
     rss_bytes,
 )
 from orch_bench.loadgen import RawClient, create_for
-from orch_bench.ticklog import failover_gaps, overlap_seconds, read_ticks
+from orch_bench.ticklog import failover_gaps, largest_gaps, overlap_seconds, read_ticks
 
 IDLE_TICKER = {"interval": 3600}
 TICK = 0.02  # recorder interval in failover scenarios: the resolution of measured gaps
@@ -450,6 +452,59 @@ async def freeze_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         )
 
 
+#: How long the broker is stopped in the broker-restart scenario, seconds.
+BROKER_DOWN = 10.0
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", *args], capture_output=True, timeout=120, check=True)
+
+
+async def broker_restart(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """``rabbitmqctl stop_app`` for 10 s, then ``start_app``, under two loaded services: the
+    largest tick gap of any observer through it (the lease carries them, not the broker). It
+    needs ``rabbitmqctl`` on this machine, with rights on the broker."""
+    scenario = f"broker restart ({BROKER_DOWN:g} s down)"
+    if shutil.which("rabbitmqctl") is None:
+        tick()
+        return [Figure(scenario, "max tick gap", None, "ms", note="no rabbitmqctl here: skipped")]
+    async with bench.cluster("broker") as c:
+        await _recorders(c, size.failover_observers, services=2)
+        try:
+            await asyncio.to_thread(_rabbitmqctl, "stop_app")
+            stopped = time.time()
+            await quiet(BROKER_DOWN, "the broker is down")
+        finally:
+            await asyncio.to_thread(_rabbitmqctl, "start_app")
+        await quiet(3.0, "redelivered starts are adopted or dropped")
+        end = time.time()
+        tick()
+        ticks = read_ticks(c.workdir / "ticks")
+        gaps = [g * 1000 for g in largest_gaps(ticks, stopped, end).values()]
+        overlap = overlap_seconds(ticks)
+        worst = max(gaps, default=float("nan"))
+        return [
+            Figure(
+                scenario,
+                "max tick gap",
+                round(worst, 1),
+                "ms",
+                "< 1000",
+                worst < 1000,
+                f"{len(gaps)} observers; tick every {TICK * 1000:.0f} ms",
+            ),
+            Figure(scenario, "median of each observer's max gap", round(median(gaps), 1), "ms"),
+            Figure(
+                scenario,
+                "overlap (two copies at once)",
+                round(sum(overlap.values()), 3),
+                "s",
+                "0",
+                not overlap,
+            ),
+        ]
+
+
 async def join_rebalance(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     """A fourth service joins three loaded ones: time until all are within ±10 % of their
     share (default settings, so it includes ORCH_REBALANCE_MIN_AGE), moves and overlap."""
@@ -639,6 +694,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
     "cancel": (cancel_latency, lambda s: s.cancel_samples),
     "crash": (crash_failover, lambda s: len(s.crash_moved)),
     "freeze": (freeze_failover, lambda s: 1),
+    "broker": (broker_restart, lambda s: 1),
     "graceful": (graceful_move, lambda s: 1),
     "join": (join_rebalance, lambda s: 1),
     "density": (density, lambda s: len(s.density_levels)),
@@ -655,4 +711,5 @@ def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
 SCENARIOS["observability"] = _observability()
 #: Left out of --quick (ask for them with --only): the observability cost's paired samples
 #: take minutes, and density's target (10,000 in one process) only a full run can show.
-FULL_ONLY = frozenset({"observability", "density"})
+#: The broker restart needs rights on the broker and stops it for every user of it.
+FULL_ONLY = frozenset({"observability", "density", "broker"})

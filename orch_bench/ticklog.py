@@ -7,6 +7,7 @@ orchestrator's tables say. The benchmark and the tests judge every run from thes
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,3 +91,20 @@ def last_tick_by_copy(ticks: list[Tick]) -> dict[tuple[str, int, int], float]:
     for t in ticks:
         out[(t.observer, t.epoch, t.pid)] = t.at
     return out
+
+
+def largest_gaps(ticks: list[Tick], start: float, end: float) -> dict[str, float]:
+    """Per observer that ticked before ``start``: the longest time between two of its ticks
+    (by any copy) within [``start``, ``end``], counting from its last tick before ``start``
+    and up to ``end`` if it stopped ticking."""
+    by_observer: dict[str, list[float]] = {}
+    for t in ticks:
+        by_observer.setdefault(t.observer, []).append(t.at)
+    gaps: dict[str, float] = {}
+    for observer, times in by_observer.items():
+        before = [at for at in times if at <= start]
+        if not before:
+            continue
+        points = [before[-1], *(at for at in times if start < at <= end), end]
+        gaps[observer] = max(b - a for a, b in itertools.pairwise(points))
+    return gaps

@@ -18,6 +18,7 @@ FENCES = "tests/integration/test_fences.py"
 CORE = "tests/unit/test_service_core.py"
 FAULTS = "tests/acceptance/test_faults.py"
 ONCE = "tests/acceptance/test_exactly_once.py"
+BROKER = "tests/acceptance/test_broker.py"
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,57 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "lease session: kept without proving the broker connection held",
+        "lease session ended: copies do not pause",
         "observer_service/lease.py",
-        "            held = await witness.confirm_present()",
-        "            held = True",
-        (f"{CORE}::test_an_ended_lease_session_whose_broker_link_cannot_be_proven_fences",),
+        "        return LeaseState.STALE if self._bridging or self.deadline.stale() else",
+        "        return LeaseState.STALE if self.deadline.stale() else",
+        (f"{CORE}::test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours",),
+    ),
+    Mutant(
+        "lease session ended: copies taken meanwhile resume",
+        "observer_service/lease.py",
+        "            self.listener.superseded(taken)",
+        "            pass",
+        (
+            f"{CORE}::test_a_copy_taken_while_the_lease_session_was_down_never_resumes",
+            f"{BROKER}::test_a_partition_then_a_lost_lease_session_runs_one_copy",
+        ),
+    ),
+    Mutant(
+        "departure proof: a take ignores the key it found free",
+        "observer_service/queries.py",
+        "   AND (v.holder_key IS NULL\n",
+        "   AND (true\n",
+        (f"{FENCES}::test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free",),
+    ),
+    Mutant(
+        "departure proof: the holder trusts its own list instead of reading its rows",
+        "observer_service/lease.py",
+        "        held = await session.held(",
+        "        held = self.listener.copies() and before or await session.held(",
+        (f"{CORE}::test_a_copy_taken_while_the_lease_session_was_down_never_resumes",),
+    ),
+    Mutant(
+        "broker: a closed session stops its copies",
+        "observer_service/service.py",
+        "            self.metrics.channel_closes.labels(session.close_reason).inc()",
+        "            self.metrics.channel_closes.labels(session.close_reason).inc()\n"
+        "            self._stop_where(lambda r: True, StopReason.LEASE_LOST)",
+        (f"{CORE}::test_a_closed_broker_session_stops_no_copy_and_its_redelivery_is_adopted",),
+    ),
+    Mutant(
+        "intake: a take's database error leaves the start unsettled",
+        "observer_service/intake.py",
+        "                result = await while_leased(partial(self.takes.submit, request), alive)",
+        "                result = await self.takes.submit(request)",
+        (f"{CORE}::test_a_take_that_meets_a_database_error_is_retried_and_runs",),
+    ),
+    Mutant(
+        "stalls: a stall past the lease is not blamed by the watchdog",
+        "observer_service/stalls.py",
+        "                    self._blame_now(step.observer_id, reason)",
+        "                    pass",
+        (f"{BROKER}::test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_once",),
     ),
     Mutant(
         "suspend: deadlines on the monotonic clock",

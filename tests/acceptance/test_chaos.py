@@ -22,7 +22,10 @@ async def test_random_faults_keep_the_promise(cluster: Cluster) -> None:
     seconds = float(os.environ.get("ORCH_CHAOS_SECONDS", "60"))
     chaos = Chaos(cluster, seed)
     chaos.note(f"seed {seed}, {seconds:.0f}s of faults")
-    await chaos.start()
-    await chaos.run(seconds)
-    await chaos.heal()
+    try:
+        await chaos.start()
+        await chaos.run(seconds)
+        await chaos.heal()
+    finally:
+        await chaos.start_broker()
     await chaos.verify()

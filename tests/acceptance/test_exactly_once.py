@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from orch_bench.ticklog import read_ticks
+from orch_bench.ticklog import largest_gaps, read_ticks
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import assert_no_overlap as check_overlap
 from tests.support.faults import rabbitmqctl, ticks_of, via
@@ -62,26 +62,6 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
         what="frozen service rejoined",
     )
     assert failover <= cluster.lease_ttl + 2
-
-
-async def test_cut_off_from_the_broker(cluster: Cluster) -> None:
-    """A blackholed AMQP connection: the broker redelivers, the holder notices and lets go."""
-    await cluster.start_manager()
-    proxy = await cluster.proxy(cluster.amqp_url)
-    a = await cluster.start_service(
-        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
-    )
-    ids = await cluster.create_recorders(6)
-    await cluster.wait_all_running(ids, timeout=15)
-    b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
-    b_id = await cluster.service_id(b)
-    cut_at = time.time()
-    proxy.cut()
-    await cluster.wait_all_running(ids, timeout=40, on={b_id}, fresh_after=cut_at)
-    await quiet(0.5, "the cut-off copies would tick beside the new ones")
-    assert_no_overlap(cluster)
-    assert a.popen.poll() is None, "the cut-off service died instead of recovering"
-    proxy.heal()
 
 
 async def test_cut_off_from_postgres(cluster: Cluster) -> None:
@@ -217,53 +197,27 @@ def _port_of(proc: Proc) -> int:
 
 # ---------------------------------------------------------------- broker-wide faults (slow)
 @pytest.mark.slow
-async def test_broker_restart(cluster: Cluster) -> None:
-    """The bus fails and comes back: every observer runs again, once."""
-    await cluster.start_manager()
-    await cluster.start_service("a", worker_count=10)
-    await cluster.start_service("b", worker_count=10)
-    ids = await cluster.create_recorders(10)
-    await cluster.wait_all_running(ids, timeout=15)
-    try:
-        await asyncio.to_thread(rabbitmqctl, "stop_app")
-        stopped_at = time.time()
-    finally:
-        await asyncio.to_thread(rabbitmqctl, "start_app")
-    await cluster.wait_all_running(ids, timeout=60, fresh_after=stopped_at)
-    await quiet(1.0, "old copies would tick beside the new ones")
-    assert_no_overlap(cluster)
-    assert all(p.popen.poll() is None for p in cluster.procs)
-
-
-@pytest.mark.slow
 async def test_consumer_timeout_fires(cluster: Cluster) -> None:
-    """The broker times out the never-acked deliveries and closes the channel: the service
-    stops those copies before anything runs them again, and every observer runs afterwards."""
+    """The broker times out the never-acked deliveries and closes the channel: the copies go on
+    under the lease (a closed channel is no reason to stop one), their redelivered starts are
+    adopted, and nothing runs twice."""
     original = rabbitmqctl("eval", "application:get_env(rabbit, consumer_timeout).").strip()
     rabbitmqctl("eval", "application:set_env(rabbit, consumer_timeout, 10000).")
     try:
         await cluster.start_manager()
-        await cluster.start_service("a", worker_count=10)
+        a = await cluster.start_service("a", worker_count=10)
         ids = await cluster.create_recorders(5)
         await cluster.wait_all_running(ids, timeout=15)
         await cluster.start_service("b", worker_count=10)
-
-        async def channel_closed() -> bool:
-            n = await cluster.q(
-                "SELECT count(*) FROM observer_events WHERE event = 'released' "
-                "AND detail = 'broker channel lost'",
-                one=True,
-            )
-            return bool(n)
-
-        await wait_for(channel_closed, timeout=150, what="the consumer timeout to fire", every=1)
+        started = time.time()
+        await a.wait_log("broker session closed", timeout=150)
     finally:
         if original.startswith("{ok,"):
             value = original.removeprefix("{ok,").removesuffix("}")
             rabbitmqctl("eval", f"application:set_env(rabbit, consumer_timeout, {value}).")
         else:
             rabbitmqctl("eval", "application:unset_env(rabbit, consumer_timeout).")
-    fired_at = time.time()
-    await cluster.wait_all_running(ids, timeout=20, fresh_after=fired_at)
-    await quiet(1.0, "old copies would tick beside the new ones")
+    await quiet(3.0, "redelivered starts would stop or double a copy")
+    gaps = largest_gaps(read_ticks(cluster.tick_dir), started, time.time())
+    assert max(gaps.values()) < 1.0, f"observers stopped: {gaps}"
     assert_no_overlap(cluster)

@@ -113,11 +113,9 @@ async def _redelivered_duplicate_waiting(cluster: Cluster) -> tuple[Proc, Proc, 
             return await queue.get(no_ack=False, fail=False)
 
         await wait_for(got, timeout=5, what="the duplicate")
-    # Closed without an ack: the broker requeues it, marked redelivered. A has no free slot.
+    # Closed without an ack: the broker requeues it, marked redelivered; B receives it as it
+    # starts (A has no free slot) and holds it while A's lock is held, for a moment.
     b = await cluster.start_service("b", worker_count=5)
-    await wait_for(
-        lambda: _value(queue_counts(cluster.prefix) == (0, 2)), timeout=10, what="B holds it"
-    )
     return a, b, oid
 
 

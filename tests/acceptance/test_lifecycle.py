@@ -26,7 +26,9 @@ async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
 
     async def processing() -> bool:
         row = await cluster.observer(oid)
-        return row["status"] == "processing" and row["service_id"] == await cluster.service_id(svc)
+        return bool(
+            row["status"] == "processing" and row["service_id"] == await cluster.service_id(svc)
+        )
 
     await wait_for(processing, timeout=10, what="processing")
     first = await cluster.checkpoint_count(oid)
@@ -240,7 +242,7 @@ async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cl
         assert again.status_code == 409
 
     async def taken_again() -> bool:
-        return (await cluster.observer(oid))["epoch"] > row["epoch"]
+        return bool((await cluster.observer(oid))["epoch"] > row["epoch"])
 
     await wait_for(taken_again, timeout=10, what="restarted observer taken")
     await cluster.wait_status(oid, "failed", timeout=15)

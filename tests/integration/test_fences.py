@@ -206,7 +206,7 @@ async def _holding_lock(pool: asyncpg.Pool, key: int) -> asyncpg.Connection:
 
 async def _two_held_one_probed(
     pool: asyncpg.Pool,
-) -> tuple[PgStore, PgStore, uuid.UUID, Departed, TakeResult]:
+) -> tuple[PgStore, PgStore, StartMessage, Departed, int]:
     """A holds two observers and is gone; B's take of the first asked for a proof (PROBE)."""
     a = PgStore(pool, await service(pool))
     b = PgStore(pool, await service(pool))
@@ -214,9 +214,10 @@ async def _two_held_one_probed(
     await take(a, x)
     await take(a, y)
     departed = Departed()
-    probed = await take(b, x, redelivered=True, departed=departed)
+    probed: TakeResult = await take(b, x, redelivered=True, departed=departed)
     assert probed.decision is Decision.PROBE
-    return a, b, y, departed, probed
+    assert probed.holder_key is not None
+    return a, b, y, departed, probed.holder_key
 
 
 async def test_one_proof_of_departure_serves_every_start_its_holder_held(
@@ -225,9 +226,9 @@ async def test_one_proof_of_departure_serves_every_start_its_holder_held(
     """Once A's session is proven over and A off the broker, B takes A's other observers
     without asking again, even while something else holds A's old lock key for an instant
     (the manager's sweeper trying it): a key is never used by a new session."""
-    _, b, y, departed, probed = await _two_held_one_probed(pool)
-    departed.off_broker(probed.holder_key)
-    busy = await _holding_lock(pool, probed.holder_key)
+    _, b, y, departed, key = await _two_held_one_probed(pool)
+    departed.off_broker(key)
+    busy = await _holding_lock(pool, key)
     try:
         assert (await take(b, y, redelivered=True)).decision is Decision.WAIT, "no proof: wait"
         assert (await take(b, y, redelivered=True, departed=departed)).taken.epoch == 2
@@ -239,9 +240,9 @@ async def test_one_proof_of_departure_serves_every_start_its_holder_held(
 async def test_a_holder_back_on_a_new_session_is_not_covered_by_an_old_proof(
     pool: asyncpg.Pool,
 ) -> None:
-    a, b, y, departed, probed = await _two_held_one_probed(pool)
-    departed.off_broker(probed.holder_key)
-    new_key = probed.holder_key + 1
+    a, b, y, departed, key = await _two_held_one_probed(pool)
+    departed.off_broker(key)
+    new_key = key + 1
     await pool.execute("UPDATE services SET lock_key = $2 WHERE id = $1", a.me, new_key)
     session = await _holding_lock(pool, new_key)  # A rejoined: a new session, a new key
     try:
@@ -299,3 +300,63 @@ async def test_a_lease_session_ended_by_the_server_is_reported(
     await pool.execute("SELECT pg_terminate_backend($1)", pid)
     await asyncio.wait_for(ended.wait(), 5)
     assert session.ended
+
+
+async def test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free(
+    pool: asyncpg.Pool,
+) -> None:
+    """B found A's lock free and A off the broker, but A came back on a new session (a renewal
+    that published a new key) before B's write: B's take does not land. A's look at its rows
+    after that renewal therefore sees every take that did."""
+    a, b, _, departed, key = await _two_held_one_probed(pool)
+    departed.off_broker(key)
+    (x,) = await pool.fetch(
+        "SELECT observer_id FROM observer_events WHERE service_id = $1 AND event = 'taken' "
+        "ORDER BY id LIMIT 1",
+        a.me,
+    )
+    start = StartMessage(
+        observer_id=x["observer_id"],
+        dispatch_id=await pool.fetchval(
+            "SELECT dispatch_id FROM observers WHERE id = $1", x["observer_id"]
+        ),
+    )
+    seen = await pool.fetchrow(q.FACTS, [start.observer_id], b.me)
+    await pool.execute(
+        "UPDATE services SET lock_key = lock_key + 1 WHERE id = $1", a.me
+    )  # A's renewal on its new session
+    req = StartRequest(start, redelivered=True, running_here=False)
+    assert await b._compare_and_set(q.TAKE, [(0, req, seen)]) == {}
+    assert (await row_of(pool, start.observer_id))["service_id"] == a.me
+
+
+async def test_a_holder_on_a_new_session_sees_what_was_taken_meanwhile(
+    database_url: str, pool: asyncpg.Pool
+) -> None:
+    dsn = asyncpg_dsn(database_url)
+    db = PgLeaseDatabase(
+        dsn,
+        service_id=uuid.uuid4(),
+        name="s",
+        worker_count=1,
+        host="h",
+        version="v",
+        connect_timeout=5,
+    )
+    session = await db.connect(lambda: None)
+    try:
+        await session.join(ttl=60)
+        a = PgStore(pool, db.service_id)
+        b = PgStore(pool, await service(pool))
+        x, y = await observer(pool), await observer(pool)
+        await take(a, x)
+        await take(a, y)
+        await pool.execute(
+            "UPDATE observers SET service_id = $2, epoch = epoch + 1 WHERE id = $1",
+            x.observer_id,
+            b.me,
+        )  # B's take
+        assert await session.renew(60, timeout=5) is not None
+        assert await session.held(timeout=5) == {(y.observer_id, 1)}
+    finally:
+        await session.close(deleted=False)

@@ -2,10 +2,12 @@
 observers' own tick logs.
 
 Faults: SIGKILL, SIGSTOP of random length, SIGTERM, leader kill, drain, database resets and blips
-(per service, through its own proxy), broker connection closes, delete/create churn. After the
-schedule everything heals, and the tick logs must show: no two copies of an observer ever ran at
-once, every live observer runs, deleted ones stopped, none failed. The seed and every fault are
-printed, so a failure can be replayed.
+(per service, through its own proxy), broker connection closes, silent AMQP partitions of random
+length (blackholed), lease sessions ended while the process lives, broker restarts
+(``rabbitmqctl stop_app`` / ``start_app``, restored whatever happens), delete/create churn.
+After the schedule everything heals, and the tick logs must show: no two copies of an observer
+ever ran at once, every live observer runs, deleted ones stopped, none failed. The seed and every
+fault are printed, so a failure can be replayed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import httpx
 
 from orch_bench.ticklog import Tick, overlap_seconds, read_ticks
 from tests.support.cluster import Cluster, Proc, wait_for
-from tests.support.faults import via
+from tests.support.faults import LEASE_BACKEND, rabbitmqctl, via
 from tests.support.proxy import Proxy
 
 FAULTS = (
@@ -36,6 +38,9 @@ FAULTS = (
     "db_reset",
     "broker_close",
     "churn",
+    "amqp_partition",
+    "lease_kill",
+    "broker_restart",
 )
 
 
@@ -60,6 +65,7 @@ class Chaos:
     log: list[str] = field(default_factory=list)
     _names: int = 0
     _frozen: set[int] = field(default_factory=set)
+    broker_down: bool = False
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -143,12 +149,28 @@ class Chaos:
         await self._start_service()
 
     async def step(self) -> None:
-        fault = self.rng.choices(FAULTS, weights=(2, 3, 1, 1, 1, 2, 2, 2, 3))[0]
+        fault = self.rng.choices(FAULTS, weights=(2, 3, 1, 1, 1, 2, 2, 2, 3, 2, 2, 1))[0]
         s = self._pick_service()
-        if fault in ("kill", "freeze", "term", "drain", "db_blip", "db_reset", "broker_close"):
-            if s is None:
+        if fault == "leader":
+            await self._kill_leader()
+        elif fault == "churn":
+            await self._churn()
+        elif fault == "broker_restart":
+            if self.broker_down:
                 return
-            name = s.proc.name
+            length = round(self.rng.uniform(2.0, 10.0), 2)
+            self.note(f"broker stopped for {length}s")
+            self.broker_down = True
+            await asyncio.to_thread(rabbitmqctl, "stop_app")
+            self._later(self._restart_broker(length))
+        elif s is None:
+            return
+        else:
+            await self._service_fault(fault, s)
+        self.done[fault] += 1
+
+    async def _service_fault(self, fault: str, s: Service) -> None:
+        name = s.proc.name
         if fault == "kill":
             self.note(f"SIGKILL {name}")
             s.proc.signal(signal.SIGKILL)
@@ -163,8 +185,6 @@ class Chaos:
             self.note(f"SIGTERM {name}")
             s.proc.signal(signal.SIGTERM)
             await self._replace(s)
-        elif fault == "leader":
-            await self._kill_leader()
         elif fault == "drain":
             self.note(f"drain {name}")
             sid = await self.cluster.service_id(s.proc)
@@ -181,9 +201,34 @@ class Chaos:
         elif fault == "broker_close":
             self.note(f"broker connection of {name} closed")
             s.mq.reset()
+        elif fault == "amqp_partition":
+            length = round(self.rng.uniform(1.0, 12.0), 2)
+            self.note(f"AMQP link of {name} blackholed for {length}s")
+            s.mq.cut()
+            self._later(self._heal_link(s, length))
+        elif fault == "lease_kill":
+            sid = await self.cluster.service_id(s.proc)
+            pid = await self.cluster.q(LEASE_BACKEND, sid, one=True)
+            if pid is not None:
+                self.note(f"lease session of {name} ended")
+                await self.cluster.q("SELECT pg_terminate_backend($1)", pid)
         else:
-            await self._churn()
-        self.done[fault] += 1
+            raise AssertionError(f"unknown fault {fault}")
+
+    async def _heal_link(self, s: Service, after: float) -> None:
+        await asyncio.sleep(after)
+        s.mq.heal()
+
+    async def _restart_broker(self, after: float) -> None:
+        await asyncio.sleep(after)
+        await self.start_broker()
+
+    async def start_broker(self) -> None:
+        """Start the broker if this run stopped it (also when the run fails)."""
+        if self.broker_down:
+            await asyncio.to_thread(rabbitmqctl, "start_app")
+            self.broker_down = False
+            self.note("broker started")
 
     async def _thaw(self, s: Service, after: float) -> None:
         await asyncio.sleep(after)
@@ -232,6 +277,7 @@ class Chaos:
     async def heal(self) -> None:
         for task in list(self._tasks):
             await task
+        await self.start_broker()
         for s in self.services:
             s.proc.signal(signal.SIGCONT)
             s.db.heal()

@@ -86,3 +86,23 @@ async def late_writer(ctx: ObserverContext) -> None:
         if count == 1 or count % 20 == 0:
             await ctx.checkpoint({"count": count})
         await ctx.sleep(p.interval)
+
+
+class BlockerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Seconds it blocks the event loop (synchronous code: a CPU loop, a blocking call).
+    block: float = 3.0
+    #: Seconds between two blocks.
+    every: float = 1.0
+
+
+@observer_kind(
+    "blocker", params=BlockerParams, restart=RestartPolicy(max_restarts=2, base_delay=0.05)
+)
+async def blocker(ctx: ObserverContext) -> None:
+    """Blocks the event loop for ``block`` seconds every ``every`` seconds."""
+    p: BlockerParams = ctx.params
+    while True:
+        await ctx.sleep(p.every)
+        time.sleep(p.block)  # noqa: ASYNC251 - blocking the loop is what it is for

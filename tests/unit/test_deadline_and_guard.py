@@ -93,7 +93,12 @@ async def test_a_cancellation_reaches_a_parked_kind_and_spares_the_shared_future
 
     def gate() -> asyncio.Future[None] | None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        shared.add_done_callback(lambda _: fut.done() or fut.set_result(None))
+
+        def release(_: asyncio.Future[None]) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        shared.add_done_callback(release)
         return fut
 
     async def kind() -> None:

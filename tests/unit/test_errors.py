@@ -80,7 +80,7 @@ def test_no_log_line_carries_a_password(capsys: pytest.CaptureFixture[str]) -> N
     from contracts import logs
 
     for fmt in ("text", "json"):
-        logs.configure("INFO", fmt, service="s")  # type: ignore[arg-type]
+        logs.configure("INFO", fmt, service="s")
         logging.getLogger("t").warning(
             "cannot reach %s", "postgresql://orch:hunter2@db:5432/orchestrator"
         )

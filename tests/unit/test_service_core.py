@@ -54,7 +54,18 @@ async def slow_stop(ctx: ObserverContext) -> None:
             await asyncio.sleep(0.2)
 
 
+async def blocks(ctx: ObserverContext) -> None:
+    while True:
+        await ctx.sleep(0.01)
+        time.sleep(float(ctx.params.get("block", 0.15)))  # noqa: ASYNC251 - on purpose
+
+
 KINDS = {
+    "blocks": KindSpec(
+        "blocks",
+        blocks,
+        restart_policy=RestartPolicy(max_restarts=2, base_delay=0.05, max_delay=0.05),
+    ),
     "tick": KindSpec("tick", tick),
     "boom": KindSpec(
         "boom", boom, restart_policy=RestartPolicy(max_restarts=2, base_delay=0.05, max_delay=0.05)
@@ -119,16 +130,17 @@ async def harness(worker_count: int = 10, **config: Any) -> AsyncIterator[Harnes
     clock = ManualClock()
     store = InMemoryStore(me, ManualClock())  # the database's clock is not ours
     broker = FakeBroker()
-    lease_db = FakeLeaseDatabase()
-    lease = LeaseKeeper(lease_db, timings=TIMINGS, clock=clock)
+    lease_db = FakeLeaseDatabase(store)
     service = ObserverService(
         service_id=me,
         config=ServiceConfig(name="unit", worker_count=worker_count, shutdown_timeout=1, **config),
         kinds=KINDS,
         store=store,
         broker=broker,
-        lease=lease,
+        lease_database=lease_db,
+        timings=TIMINGS,
         clock=clock,
+        blame_now=store.blame_now,
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(broker.opened.wait(), 2)
@@ -360,35 +372,45 @@ async def test_renewal_handling_survives_a_database_outage() -> None:
 
 
 # --------------------------------------------------------------------------- the lease
-async def test_an_ended_lease_session_is_replaced_while_the_broker_connection_holds() -> None:
-    """pg_terminate_backend, a pooler: nothing could take our observers while our broker
-    connection lived, so the service goes on, on a new session with a new lock key."""
+async def test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours() -> None:
+    """pg_terminate_backend, a pooler, a database restart: the copies pause at once, and go on
+    once a renewal on a new session (a new lock key) shows nothing was taken meanwhile."""
     async with harness() as h:
         row, _ = await h.started()
         first = h.lease_db.sessions[-1]
+        h.lease_db.available = False  # the new session cannot be had yet
         first.end()
-        await until(lambda: len(h.lease_db.sessions) == 2)
-        renewals = h.lease_db.renewals
-        await until(lambda: h.lease_db.renewals > renewals)
-        assert h.lease_db.sessions[-1].lock_key != first.lock_key
+        paused_at = TICKS[row.id]
+        await asyncio.sleep(0.1)
+        assert TICKS[row.id] <= paused_at + 1, "kind code ran while its session was down"
+        h.lease_db.available = True
+        await until(lambda: TICKS[row.id] > paused_at + 3)
+        assert h.lease_db.key == h.lease_db.sessions[-1].lock_key != first.lock_key
         assert not h.lease.fenced
-        before = TICKS[row.id]
-        await until(lambda: TICKS[row.id] > before + 3)
         assert (row.epoch, row.service_id) == (1, h.service.id)
 
 
-async def test_an_ended_lease_session_whose_broker_link_cannot_be_proven_fences() -> None:
+async def test_a_copy_taken_while_the_lease_session_was_down_never_resumes() -> None:
+    """A silent partition from the broker, then the lease session ends: another service took
+    one observer meanwhile (its lock was free and its control queue gone). That copy stops
+    without running again; the other goes on."""
     async with harness() as h:
-        row, _ = await h.started()
-        delivery_session = h.broker.session
-        delivery_session.dropped_by_broker = True  # closed at the broker, not noticed here yet
+        taken, _ = await h.started()
+        kept, _ = await h.started()
+        h.lease_db.available = False
         h.lease_db.sessions[-1].end()
-        await h.stopped(row)
-        assert row.service_id is None, "released after the fence"
-        await until(lambda: len(h.lease_db.joins) == 2)  # and back, on a new session
+        await asyncio.sleep(0.05)
+        stale = TICKS[taken.id]
+        taken.service_id, taken.epoch = uuid.uuid4(), taken.epoch + 1  # the other service's take
+        h.lease_db.available = True
+        await h.stopped(taken)
+        assert TICKS[taken.id] == stale, "the superseded copy ran again"
+        before = TICKS[kept.id]
+        await until(lambda: TICKS[kept.id] > before + 3)
+        assert not h.lease.fenced
 
 
-async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
+async def test_a_lease_session_that_cannot_be_replaced_fences_at_the_deadline() -> None:
     async with harness() as h:
         rows = [h.store.add("tick") for _ in range(3)]
         for r in rows:
@@ -399,9 +421,6 @@ async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
         h.lease_db.sessions[-1].end()
         await h.broker.session.close()  # and the broker connection is gone too
         await until(lambda: h.lease.fenced)
-        assert all(r.stop_reason is not None for r in h.service.runners.values()), (
-            "copies are told to stop at once"
-        )
         h.lease_db.available = True
         await until(lambda: not h.service.runners)
         assert all(r.service_id is None for r in rows)
@@ -409,13 +428,83 @@ async def test_losing_both_links_stops_everything_lets_go_and_rejoins() -> None:
         assert h.lease_db.joins[0] != h.lease_db.joins[1], "a new lock key"
 
 
-async def test_an_ended_lease_session_without_a_broker_session_fences() -> None:
+# ------------------------------------------------------------------------ the broker goes away
+async def test_a_closed_broker_session_stops_no_copy_and_its_redelivery_is_adopted() -> None:
     async with harness() as h:
-        row, _ = await h.started()
-        await h.broker.session.close()  # not reopened yet: between two broker sessions
-        h.lease_db.sessions[-1].end()
-        assert h.lease.fenced
+        row, first = await h.started()
+        old = h.broker.session
+        await old.close()
+        await until(lambda: h.broker.session is not old)  # the service reconnects
+        before = TICKS[row.id]
+        await until(lambda: TICKS[row.id] > before + 3)
+        runner = h.service.runners[row.id]
+        assert runner.stop_reason is None
+        assert row.epoch == 1
+        again = await h.run(row, redelivered=True)
+        assert again.outcome is None, "the redelivery is held as the copy's start"
+        assert h.service.runners[row.id].origin.live
+        assert row.epoch == 1, "adopted, not taken again"
+        assert first.outcome is None
+        duplicate = await h.run(row, redelivered=True)
+        assert duplicate.outcome == "ack", "a second one is a duplicate"
+
+
+async def test_a_copy_that_lost_its_delivery_publishes_its_start_when_it_lets_go() -> None:
+    async with harness() as h:
+        row, first = await h.started()
+        await h.broker.session.close()
+        await until(lambda: len(h.broker.sessions) == 2)
+        h.service.drain()
         await h.stopped(row)
+        assert first.outcome is None
+        assert h.broker.sent == [(row.start, None)], "published anew to the work queue"
+        assert row.service_id is None
+
+
+async def test_a_redelivery_whose_holder_goes_on_is_dropped_after_a_short_wait() -> None:
+    """The holder lost its broker session and goes on; its lock is held: a duplicate."""
+    async with harness() as h:
+        holder = uuid.uuid4()
+        h.store.services[holder] = FakeService(live=True, lock_free=False)
+        row = h.store.add("tick", status=S.PROCESSING, service_id=holder, epoch=3)
+        started = time.monotonic()
+        delivery = await h.run(row, redelivered=True)
+        assert delivery.outcome == "ack"
+        assert time.monotonic() - started < TIMINGS.ttl, "waited as long as a lease"
+        assert (row.service_id, row.epoch) == (holder, 3)
+
+
+# ---------------------------------------------------------------- every start is settled
+async def test_a_take_that_meets_a_database_error_is_retried_and_runs() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        h.store.available = False
+        taking = asyncio.create_task(h.run(row))
+        await until(lambda: h.store.calls.count("take_many") >= 3)
+        h.store.available = True
+        delivery = await asyncio.wait_for(taking, 2)
+        await h.running(row)
+        assert delivery.outcome is None
+
+
+async def test_a_take_whose_reply_was_lost_is_found_by_reading_the_row_again() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        h.store.lose_replies = 1  # the take commits, its reply never comes
+        await h.run(row)
+        await h.running(row)
+        assert row.epoch == 2, "taken again with a new epoch"
+        assert row.service_id == h.service.id
+
+
+async def test_a_take_that_fails_until_the_lease_is_lost_is_requeued() -> None:
+    async with harness() as h:
+        row = h.store.add("tick")
+        h.store.available = False
+        h.lease_db.available = False
+        delivery = await asyncio.wait_for(h.run(row), 3)
+        assert delivery.outcome == "requeue"
+        assert row.id not in h.service.runners
 
 
 async def test_a_suspend_past_the_lease_fences() -> None:
@@ -499,3 +588,29 @@ async def test_kind_code_waits_for_a_fresh_renewal_after_a_pause() -> None:
         h.lease_db.available = True
         await until(lambda: TICKS[row.id] > paused_at + 3)
         assert row.epoch == 1
+
+
+# ------------------------------------------------------------- a kind that blocks the loop
+async def test_a_kind_that_blocks_the_loop_is_counted_and_failed() -> None:
+    async with harness(loop_stall=0.1) as h:
+        neighbour, _ = await h.started()
+        row = h.store.add("blocks", params={"block": 0.15})
+        await h.run(row)
+        await until(lambda: row.status is S.FAILED)
+        assert row.last_error is not None
+        assert row.last_error.startswith("LoopBlocked: blocked the event loop for 0.")
+        assert h.service.metrics.stalls.labels("blocks")._value.get() == 3
+        assert not h.lease.fenced, "stalls shorter than the lease cost no lease"
+        assert neighbour.epoch == 1
+
+
+async def test_a_stall_past_the_lease_fails_the_copy_with_no_lease_and_cancels_it() -> None:
+    async with harness(loop_stall=0.1) as h:
+        row = h.store.add("blocks", params={"block": TIMINGS.ttl})
+        await h.run(row)
+        await until(lambda: row.status is S.FAILED)
+        assert row.last_error is not None
+        # Failed by the watchdog during the stall (before any other service could take it).
+        assert row.last_error.startswith("blocked the event loop for more than 0.")
+        assert row.restart_count < 2, "failed at once, not after its budget"
+        await until(lambda: h.broker.cancels == [row.id])

@@ -1,0 +1,119 @@
+"""A kind that blocks the event loop is contained.
+
+Every step of a kind's coroutine runs through the guard (``guard.py``), which times it: a step
+longer than ``ORCH_LOOP_STALL`` blocked every other copy of the service, its lease renewal and
+its broker heartbeats for that long. The copy is ended with ``LoopBlocked``, an error of the
+kind's own, so it counts against its restart budget; a few stalls and it is failed with the
+reason. A stall longer than the lease costs the whole service its lease (every neighbour is
+moved), so the copy is failed at once, with a write that needs no lease: by the watchdog thread
+*during* the stall, the moment the lease's local deadline passes (before the lease expires in
+the database, so the leader never hands the observer to another service to stall it too); and
+again when it settles, in case that write could not be made (a cancel is then broadcast to
+whoever took it meanwhile).
+
+The watchdog thread also tells, while the loop is still blocked, which copy is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+#: How often the watchdog looks, seconds: well within the lease's margin.
+WATCH_EVERY = 0.05
+
+
+class LoopBlocked(Exception):
+    """A copy blocked the event loop past the service's threshold."""
+
+
+@dataclass
+class Step:
+    """The copy whose step runs now, as the guard marks it."""
+
+    label: str
+    started: float
+    observer_id: uuid.UUID | None = None
+
+
+#: Called from the watchdog thread: fail the observer now (it must not use the loop).
+BlameNow = Callable[[uuid.UUID, str], object]
+
+
+class StallWatch:
+    """``threshold``: seconds of one step that count as a stall. ``lease_valid``: whether the
+    lease's local deadline is still ahead (safe to ask from the thread). ``blame_now`` fails a
+    copy whose stall outlived the lease (``blamed``)."""
+
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        lease_valid: Callable[[], bool] = lambda: True,
+        outlives_lease: float = 0.0,
+        blame_now: BlameNow | None = None,
+    ) -> None:
+        self.threshold = threshold
+        #: The shortest step that can cost a healthy service its lease (renewals are due every
+        #: renew_interval): a lease lost during a shorter step was lost for another reason.
+        self.outlives_lease = outlives_lease
+        self._lease_valid = lease_valid
+        self._blame_now = blame_now
+        #: Set by the guard around each step of kind code; read by the watchdog thread.
+        self.step: Step | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def blamed(self, seconds: float, *, lease_valid: bool) -> bool:
+        """A step of ``seconds`` after which the lease is gone cost the lease."""
+        return not lease_valid and seconds >= max(self.threshold, self.outlives_lease)
+
+    def start(self) -> None:
+        """Watch from a thread of its own (the loop cannot watch itself while it is blocked)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        seen: Step | None = None
+        #: The lease was valid when the step was first seen: only a stall that outlived a
+        #: valid lease is blamed (a lease lost for another reason is not its doing).
+        valid_then = False
+        told = blamed = False
+        while not self._stop.wait(WATCH_EVERY):
+            step = self.step
+            if step is None:
+                continue
+            if step is not seen:
+                seen, valid_then, told, blamed = step, self._lease_valid(), False, False
+            blocked = time.monotonic() - step.started
+            if not told and blocked > self.threshold:
+                told = True
+                log.warning("the event loop has been blocked for %.1fs by %s", blocked, step.label)
+            if (
+                not blamed
+                and valid_then
+                and blocked >= self.outlives_lease
+                and step.observer_id is not None
+                and self._blame_now is not None
+                and not self._lease_valid()
+            ):
+                # One step outlived the lease, whatever the threshold: fail it before the lease
+                # expires in the database, where the leader would hand it to another service.
+                blamed = True
+                reason = f"blocked the event loop for more than {blocked:.1f}s"
+                log.error("%s, past the lease: failing %s", reason, step.label)
+                try:
+                    self._blame_now(step.observer_id, reason)
+                except Exception:
+                    log.exception("could not fail %s from the watchdog", step.label)

@@ -1,0 +1,205 @@
+"""Riding through the broker: the lease, not the broker, proves a copy is the only one, so
+observers go on while the broker restarts or a service's link to it drops; a lost lease session
+during a partition never runs two copies; a start that meets a database error is settled.
+
+Judged from the observers' own tick logs (written outside the fenced path)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aio_pika
+import pytest
+
+from contracts.settings import CommonSettings
+from contracts.topology import service_present
+from orch_bench.ticklog import largest_gaps, read_ticks
+from tests.support.cluster import Cluster, quiet, wait_for
+from tests.support.faults import LEASE_BACKEND, assert_no_overlap, queue_counts, rabbitmqctl, via
+
+#: The largest tick gap a running observer may show through a broker fault, seconds.
+MAX_GAP = 1.0
+
+
+def _gaps_over(
+    cluster: Cluster, ids: list[uuid.UUID], start: float, end: float
+) -> dict[str, float]:
+    wanted = {str(i) for i in ids}
+    gaps = largest_gaps(read_ticks(cluster.tick_dir), start, end)
+    return {o: round(g, 3) for o, g in gaps.items() if o in wanted and g > MAX_GAP}
+
+
+async def _deleted(cluster: Cluster, ids: list[uuid.UUID]) -> bool:
+    rows = await cluster.q("SELECT status FROM observers WHERE id = ANY($1)", ids)
+    return all(r["status"] == "deleted" for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("down", [10, 60])
+async def test_observers_ride_through_a_broker_restart(cluster: Cluster, down: float) -> None:
+    """``rabbitmqctl stop_app`` for ``down`` seconds, then ``start_app``: no observer stops for
+    more than a second, none runs twice, deletes accepted meanwhile complete afterwards, and
+    every service takes work again."""
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=15)
+    await cluster.start_service("b", worker_count=15)
+    ids = await cluster.create_recorders(12)
+    await cluster.wait_all_running(ids, timeout=20)
+    doomed, kept = ids[:2], ids[2:]
+    try:
+        await asyncio.to_thread(rabbitmqctl, "stop_app")
+        stopped_at = time.time()
+        await quiet(down / 2, "observers would stop while the broker is down")
+        async with cluster.api() as c:
+            for oid in doomed:
+                r = await c.delete(f"/observers/{oid}")
+                assert r.status_code in (200, 202), r.text
+        deleted_at = time.time()
+        await quiet(down / 2, "observers would stop while the broker is down")
+    finally:
+        await asyncio.to_thread(rabbitmqctl, "start_app")
+    started_at = time.time()
+    await wait_for(lambda: _deleted(cluster, doomed), timeout=30, what="deletes completed")
+    await quiet(3.0, "redelivered starts would stop or double a copy")
+    end = time.time()
+    assert _gaps_over(cluster, kept, stopped_at, end) == {}, (
+        f"observers stopped through a {down} s broker outage"
+    )
+    assert_no_overlap(cluster.tick_dir)
+    late = [
+        t
+        for t in read_ticks(cluster.tick_dir)
+        if t.observer in {str(i) for i in doomed} and t.at > deleted_at + 2.5
+    ]
+    assert late == [], "a deleted observer ran on"
+    await cluster.wait_all_running(kept, timeout=10, fresh_after=started_at)
+    assert all(p.alive for p in cluster.procs)
+    # Every service consumes again: a new observer runs.
+    (fresh,) = await cluster.create_recorders(1)
+    await cluster.wait_all_running([fresh], timeout=15)
+
+
+async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> None:
+    """A blackholed AMQP link: the broker drops the connection and redelivers its starts to the
+    other service, which drops them as duplicates; the cut service's observers never stop, and
+    once the link heals it takes work again."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.amqp_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+    )
+    a_id = await cluster.service_id(a)
+    ids = await cluster.create_recorders(6)
+    await cluster.wait_all_running(ids, timeout=15, on={a_id})
+    await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    cut_at = time.time()
+    proxy.cut()
+    await _wait_off_broker(cluster, a_id)
+    await quiet(3.0, "the other service would take the cut service's observers")
+    proxy.heal()
+    await cluster.wait_all_running(ids, timeout=10, on={a_id}, fresh_after=time.time())
+    assert _gaps_over(cluster, ids, cut_at, time.time()) == {}
+    assert_no_overlap(cluster.tick_dir)
+    assert a.alive
+
+
+async def _wait_off_broker(cluster: Cluster, service_id: uuid.UUID) -> None:
+    """Until the broker has dropped that service's connection (its control queue is gone)."""
+    topology = CommonSettings(prefix=cluster.prefix).topology
+    connection = await aio_pika.connect(cluster.amqp_url, timeout=5)
+    async with connection:
+
+        async def gone() -> bool:
+            return not await service_present(connection, topology, service_id)
+
+        await wait_for(gone, timeout=30, what="the broker to drop the cut link", every=0.02)
+
+
+async def test_a_partition_then_a_lost_lease_session_runs_one_copy(cluster: Cluster) -> None:
+    """A's AMQP link is blackholed; the moment the broker drops it (its starts go to B, marked
+    redelivered), A's lease session is ended while A still reaches the database. B may now take
+    A's observers (A's lock is free and its control queue gone): A's copies pause at once and
+    those B took never run again on A. A lives on."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.amqp_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+    )
+    a_id = await cluster.service_id(a)
+    ids = await cluster.create_recorders(10)
+    await cluster.wait_all_running(ids, timeout=15, on={a_id})
+    b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    proxy.cut()
+    await _wait_off_broker(cluster, a_id)
+    db = await cluster.connect()
+    pid = await db.fetchval(LEASE_BACKEND, a_id)
+    assert pid is not None
+    await db.execute("SELECT pg_terminate_backend($1)", pid)
+    ended_at = time.time()
+    await quiet(3.0, "two copies would run, or A would exit")
+    proxy.heal()
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=time.time())
+    assert_no_overlap(cluster.tick_dir)
+    assert a.alive, "the cut service exited"
+    assert b.alive
+    assert _gaps_over(cluster, ids, ended_at, time.time()) == {}, "observers were stranded"
+
+
+async def test_a_start_that_meets_database_errors_is_settled(cluster: Cluster) -> None:
+    """Starts arrive while the service's connections to the database are reset (a blip during
+    a burst): each take is retried, none is left unsettled, and all run at once afterwards,
+    without the leader's audit (slowed down here) having to find them."""
+    await cluster.start_manager(audit_grace=60)
+    proxy = await cluster.proxy(cluster.database_url)
+    await cluster.start_service("a", worker_count=20, database_url=via(cluster.database_url, proxy))
+    blip = asyncio.create_task(proxy.blip(0.8))
+    ids = await cluster.create_recorders(8)
+    await blip
+    healed = time.time()
+    await cluster.wait_all_running(ids, timeout=5, fresh_after=healed)
+    redispatched = await cluster.q(
+        "SELECT count(*) FROM observer_events WHERE event = 'redispatched' "
+        "AND observer_id = ANY($1)",
+        ids,
+        one=True,
+    )
+    assert redispatched == 0, "a start was left for the leader's audit to find"
+    # One unacked delivery per running observer: none is held unsettled beside them.
+    await wait_for(
+        lambda: _value(queue_counts(cluster.prefix) == (0, len(ids))),
+        timeout=5,
+        what="one unacked start per observer",
+    )
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def _value(v: bool) -> bool:
+    return v
+
+
+async def test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_once(
+    cluster: Cluster,
+) -> None:
+    """A kind that blocks the event loop past the lease costs its service the lease once (its
+    neighbours move once); it is then failed with the reason, wherever it would have gone."""
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=10)
+    neighbours = await cluster.create_recorders(4)
+    await cluster.wait_all_running(neighbours, timeout=15)
+    await cluster.start_service("b", worker_count=10)
+    body = await cluster.create("blocker", "blocker", block=cluster.lease_ttl + 1, every=0.5)
+    blocker = uuid.UUID(body["id"])
+    await cluster.wait_status(blocker, "failed", timeout=30)
+    row = await cluster.observer(blocker)
+    assert "blocked the event loop for" in row["last_error"]
+    await quiet(cluster.lease_ttl * 3, "the blocker would land on a service again")
+    takes = await cluster.q(
+        "SELECT observer_id, count(*) AS n FROM observer_events WHERE event = 'taken' "
+        "AND observer_id = ANY($1) GROUP BY observer_id",
+        neighbours,
+    )
+    assert max(r["n"] for r in takes) <= 2, "a neighbour was moved more than once"
+    await cluster.wait_all_running(neighbours, timeout=10, fresh_after=time.time())
+    assert_no_overlap(cluster.tick_dir)
