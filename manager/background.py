@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,14 +45,35 @@ def every(
     return loop
 
 
-async def _free_slots(conn: AsyncConnection, margin: float) -> dict[uuid.UUID, int]:
+async def on_broker(publisher: Publisher, services: Collection[uuid.UUID]) -> set[uuid.UUID]:
+    """The services whose control queue exists now: one passive declare each, all at once. A
+    lease says a process lives, not that a message sent to it arrives (one cut off from the
+    broker keeps its lease). A probe that fails counts as absent: nothing directed then."""
+
+    async def present(sid: uuid.UUID) -> bool:
+        try:
+            return await publisher.service_present(sid)
+        except BrokerUnavailable:
+            return False
+
+    ids = list(services)
+    found = await asyncio.gather(*(present(sid) for sid in ids))
+    return {sid for sid, yes in zip(ids, found, strict=True) if yes}
+
+
+async def _free_slots(
+    conn: AsyncConnection, publisher: Publisher, margin: float
+) -> dict[uuid.UUID, int]:
+    """Free slots of the services a directed start reaches now: a lease and a control queue."""
     rows = (await conn.execute(text(q.FREE_SLOTS), {"m": margin})).all()
-    return {r.id: int(r.free) for r in rows if r.free > 0}
+    free = {r.id: int(r.free) for r in rows if r.free > 0}
+    present = await on_broker(publisher, free)
+    return {sid: n for sid, n in free.items() if sid in present}
 
 
 def place(free: dict[uuid.UUID, int], count: int) -> list[uuid.UUID | None]:
     """Targets for ``count`` observers: the service with the most free slots first; None (the
-    shared work queue) once every live service is full."""
+    shared work queue) once every service in ``free`` is full."""
     slots = dict(free)
     out: list[uuid.UUID | None] = []
     for _ in range(count):
@@ -66,15 +87,21 @@ def place(free: dict[uuid.UUID, int], count: int) -> list[uuid.UUID | None]:
 
 
 async def redispatch(
-    conn: AsyncConnection, ids: list[uuid.UUID], why: str, *, margin: float
+    conn: AsyncConnection,
+    ids: list[uuid.UUID],
+    why: str,
+    *,
+    publisher: Publisher,
+    margin: float,
 ) -> list[outbox.Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
-    live service with room, chosen here from the leases, not by the broker."""
+    live service with room, chosen here from the leases and the control queues, not by the
+    broker."""
     if not ids:
         return []
     rows = (await conn.execute(text(q.REDISPATCH), {"ids": ids})).all()
     await record_events(conn, [r.id for r in rows], Event.REDISPATCHED, why)
-    targets = place(await _free_slots(conn, margin), len(rows))
+    targets = place(await _free_slots(conn, publisher, margin), len(rows))
     messages: list[tuple[Destination, Message]] = []
     for r, target in zip(rows, targets, strict=True):
         start = StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id)
@@ -122,7 +149,9 @@ class Sweeper:
                 conn, [o.id for o in orphans if o.status in STOPPING], "holder gone"
             )
             moving = [o.id for o in orphans if o.status == ObserverStatus.PROCESSING]
-            pending = await redispatch(conn, moving, "holder gone", margin=self.margin)
+            pending = await redispatch(
+                conn, moving, "holder gone", publisher=self.publisher, margin=self.margin
+            )
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
@@ -184,7 +213,9 @@ async def audit_once(
         if (await conn.execute(text(q.TAKEN_LATELY), {"g": grace})).scalar_one():
             return 0
         ids = list((await conn.execute(text(q.UNHELD_STUCK), {"g": grace})).scalars().all())
-        pending = await redispatch(conn, ids, "audit: start message stuck or lost", margin=margin)
+        pending = await redispatch(
+            conn, ids, "audit: start message stuck or lost", publisher=publisher, margin=margin
+        )
     if ids:
         log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
         metrics.redispatches.labels("stuck").inc(len(ids))

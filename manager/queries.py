@@ -187,9 +187,11 @@ SELECT o.id FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id I
 """
 
 # -------------------------------------------------------------------- leader: the rebalance
-IN_MOTION = (
-    f"SELECT count(*) FROM observers WHERE id = ANY(:ids) AND status = {_v(S.PROCESSING)} "
-    "AND service_id IS NULL"
+# Where moved observers are: their holder, and whether they are between holders (released by the
+# one asked to hand them over, not taken yet).
+WHERE_MOVED = (
+    f"SELECT id, service_id, status = {_v(S.PROCESSING)} AND service_id IS NULL AS in_motion "
+    "FROM observers WHERE id = ANY(:ids)"
 )
 LOADS = f"""
 SELECT s.id, s.worker_count, count(o.id) AS running FROM services s

@@ -2,9 +2,14 @@
 worker_count. Run by the leader; each move is one graceful handoff to a named service.
 
 Stability rules: targets are whole numbers that add up to what runs (no service is asked for a
-fraction), ties keep observers where they are, a round waits until the previous round's moves
-have landed, an observer moved once is not moved again within the cooldown, and a service must
-have lived ``min_age`` seconds before it receives work (a flapping service receives none).
+fraction), ties keep observers where they are, a round waits while the previous round's moves
+are between holders (at most ``landing`` seconds), an observer that reached its target is not
+moved again within the cooldown, and a service must have lived ``min_age`` seconds before it
+receives work (a flapping service receives none). Only services whose control queue exists take
+part: a lease does not say that a handoff reaches its holder, nor a directed start its target.
+A service seen without its control queue is as new as a flapping one: ``min_age`` counts again
+from then. A move that did not reach its target is forgotten: a handoff that never arrived, or
+bounced to the work queue, neither holds its observer back nor stops the next rounds.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sqlalchemy import text
@@ -23,9 +29,11 @@ from contracts.routing import Destination
 from contracts.statuses import Event
 from manager import outbox
 from manager import queries as q
+from manager.background import on_broker
 from manager.db import transaction
 from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
+from manager.publisher import Publisher
 from manager.repository import record_events
 
 log = logging.getLogger(__name__)
@@ -75,31 +83,115 @@ def plan_moves(loads: list[Load], *, max_moves: int) -> list[tuple[uuid.UUID, uu
     return moves
 
 
+@dataclass(frozen=True)
+class Move:
+    at: float  # monotonic
+    to: uuid.UUID
+
+
+@dataclass(frozen=True)
+class Seen:
+    """Where a moved observer is now."""
+
+    observer_id: uuid.UUID
+    holder: uuid.UUID | None
+    #: Released by the holder that was asked to hand it over, taken by nobody yet.
+    in_motion: bool
+
+
+@dataclass
+class Ledger:
+    """The moves asked for. One counts once its observer runs on the target: it is not moved
+    again within ``cooldown``. One whose observer is not there after ``landing`` seconds is
+    forgotten: its handoff was dropped (the holder had no control queue), its start bounced to
+    the work queue (the target had none) or was lost with a control queue that went away."""
+
+    cooldown: float
+    landing: float
+    sent: dict[uuid.UUID, Move] = field(default_factory=dict)  # observer -> move
+    landed: dict[uuid.UUID, float] = field(default_factory=dict)  # observer -> when moved
+
+    def record(self, moves: Iterable[tuple[uuid.UUID, uuid.UUID]], now: float) -> None:
+        """(observer, target) handoffs just asked for."""
+        self.sent.update({o: Move(now, to) for o, to in moves})
+
+    def update(self, seen: Iterable[Seen], now: float) -> int:
+        """Settle the moves from where their observers are; returns how many are in motion and
+        not yet given up on (a round waits for them)."""
+        where = {s.observer_id: s for s in seen}
+        in_motion = forgotten = 0
+        for o, move in list(self.sent.items()):
+            s = where.get(o)
+            if s is not None and s.holder == move.to:
+                self.landed[o] = move.at
+                del self.sent[o]
+            elif s is None or now - move.at >= self.landing:
+                del self.sent[o]
+                forgotten += 1
+            elif s.in_motion:
+                in_motion += 1
+        self.landed = {o: t for o, t in self.landed.items() if now - t < self.cooldown}
+        if forgotten:
+            log.info("rebalance: %d moves did not reach their target; forgotten", forgotten)
+        return in_motion
+
+    def recent(self) -> list[uuid.UUID]:
+        """Observers not to pick: moving, or moved within the cooldown."""
+        return [*self.sent, *self.landed]
+
+
+@dataclass
+class Sightings:
+    """When this leader last saw each service without its control queue. A service takes part
+    in a round only while its queue exists and once it has not been seen without it for
+    ``min_age`` seconds: one back from a partition is old by its row, not by its connection."""
+
+    min_age: float
+    off: dict[uuid.UUID, float] = field(default_factory=dict)  # service -> when (monotonic)
+
+    def steady(self, loads: list[Load], present: set[uuid.UUID], now: float) -> list[Load]:
+        for s in loads:
+            if s.service_id not in present:
+                self.off[s.service_id] = now
+        self.off = {sid: t for sid, t in self.off.items() if now - t < self.min_age}
+        return [s for s in loads if s.service_id in present and s.service_id not in self.off]
+
+
 @dataclass
 class Rebalancer:
     engine: AsyncEngine
     box: Outbox
+    publisher: Publisher
     #: Fraction of the running observers that may be in motion at once.
     pace: float
     min_age: float
     cooldown: float
+    #: A move whose observer is not on its target after this many seconds is forgotten.
+    landing: float
     metrics: ManagerMetrics
-    moved: dict[uuid.UUID, float] = field(default_factory=dict)  # observer -> when (monotonic)
+    ledger: Ledger = field(init=False)
+    sightings: Sightings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.cooldown, self.landing)
+        self.sightings = Sightings(self.min_age)
 
     async def once(self) -> int:
         now = time.monotonic()
-        self.moved = {o: t for o, t in self.moved.items() if now - t < self.cooldown}
         async with transaction(self.engine) as conn:
-            if self.moved:
-                landing = (
-                    await conn.execute(text(q.IN_MOTION), {"ids": list(self.moved)})
-                ).scalar_one()
-                if landing:
-                    return 0  # the previous round is still landing
+            seen: list[Seen] = []
+            if self.ledger.sent:
+                where = await conn.execute(text(q.WHERE_MOVED), {"ids": list(self.ledger.sent)})
+                seen = [Seen(r.id, r.service_id, r.in_motion) for r in where]
+            if self.ledger.update(seen, now):
+                return 0  # the previous round is still landing
             rows = (await conn.execute(text(q.LOADS), {"age": self.min_age})).all()
             loads = [Load(r.id, r.worker_count, r.running) for r in rows]
+            present = await on_broker(self.publisher, [s.service_id for s in loads])
+            loads = self.sightings.steady(loads, present, now)
             total = sum(x.running for x in loads)
             moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
+            recent = self.ledger.recent()
             handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]] = []  # observer, from, to
             for donor in {d for d, _ in moves}:
                 to = [t for d, t in moves if d == donor]
@@ -107,7 +199,7 @@ class Rebalancer:
                     (
                         await conn.execute(
                             text(q.PICK_TO_MOVE),
-                            {"s": donor, "recent": list(self.moved), "n": len(to)},
+                            {"s": donor, "recent": recent, "n": len(to)},
                         )
                     )
                     .scalars()
@@ -127,9 +219,15 @@ class Rebalancer:
                 Event.HANDOFF_REQUESTED,
                 [f"from {d} to {t}" for _, d, t in handoffs],
             )
-            self.moved.update({o: now for o, _, _ in handoffs})
+            self.ledger.record([(o, t) for o, _, t in handoffs], now)
         if pending:
             log.info("rebalance: moving %d observers", len(pending))
             self.metrics.moves.labels("rebalance").inc(len(pending))
+        if len(handoffs) < len(moves):
+            log.info(
+                "rebalance: %d of %d planned moves found nothing to move (moved recently)",
+                len(moves) - len(handoffs),
+                len(moves),
+            )
         await self.box.publish_now(pending)
         return len(pending)

@@ -88,9 +88,13 @@ class ManagerRuntime:
             rebalancer = Rebalancer(
                 self.engine,
                 self.outbox,
+                self.publisher,
                 pace=s.rebalance_pace,
                 min_age=s.rebalance_min_age,
                 cooldown=s.rebalance_cooldown,
+                # Longer than the leader's own recovery of a lost start (a lease, then a sweep
+                # or an audit): a move not landed by then will not land as asked.
+                landing=2 * s.lease_ttl,
                 metrics=self.metrics,
             )
             loops["rebalance"] = background.every(

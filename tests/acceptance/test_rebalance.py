@@ -9,13 +9,17 @@ import signal
 import sys
 import time
 import uuid
+from typing import Any
 
+import aio_pika
 import httpx
 
+from contracts.topology import Topology, service_present
 from orch_bench.ticklog import overlap_seconds, read_ticks
 from tests.support.cluster import Cluster, quiet, wait_for
+from tests.support.faults import via
 
-FAST = {"rebalance": "true", "rebalance_min_age": "2", "rebalance_interval": "0.3"}
+FAST: dict[str, Any] = {"rebalance": "true", "rebalance_min_age": "2", "rebalance_interval": "0.3"}
 
 
 async def counts(cluster: Cluster) -> dict[uuid.UUID, int]:
@@ -159,6 +163,51 @@ async def test_flapping_service_causes_no_ping_pong(cluster: Cluster) -> None:
         for r in await cluster.q("SELECT id, epoch FROM observers WHERE id = ANY($1)", ids)
     }
     assert now == epochs, "observers moved because a service flapped"
+
+
+async def test_a_service_back_from_a_partition_gets_its_share(cluster: Cluster) -> None:
+    """Cut off from the broker with its lease held in PostgreSQL, then healed: within a round
+    and the minimum age of its control queue reappearing (plus the rounds the pace needs), it
+    runs its share again. Before, every handoff planned to it during the cut bounced to the work
+    queue yet put its observer under the cooldown (600 s); once all had bounced, no round could
+    move anything to it."""
+    interval, min_age = float(FAST["rebalance_interval"]), float(FAST["rebalance_min_age"])
+    await cluster.start_manager(**FAST)
+    proxy = await cluster.proxy(cluster.amqp_url)
+    for name in ("a", "b"):
+        await cluster.start_service(name, worker_count=20, amqp_heartbeat=2)
+    c = await cluster.start_service(
+        "c", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+    )
+    c_id = await cluster.service_id(c)
+    ids = await cluster.create_recorders(30, interval=0.2)
+    await cluster.wait_all_running(ids, timeout=30)
+
+    async def fair() -> bool:
+        n = await counts(cluster)
+        return n.get(c_id) == 10 and sorted(n.values()) == [10, 10, 10]
+
+    await wait_for(fair, timeout=20, what="a, b and c at 10 each")
+    topology = Topology(cluster.prefix)
+    async with await aio_pika.connect(cluster.amqp_url) as broker:
+
+        async def c_on_broker() -> bool:
+            return await service_present(broker, topology, c_id)
+
+        async def c_off_broker() -> bool:
+            return not await c_on_broker()
+
+        proxy.cut()
+        await wait_for(c_off_broker, timeout=20, what="c off the broker")
+        await quiet(10.0, "rounds would hand observers to c, each bouncing to the work queue")
+        proxy.heal()
+        await wait_for(c_on_broker, timeout=20, what="c back on the broker")
+    rounds = 4  # three moves a round (pace 0.1 of 30) for c's ten
+    await wait_for(
+        fair, timeout=interval + min_age + rounds * interval + 3.0, what="c back at its share"
+    )
+    await cluster.wait_all_running(ids, timeout=10)
+    assert c.alive
 
 
 async def test_drain_cli(cluster: Cluster) -> None:

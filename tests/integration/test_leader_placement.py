@@ -1,0 +1,251 @@
+"""Where the leader places work, against the real database and broker: a service counts for
+directed starts and rebalance moves only while its control queue exists (a lease alone does not
+say a message sent to it arrives), and rounds go on after moves that never reached their
+target."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+
+import aio_pika
+import asyncpg
+import pytest
+from aio_pika.abc import AbstractConnection, AbstractQueue
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from contracts.messages import CONTROL_MESSAGE, AnyControl, DirectedStart, HandoffMessage
+from contracts.settings import CommonSettings
+from contracts.topology import Topology
+from manager.background import audit_once
+from manager.metrics import ManagerMetrics
+from manager.outbox import Outbox
+from manager.publisher import Publisher
+from manager.rebalance import Rebalancer
+from tests.conftest import Servers
+
+
+@pytest.fixture
+async def publisher(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[Publisher]:
+    p = Publisher(
+        CommonSettings(database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix)
+    )
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+@pytest.fixture
+async def services_connection(servers: Servers) -> AsyncIterator[AbstractConnection]:
+    """The broker connection the services' processes would hold their control queues on."""
+    connection = await aio_pika.connect(servers.amqp_url)
+    async with connection:
+        yield connection
+
+
+async def join_broker(connection: AbstractConnection, prefix: str, sid: uuid.UUID) -> AbstractQueue:
+    """A service's control queue, declared as its process does: exclusive to its connection."""
+    channel = await connection.channel()
+    return await channel.declare_queue(
+        Topology(prefix).control_queue(sid), exclusive=True, auto_delete=True
+    )
+
+
+async def received(queue: AbstractQueue) -> list[AnyControl]:
+    out: list[AnyControl] = []
+    while (message := await queue.get(no_ack=True, fail=False)) is not None:
+        out.append(CONTROL_MESSAGE.validate_json(message.body))
+    return out
+
+
+async def service(conn: asyncpg.Connection, worker_count: int) -> uuid.UUID:
+    """A service row with a live lease, registered an hour ago."""
+    sid = uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO services (id, name, worker_count, lock_key, lease_expires_at, created_at) "
+        "VALUES ($1, $2, $3, $4, now() + interval '1 minute', now() - interval '1 hour')",
+        sid,
+        f"s-{sid}",
+        worker_count,
+        secrets.randbits(63),
+    )
+    return sid
+
+
+async def observers(conn: asyncpg.Connection, n: int, holder: uuid.UUID | None) -> list[uuid.UUID]:
+    """Processing observers held by ``holder`` (None: by nobody, dispatched long ago)."""
+    out: list[uuid.UUID] = []
+    for _ in range(n):
+        oid = uuid.uuid4()
+        await conn.execute(
+            "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch, "
+            "started_at, dispatched_at, modified_at) VALUES ($1, $2, 'ticker', 'processing', $3, "
+            "$4, 1, CASE WHEN $4::uuid IS NULL THEN NULL ELSE now() END, "
+            "now() - interval '1 minute', now() - interval '1 minute')",
+            oid,
+            f"o-{oid}",
+            uuid.uuid4(),
+            holder,
+        )
+        out.append(oid)
+    return out
+
+
+def rebalancer(
+    engine: AsyncEngine,
+    publisher: Publisher,
+    *,
+    min_age: float = 0.0,
+    landing: float = 10.0,
+) -> Rebalancer:
+    return Rebalancer(
+        engine,
+        Outbox(engine, publisher),
+        publisher,
+        pace=1.0,
+        min_age=min_age,
+        cooldown=600.0,
+        landing=landing,
+        metrics=ManagerMetrics(),
+    )
+
+
+async def handoffs_to(conn: asyncpg.Connection, target: uuid.UUID) -> int:
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM observer_events WHERE event = 'handoff requested' "
+            "AND detail LIKE '%to ' || $1",
+            str(target),
+        )
+    )
+
+
+async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """Both leases are live; the service with more room has no control queue (its broker link
+    is cut). Its starts would bounce to the work queue: they go to the other one, and what the
+    other has no room for goes to the work queue."""
+    conn, engine = db
+    on = await service(conn, worker_count=5)
+    off = await service(conn, worker_count=20)
+    queue = await join_broker(services_connection, prefix, on)
+    stuck = await observers(conn, 6, holder=None)
+    assert (
+        await audit_once(
+            engine,
+            Outbox(engine, publisher),
+            publisher,
+            grace=0.5,
+            margin=1.0,
+            metrics=ManagerMetrics(),
+        )
+        == 6
+    )
+    routes = await conn.fetch("SELECT route, service_id FROM outbox")
+    assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
+        [("service", on)] * 5 + [("work", None)]
+    ), f"placed by the lease alone (on={on}, off={off})"
+    got = await received(queue)
+    assert len(got) == 5
+    assert all(isinstance(m, DirectedStart) for m in got)
+    assert {m.observer_id for m in got if isinstance(m, DirectedStart)} < set(stuck)
+    assert await publisher.work_queue_ready() == 1
+
+
+async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    conn, engine = db
+    donor = await service(conn, worker_count=10)
+    cut = await service(conn, worker_count=10)
+    await join_broker(services_connection, prefix, donor)
+    await observers(conn, 6, holder=donor)
+    r = rebalancer(engine, publisher)
+    assert await r.once() == 0, "planned moves to a service the broker cannot reach"
+    assert await handoffs_to(conn, cut) == 0
+    await join_broker(services_connection, prefix, cut)
+    assert await r.once() == 3, "its control queue is back: it receives its share"
+    assert await handoffs_to(conn, cut) == 3
+
+
+async def test_min_age_counts_from_the_control_queue_reappearing(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """An hour old by its row, but back on the broker for less than the minimum age: no moves
+    yet (a service whose broker link flaps is a flapping service)."""
+    conn, engine = db
+    donor = await service(conn, worker_count=10)
+    healed = await service(conn, worker_count=10)
+    await join_broker(services_connection, prefix, donor)
+    await observers(conn, 6, holder=donor)
+    r = rebalancer(engine, publisher, min_age=1.0)
+    assert await r.once() == 0
+    await join_broker(services_connection, prefix, healed)
+    assert await r.once() == 0, "moves to a service back on the broker a moment ago"
+    await asyncio.sleep(1.0)
+    assert await r.once() == 3
+    assert await handoffs_to(conn, healed) == 3
+
+
+async def test_rounds_go_on_after_moves_that_never_landed(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """The donor released the moved observers but their starts never reached the target (lost
+    with a control queue that went away): the next round waits for them, not forever."""
+    conn, engine = db
+    donor = await service(conn, worker_count=10)
+    target = await service(conn, worker_count=10)
+    for sid in (donor, target):
+        await join_broker(services_connection, prefix, sid)
+    await observers(conn, 6, holder=donor)
+    r = rebalancer(engine, publisher, landing=0.5)
+    assert await r.once() == 3
+    await conn.execute(
+        "UPDATE observers SET service_id = NULL WHERE id IN (SELECT observer_id FROM "
+        "observer_events WHERE event = 'handoff requested')"
+    )
+    assert await r.once() == 0, "the moves are between holders: the round waits"
+    await asyncio.sleep(0.5)
+    assert await r.once() > 0, "a round waited for moves that cannot land any more"
+
+
+async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """Each round's handoff comes to nothing (dropped, or bounced back to the work queue and
+    taken by the donor again): the observer stays where it was. Were it under the cooldown
+    anyway, the donor would soon have nothing left to give, and the target would get nothing
+    for the whole cooldown (the partitioned service of the incident)."""
+    conn, engine = db
+    donor = await service(conn, worker_count=10)
+    target = await service(conn, worker_count=10)
+    queue = await join_broker(services_connection, prefix, donor)
+    await join_broker(services_connection, prefix, target)
+    await observers(conn, 2, holder=donor)
+    r = rebalancer(engine, publisher, landing=0.2)
+    for round_ in range(3):
+        assert await r.once() == 1, f"round {round_ + 1} moved nothing"
+        await asyncio.sleep(0.2)
+    got = await received(queue)
+    assert len(got) == 3
+    assert all(isinstance(m, HandoffMessage) and m.to == target for m in got)
