@@ -98,7 +98,8 @@ class Leadership:
         due = self.timings.renew_interval - (self.clock.now() - self.deadline.confirmed)
         done, _ = await asyncio.wait(tasks, timeout=max(0.0, min(due, self.deadline.remaining())))
         for t in done:
-            raise LoopDied(f"leader loop {t.get_name()} died") from t.exception()
+            cause = None if t.cancelled() else t.exception()  # a loop's cancel is not ours
+            raise LoopDied(f"leader loop {t.get_name()} died ({cause!r})") from cause
         backoff = Backoff(0.02, 0.25)
         while self.deadline.valid():
             sent = self.clock.now()

@@ -117,9 +117,9 @@ class ManagerRuntime:
         self._tasks.append(task)
 
     def _died(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        self.error = task.exception()
+        # stop() removes this callback before it cancels: any end seen here is a death, a
+        # cancellation from inside included (a driver's CancelledError).
+        self.error = asyncio.CancelledError() if task.cancelled() else task.exception()
         log.critical("%s died (%r): the manager must stop", task.get_name(), self.error)
         self.fatal.set()
 

@@ -105,8 +105,9 @@ class Admission:
         """No start is admitted inside: new ones wait, the ones in flight have finished."""
         async with self._changed:
             self._paused += 1
-            await self._changed.wait_for(lambda: not self._in_flight)
         try:
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._in_flight)
             yield
         finally:
             async with self._changed:

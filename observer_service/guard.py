@@ -79,10 +79,11 @@ class _Guarded:
     def _took(self, step: Step) -> float:
         """The step's length if it was a stall (told to ``stalled``), else 0."""
         assert self._timing is not None
+        watch = self._timing.watch
         took = time.monotonic() - step.started
-        self._timing.watch.step = None
-        if took <= self._timing.watch.threshold:
-            return 0.0
+        watch.step = None
+        if took <= watch.threshold or watch.process_paused(step.started):
+            return 0.0  # short, or the whole process was stopped meanwhile: not the kind's
         self._timing.stalled(took)
         return took
 

@@ -181,6 +181,7 @@ class Intake:
             return self.host.accepting() and self.lease.check_or_fence()
 
         while True:
+            ended = self.lease.sessions_ended
             try:
                 result = await while_leased(partial(self.takes.submit, request), alive)
             except LeaseLost:
@@ -190,8 +191,16 @@ class Intake:
                 if not isinstance(origin, Queued):
                     await self.settler.dispose(start, origin, Disposition.REQUEUE)
                     return None
-                # Free it may be taken; wait for room (the prefetch bounds how many wait here).
-                request = replace(request, room=await slot.take(wait=True))
+                # Free, it may be taken: wait for room (the prefetch bounds how many wait
+                # here), but not for ever: copies that lost their deliveries hold slots the
+                # prefetch does not count. Then let another service have it.
+                try:
+                    room = await asyncio.wait_for(slot.take(wait=True), timings.stale_after)
+                except TimeoutError:
+                    await asyncio.sleep(timings.renew_interval)
+                    await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                    return None
+                request = replace(request, room=room)
                 continue
             if result.decision is Decision.PROBE:
                 if await self._holder_gone(result):
@@ -213,8 +222,10 @@ class Intake:
             return None
         taken = result.taken
         assert taken is not None
-        if not alive():
-            # Too late to run it here: let go at once so that another service takes it.
+        if not alive() or self.lease.bridging or self.lease.sessions_ended != ended:
+            # Too late to run it here: let go at once so that another service takes it. A take
+            # that crossed the end of our lease session is not covered by the new session's
+            # look at our rows (someone may have taken it since), so it is let go too.
             await until_done(
                 lambda: self.settler.let_go(taken.copy, "taken while stopping"),
                 "letting go of a late take",

@@ -80,6 +80,9 @@ class LeaseKeeper:
         self._fenced = True  # nothing runs before the first renewal
         #: The lease session ended: copies wait until a new session shows what is still ours.
         self._bridging = False
+        #: How many lease sessions ended by themselves: a take in flight across one is not
+        #: judged by the new session's look at our rows, so it must not run.
+        self.sessions_ended = 0
         #: Retry soon, then less often: 20 ms doubling up to 250 ms.
         self._backoff = Backoff(0.02, 0.25)
         self._rejoin = asyncio.Event()
@@ -115,6 +118,10 @@ class LeaseKeeper:
         return fut
 
     @property
+    def bridging(self) -> bool:
+        return self._bridging
+
+    @property
     def fenced(self) -> bool:
         return self._fenced
 
@@ -141,6 +148,7 @@ class LeaseKeeper:
         if self._fenced or self._bridging:
             return
         log.warning("lease session ended: observers pause until a new session shows they are ours")
+        self.sessions_ended += 1
         self._bridging = True
         self._wake.set()
 

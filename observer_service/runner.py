@@ -68,7 +68,8 @@ class Runner:
 
     def runs(self, dispatch_id: uuid.UUID) -> bool:
         """It runs (is not being stopped) for that dispatch of the observer."""
-        return self.stop_reason is None and self.taken.dispatch_id == dispatch_id
+        running = self.task is not None and not self.task.done()
+        return running and self.stop_reason is None and self.taken.dispatch_id == dispatch_id
 
     def adopt(self, origin: Queued) -> bool:
         """Hold a redelivered start of this copy, if it holds no live delivery of its own (its

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 #: How often the watchdog looks, seconds: well within the lease's margin.
 WATCH_EVERY = 0.05
+#: A watchdog wake-up this late means the whole process was stopped (SIGSTOP, a paused VM),
+#: not the loop blocked by kind code: the thread runs beside a blocked loop, not a stopped one.
+PROCESS_PAUSE = 0.5
 
 
 class LoopBlocked(Exception):
@@ -68,8 +71,19 @@ class StallWatch:
         self._blame_now = blame_now
         #: Set by the guard around each step of kind code; read by the watchdog thread.
         self.step: Step | None = None
+        #: The watchdog's last wake-up, and when the last whole-process pause it saw ended.
+        self._beat = 0.0
+        self._paused_until = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def process_paused(self, since: float) -> bool:
+        """Whether the whole process was stopped at some point since ``since`` (monotonic), so
+        a long step then was not the kind's doing. False while no watchdog runs."""
+        if self._thread is None:
+            return False
+        now = time.monotonic()
+        return self._paused_until > since or now - self._beat > PROCESS_PAUSE
 
     def blamed(self, seconds: float, *, lease_valid: bool) -> bool:
         """A step of ``seconds`` after which the lease is gone cost the lease."""
@@ -78,6 +92,7 @@ class StallWatch:
     def start(self) -> None:
         """Watch from a thread of its own (the loop cannot watch itself while it is blocked)."""
         if self._thread is None:
+            self._beat = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
             self._thread.start()
 
@@ -90,7 +105,12 @@ class StallWatch:
         #: valid lease is blamed (a lease lost for another reason is not its doing).
         valid_then = False
         told = blamed = False
+        self._beat = time.monotonic()
         while not self._stop.wait(WATCH_EVERY):
+            now = time.monotonic()
+            if now - self._beat > PROCESS_PAUSE:
+                self._paused_until = now
+            self._beat = now
             step = self.step
             if step is None:
                 continue
@@ -103,6 +123,7 @@ class StallWatch:
             if (
                 not blamed
                 and valid_then
+                and self._paused_until <= step.started
                 and blocked >= self.outlives_lease
                 and step.observer_id is not None
                 and self._blame_now is not None

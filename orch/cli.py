@@ -31,7 +31,10 @@ app.command("kinds")(kinds)
 err = Console(stderr=True)
 out = Console()
 S = TypeVar("S", bound=CommonSettings)
-ServersWait = Annotated[float, typer.Option(help="seconds to wait for Postgres and RabbitMQ")]
+ServersWait = Annotated[
+    float,
+    typer.Option(help="seconds to wait for Postgres and RabbitMQ at start", envvar="ORCH_WAIT"),
+]
 
 
 def _version(value: bool) -> None:

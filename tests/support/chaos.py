@@ -83,7 +83,7 @@ class Chaos:
     # ------------------------------------------------------------------ the cluster
     async def start(self) -> None:
         for _ in range(2):
-            self.managers.append(await self.cluster.start_manager())
+            self.managers.append(await self.cluster.start_manager(wait=30))
         for _ in range(3):
             await self._start_service()
         for _ in range(self.observers):
@@ -99,6 +99,7 @@ class Chaos:
             database_url=via(self.cluster.database_url, db),
             amqp_url=via(self.cluster.amqp_url, mq),
             shutdown_timeout=2,
+            wait=30,  # it may start while the broker is being restarted
         )
         self.services.append(Service(proc, db, mq))
         self.all_services.append(self.services[-1])
@@ -255,7 +256,7 @@ class Chaos:
                 self.note(f"SIGKILL the leading manager {m.pid}")
                 m.signal(signal.SIGKILL)
                 self.managers.remove(m)
-                self.managers.append(await self.cluster.start_manager())
+                self.managers.append(await self.cluster.start_manager(wait=30))
                 return
 
     async def _churn(self) -> None:

@@ -614,3 +614,32 @@ async def test_a_stall_past_the_lease_fails_the_copy_with_no_lease_and_cancels_i
         assert row.last_error.startswith("blocked the event loop for more than 0.")
         assert row.restart_count < 2, "failed at once, not after its budget"
         await until(lambda: h.broker.cancels == [row.id])
+
+
+async def test_a_start_that_finds_no_slot_is_requeued_after_a_while() -> None:
+    """A copy whose delivery was lost holds its slot, which the prefetch no longer counts: a
+    start for another observer waits for room only so long, then goes back for another
+    service."""
+    async with harness(worker_count=1) as h:
+        await h.started()
+        await h.broker.session.close()
+        await until(lambda: len(h.broker.sessions) == 2)
+        other = h.store.add("tick")
+        delivery = await asyncio.wait_for(h.run(other), TIMINGS.stale_after + 2)
+        assert delivery.outcome == "requeue"
+        assert other.service_id is None
+
+
+async def test_a_take_across_the_end_of_the_lease_session_is_let_go() -> None:
+    """The new session's look at our rows does not cover a take that was in flight: it could
+    have been taken from us since. It is let go and requeued, never run."""
+    async with harness() as h:
+        row = h.store.add("tick")
+        taking = await h.take_held(row)
+        h.lease_db.sessions[-1].end()
+        assert h.store.hold is not None
+        h.store.hold.set()
+        delivery = await taking
+        assert delivery.outcome == "requeue"
+        assert row.id not in h.service.runners
+        assert row.service_id is None
