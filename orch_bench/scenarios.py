@@ -319,6 +319,19 @@ async def _recorders(
     return ids
 
 
+def overlap_figure(scenario: str, overlap: dict[str, float]) -> Figure:
+    """Seconds during which two copies of an observer ran at once: the promise, 0."""
+    return Figure(
+        scenario,
+        "overlap (two copies at once)",
+        round(sum(overlap.values()), 3),
+        "s",
+        "0",
+        not overlap,
+        f"{len(overlap)} observers overlapped",
+    )
+
+
 def _gap_figures(
     scenario: str,
     c: BenchCluster,
@@ -348,15 +361,7 @@ def _gap_figures(
         ),
         Figure(scenario, "median gap of the moved observers", round(median(finite), 1), "ms"),
         Figure(scenario, "all resumed", float(resumed), "bool", "1", resumed),
-        Figure(
-            scenario,
-            "overlap (two copies at once)",
-            round(sum(overlap.values()), 3),
-            "s",
-            "0",
-            not overlap,
-            f"{len(overlap)} observers overlapped",
-        ),
+        overlap_figure(scenario, overlap),
     ]
 
 
@@ -494,14 +499,7 @@ async def broker_restart(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
                 f"{len(gaps)} observers; tick every {TICK * 1000:.0f} ms",
             ),
             Figure(scenario, "median of each observer's max gap", round(median(gaps), 1), "ms"),
-            Figure(
-                scenario,
-                "overlap (two copies at once)",
-                round(sum(overlap.values()), 3),
-                "s",
-                "0",
-                not overlap,
-            ),
+            overlap_figure(scenario, overlap),
         ]
 
 
@@ -550,14 +548,7 @@ async def join_rebalance(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         ),
         Figure("join rebalance", "observers moved", float(len(rows)), "", f"≈ {n // 4}"),
         Figure("join rebalance", "observers moved twice", float(twice), "", "0", twice == 0),
-        Figure(
-            "join rebalance",
-            "overlap (two copies at once)",
-            round(sum(overlap.values()), 3),
-            "s",
-            "0",
-            not overlap,
-        ),
+        overlap_figure("join rebalance", overlap),
     ]
 
 

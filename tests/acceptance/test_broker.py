@@ -16,8 +16,9 @@ import pytest
 from contracts.settings import CommonSettings
 from contracts.topology import service_present
 from orch_bench.ticklog import largest_gaps, read_ticks
-from tests.support.cluster import Cluster, quiet, wait_for
+from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import LEASE_BACKEND, assert_no_overlap, queue_counts, rabbitmqctl, via
+from tests.support.proxy import Proxy
 
 #: The largest tick gap a running observer may show through a broker fault, seconds.
 MAX_GAP = 1.0
@@ -85,15 +86,7 @@ async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> No
     """A blackholed AMQP link: the broker drops the connection and redelivers its starts to the
     other service, which drops them as duplicates; the cut service's observers never stop, and
     once the link heals it takes work again."""
-    await cluster.start_manager()
-    proxy = await cluster.proxy(cluster.amqp_url)
-    a = await cluster.start_service(
-        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
-    )
-    a_id = await cluster.service_id(a)
-    ids = await cluster.create_recorders(6)
-    await cluster.wait_all_running(ids, timeout=15, on={a_id})
-    await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    a, a_id, proxy, ids, _ = await _a_behind_a_proxy_and_b(cluster, 6)
     cut_at = time.time()
     proxy.cut()
     await _wait_off_broker(cluster, a_id)
@@ -103,6 +96,22 @@ async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> No
     assert _gaps_over(cluster, ids, cut_at, time.time()) == {}
     assert_no_overlap(cluster.tick_dir)
     assert a.alive
+
+
+async def _a_behind_a_proxy_and_b(
+    cluster: Cluster, n: int
+) -> tuple[Proc, uuid.UUID, Proxy, list[uuid.UUID], Proc]:
+    """Service A, its AMQP link through a proxy, running ``n`` recorders; then service B."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.amqp_url)
+    a = await cluster.start_service(
+        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
+    )
+    a_id = await cluster.service_id(a)
+    ids = await cluster.create_recorders(n)
+    await cluster.wait_all_running(ids, timeout=15, on={a_id})
+    b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    return a, a_id, proxy, ids, b
 
 
 async def _wait_off_broker(cluster: Cluster, service_id: uuid.UUID) -> None:
@@ -122,15 +131,7 @@ async def test_a_partition_then_a_lost_lease_session_runs_one_copy(cluster: Clus
     redelivered), A's lease session is ended while A still reaches the database. B may now take
     A's observers (A's lock is free and its control queue gone): A's copies pause at once and
     those B took never run again on A. A lives on."""
-    await cluster.start_manager()
-    proxy = await cluster.proxy(cluster.amqp_url)
-    a = await cluster.start_service(
-        "a", worker_count=20, amqp_url=via(cluster.amqp_url, proxy), amqp_heartbeat=2
-    )
-    a_id = await cluster.service_id(a)
-    ids = await cluster.create_recorders(10)
-    await cluster.wait_all_running(ids, timeout=15, on={a_id})
-    b = await cluster.start_service("b", worker_count=20, amqp_heartbeat=2)
+    a, a_id, proxy, ids, b = await _a_behind_a_proxy_and_b(cluster, 10)
     proxy.cut()
     await _wait_off_broker(cluster, a_id)
     db = await cluster.connect()

@@ -57,6 +57,18 @@ async def observer(pool: asyncpg.Pool) -> StartMessage:
     return start
 
 
+def lease_database(database_url: str) -> PgLeaseDatabase:
+    return PgLeaseDatabase(
+        asyncpg_dsn(database_url),
+        service_id=uuid.uuid4(),
+        name="s",
+        worker_count=1,
+        host="h",
+        version="v",
+        connect_timeout=5,
+    )
+
+
 async def row_of(pool: asyncpg.Pool, oid: uuid.UUID) -> dict[str, Any]:
     row = await pool.fetchrow(f"SELECT {ROW_FIELDS} FROM observers WHERE id = $1", oid)
     assert row is not None
@@ -283,17 +295,8 @@ async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> No
 async def test_a_lease_session_ended_by_the_server_is_reported(
     database_url: str, pool: asyncpg.Pool
 ) -> None:
-    dsn = asyncpg_dsn(database_url)
     ended = asyncio.Event()
-    db = PgLeaseDatabase(
-        dsn,
-        service_id=uuid.uuid4(),
-        name="s",
-        worker_count=1,
-        host="h",
-        version="v",
-        connect_timeout=5,
-    )
+    db = lease_database(database_url)
     session = await db.connect(ended.set)
     await session.join(ttl=60)
     pid = await session.conn.fetchval("SELECT pg_backend_pid()")
@@ -333,16 +336,7 @@ async def test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free(
 async def test_a_holder_on_a_new_session_sees_what_was_taken_meanwhile(
     database_url: str, pool: asyncpg.Pool
 ) -> None:
-    dsn = asyncpg_dsn(database_url)
-    db = PgLeaseDatabase(
-        dsn,
-        service_id=uuid.uuid4(),
-        name="s",
-        worker_count=1,
-        host="h",
-        version="v",
-        connect_timeout=5,
-    )
+    db = lease_database(database_url)
     session = await db.connect(lambda: None)
     try:
         await session.join(ttl=60)
