@@ -24,8 +24,3 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = 0.0
-
-    @property
-    def failing(self) -> bool:
-        """A try failed since the last reset."""
-        return self._next > 0.0
