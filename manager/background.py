@@ -187,15 +187,8 @@ async def complete_stops(conn: AsyncConnection, ids: list[uuid.UUID], why: str) 
         await record_events(conn, done, Event(status), why)
 
 
-async def audit_once(
-    engine: AsyncEngine,
-    box: Outbox,
-    publisher: Publisher,
-    *,
-    grace: float,
-    margin: float,
-    metrics: ManagerMetrics,
-) -> int:
+@dataclass
+class Audit:
     """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
     Only when the work queue has nothing ready and nothing was taken for ``grace`` seconds: then
@@ -203,24 +196,60 @@ async def audit_once(
     backlog; it sits unacked at a consumer that does not take it (a frozen service still has
     free prefetch slots, and the broker fills them) or it was lost. A new dispatch id makes the
     stuck copy stale.
+
+    An observer it re-dispatched waits twice as long each time before it is re-dispatched again
+    (up to ``patience``): a service slower than ``grace`` to take a burst of re-dispatched
+    starts would otherwise see each burst made stale by the next, for ever.
     """
-    if await publisher.work_queue_ready() > 0:
-        return 0
-    async with transaction(engine) as conn:
-        # A service working through a large prefetch backlog also leaves nothing ready while
-        # observers wait unowned; it takes observers all the while. Act only when nothing was
-        # taken lately: then the waiting ones really are stuck at a silent consumer.
-        if (await conn.execute(text(q.TAKEN_LATELY), {"g": grace})).scalar_one():
+
+    engine: AsyncEngine
+    box: Outbox
+    publisher: Publisher
+    grace: float
+    #: Directed starts go only to services whose lease outlives this many seconds.
+    margin: float
+    metrics: ManagerMetrics
+    #: The longest wait between two re-dispatches of one observer.
+    patience: float
+    #: Observers re-dispatched lately: id -> (times in a row, not again before; monotonic).
+    recent: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
+
+    async def once(self) -> int:
+        if await self.publisher.work_queue_ready() > 0:
             return 0
-        ids = list((await conn.execute(text(q.UNHELD_STUCK), {"g": grace})).scalars().all())
-        pending = await redispatch(
-            conn, ids, "audit: start message stuck or lost", publisher=publisher, margin=margin
-        )
-    if ids:
-        log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
-        metrics.redispatches.labels("stuck").inc(len(ids))
-    await box.publish_now(pending)
-    return len(ids)
+        now = time.monotonic()
+        self._forget(now)
+        async with transaction(self.engine) as conn:
+            # A service working through a large prefetch backlog also leaves nothing ready
+            # while observers wait unowned; it takes observers all the while. Act only when
+            # nothing was taken lately: then the waiting ones really are stuck at a silent
+            # consumer.
+            if (await conn.execute(text(q.TAKEN_LATELY), {"g": self.grace})).scalar_one():
+                return 0
+            stuck = (await conn.execute(text(q.UNHELD_STUCK), {"g": self.grace})).scalars().all()
+            ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
+            pending = await redispatch(
+                conn,
+                ids,
+                "audit: start message stuck or lost",
+                publisher=self.publisher,
+                margin=self.margin,
+            )
+        for oid in ids:
+            times = self.recent.get(oid, (0, now))[0] + 1
+            self.recent[oid] = (times, now + min(self.patience, self.grace * 2**times))
+        if ids:
+            log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
+            self.metrics.redispatches.labels("stuck").inc(len(ids))
+        await self.box.publish_now(pending)
+        return len(ids)
+
+    def _forget(self, now: float) -> None:
+        """Observers whose last re-dispatch is a full ``patience`` past: taken since, or
+        stuck again for a new reason; either way they start over at ``grace``."""
+        self.recent = {
+            oid: entry for oid, entry in self.recent.items() if entry[1] + self.patience > now
+        }
 
 
 @dataclass

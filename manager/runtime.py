@@ -59,23 +59,21 @@ class ManagerRuntime:
         sweeper = background.Sweeper(
             self.engine, self.outbox, self.publisher, margin, metrics=self.metrics
         )
+        audit = background.Audit(
+            self.engine,
+            self.outbox,
+            self.publisher,
+            grace=s.audit_grace,
+            margin=margin,
+            metrics=self.metrics,
+            patience=max(s.lease_ttl, s.audit_grace),
+        )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(
                 s.relay_interval, lambda: self.outbox.relay_once(grace=s.relay_grace), "relay"
             ),
             "sweeper": background.every(s.sweep_interval, sweeper.once, "sweeper"),
-            "audit": background.every(
-                s.audit_interval,
-                lambda: background.audit_once(
-                    self.engine,
-                    self.outbox,
-                    self.publisher,
-                    grace=s.audit_grace,
-                    margin=margin,
-                    metrics=self.metrics,
-                ),
-                "audit",
-            ),
+            "audit": background.every(s.audit_interval, audit.once, "audit"),
         }
         pruner = background.Pruner(
             self.engine,

@@ -17,12 +17,14 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class _Admitting:
     cancelled: bool = False
+    #: Set once this admission has ended: the next start of the same observer may go.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -47,17 +49,23 @@ class Slot:
 
 
 class Admission:
+    """Every wait here wakes only the starts it concerns: a burst of a thousand starts, each
+    waiting behind an earlier start of its own observer, costs a thousand wake-ups, not a
+    million (one shared condition woke every waiter on each settle)."""
+
     def __init__(self, worker_count: int) -> None:
         self.worker_count = worker_count
         self.slots = asyncio.Semaphore(worker_count)
         self._admitting: dict[uuid.UUID, _Admitting] = {}
-        self._in_flight = 0
         self._paused = 0
-        self._changed = asyncio.Condition()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return len(self._admitting)
 
     def slot(self) -> Slot:
         return Slot(self.slots)
@@ -69,19 +77,23 @@ class Admission:
     async def admitting(self, observer_id: uuid.UUID) -> AsyncIterator[_Admitting]:
         """Hold the admission of one observer; waits while paused or while another start of the
         same observer is being admitted."""
-        async with self._changed:
-            await self._changed.wait_for(
-                lambda: not self._paused and observer_id not in self._admitting
-            )
-            entry = self._admitting[observer_id] = _Admitting()
-            self._in_flight += 1
+        while True:
+            if self._paused:
+                await self._resumed.wait()
+                continue
+            current = self._admitting.get(observer_id)
+            if current is None:
+                break
+            await current.done.wait()
+        entry = self._admitting[observer_id] = _Admitting()
+        self._idle.clear()
         try:
             yield entry
         finally:
-            async with self._changed:
-                del self._admitting[observer_id]
-                self._in_flight -= 1
-                self._changed.notify_all()
+            del self._admitting[observer_id]
+            entry.done.set()
+            if not self._admitting:
+                self._idle.set()
 
     def cancel(self, observer_id: uuid.UUID) -> bool:
         """Remember a cancel for an observer being admitted; False if it is not."""
@@ -93,23 +105,21 @@ class Admission:
 
     async def idle(self, timeout: float) -> bool:
         """Wait until nothing is being admitted; False on timeout."""
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: not self._in_flight), timeout)
-            except TimeoutError:
-                return False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
         return True
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
         """No start is admitted inside: new ones wait, the ones in flight have finished."""
-        async with self._changed:
-            self._paused += 1
+        self._paused += 1
+        self._resumed.clear()
         try:
-            async with self._changed:
-                await self._changed.wait_for(lambda: not self._in_flight)
+            await self._idle.wait()
             yield
         finally:
-            async with self._changed:
-                self._paused -= 1
-                self._changed.notify_all()
+            self._paused -= 1
+            if not self._paused:
+                self._resumed.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from contracts.messages import CONTROL_MESSAGE, AnyControl, DirectedStart, HandoffMessage
 from contracts.settings import CommonSettings
 from contracts.topology import Topology
-from manager.background import audit_once
+from manager.background import Audit
 from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.publisher import Publisher
@@ -95,6 +96,18 @@ async def observers(conn: asyncpg.Connection, n: int, holder: uuid.UUID | None) 
     return out
 
 
+def audit(engine: AsyncEngine, publisher: Publisher, grace: float = 0.5) -> Audit:
+    return Audit(
+        engine,
+        Outbox(engine, publisher),
+        publisher,
+        grace=grace,
+        margin=1.0,
+        metrics=ManagerMetrics(),
+        patience=5.0,
+    )
+
+
 def rebalancer(
     engine: AsyncEngine,
     publisher: Publisher,
@@ -138,17 +151,7 @@ async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
     off = await service(conn, worker_count=20)
     queue = await join_broker(services_connection, prefix, on)
     stuck = await observers(conn, 6, holder=None)
-    assert (
-        await audit_once(
-            engine,
-            Outbox(engine, publisher),
-            publisher,
-            grace=0.5,
-            margin=1.0,
-            metrics=ManagerMetrics(),
-        )
-        == 6
-    )
+    assert await audit(engine, publisher).once() == 6
     routes = await conn.fetch("SELECT route, service_id FROM outbox")
     assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
         [("service", on)] * 5 + [("work", None)]
@@ -249,3 +252,46 @@ async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
     got = await received(queue)
     assert len(got) == 3
     assert all(isinstance(m, HandoffMessage) and m.to == target for m in got)
+
+
+async def test_the_audit_waits_longer_each_time_it_re_dispatches_an_observer(
+    db: tuple[asyncpg.Connection, AsyncEngine],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """A service slower than the grace to take a burst of directed starts must not see every
+    burst made stale by the next (a thousand moved, re-dispatched every 0.8 s for 100 s). The
+    same stuck observers are re-dispatched again only after twice the grace, then four times."""
+    conn, engine = db
+    sid = await service(conn, worker_count=10)
+    await join_broker(services_connection, prefix, sid)
+    stuck = await observers(conn, 3, holder=None)
+    grace = 0.2
+    leader = audit(engine, publisher, grace=grace)
+
+    async def untaken_for_long() -> None:
+        """As if the starts sent were never taken, however long ago they went."""
+        await leader.box.delete_published()  # as every manager does in the background
+        await conn.execute(
+            "UPDATE observers SET dispatched_at = now() - interval '1 minute', "
+            "modified_at = now() - interval '1 minute' WHERE id = ANY($1)",
+            stuck,
+        )
+
+    async def next_redispatch() -> float:
+        """When the call that re-dispatched them again began."""
+        while True:
+            await untaken_for_long()
+            began = time.monotonic()
+            if await leader.once():
+                return began
+            assert began - first < 10, "never re-dispatched again"
+            await asyncio.sleep(0.02)
+
+    first = time.monotonic()
+    assert await leader.once() == 3
+    second = await next_redispatch()
+    third = await next_redispatch()
+    assert second - first >= 2 * grace, f"re-dispatched again after {second - first:.2f}s"
+    assert third - second >= 4 * grace, f"re-dispatched a third time after {third - second:.2f}s"
