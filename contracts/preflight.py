@@ -11,14 +11,22 @@ import aio_pika
 import asyncpg
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from contracts import pgconnect
+from contracts.amqp import connect_first
 from contracts.errors import StartupError
-from contracts.settings import CommonSettings, where
+from contracts.settings import CommonSettings, split_urls, where
 
 
 async def check_database(settings: CommonSettings, *, need_schema: bool = True) -> None:
     try:
-        conn = await asyncpg.connect(settings.asyncpg_dsn, timeout=5)
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        conn = await pgconnect.connect(settings.asyncpg_dsn, timeout=5)
+    except (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.exceptions.InternalClientError,  # several hosts, none writable
+    ) as exc:
         raise StartupError(
             f"cannot reach Postgres at {where(settings.database_url)}: {exc}"
         ) from exc
@@ -33,9 +41,10 @@ async def check_database(settings: CommonSettings, *, need_schema: bool = True) 
 
 async def check_broker(settings: CommonSettings) -> None:
     try:
-        conn = await aio_pika.connect(settings.amqp_url, timeout=5)
+        conn, _ = await connect_first(settings.amqp_urls, timeout=5)
     except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
-        raise StartupError(f"cannot reach RabbitMQ at {where(settings.amqp_url)}: {exc}") from exc
+        nodes = ", ".join(where(u) for u in split_urls(settings.amqp_url))
+        raise StartupError(f"cannot reach RabbitMQ at {nodes}: {exc}") from exc
     await conn.close()
 
 

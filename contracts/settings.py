@@ -9,9 +9,9 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.engine import URL
 
+from contracts import database_url as dburl
 from contracts.deadline import LeaseTimings
 from contracts.topology import QueueType, Topology
 
@@ -54,26 +54,28 @@ class CommonSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:
+        """Either multi-host form is accepted; what is kept is the canonical one
+        (``contracts.database_url``)."""
         try:
-            url = make_url(value)
-        except ArgumentError:
-            url = None
-        if url is None or url.get_backend_name() not in ("postgresql", "postgres"):
+            return dburl.normalize(value)
+        except dburl.BadDatabaseUrl as exc:
             raise ValueError(
-                "ORCH_DATABASE_URL must look like postgresql://user@host:port/db, got "
-                f"{mask_url(value)!r}"
-            )
-        return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+                "ORCH_DATABASE_URL must look like postgresql://user@host:port/db (several hosts: "
+                "postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write); it "
+                f"{exc}: {dburl.mask(value)!r}"
+            ) from None
 
     @field_validator("amqp_url")
     @classmethod
     def _amqp_url(cls, value: str) -> str:
-        if not value.startswith(("amqp://", "amqps://")):
+        urls = split_urls(value)
+        bad = [u for u in urls if not u.startswith(("amqp://", "amqps://"))]
+        if not urls or bad:
             raise ValueError(
-                "ORCH_AMQP_URL must look like amqp://user:pass@host:port/vhost, got "
-                f"{mask_url(value)!r}"
+                "ORCH_AMQP_URL must look like amqp://user:pass@host:port/vhost (or several, "
+                f"comma-separated: the nodes of one cluster), got {mask_url(value)!r}"
             )
-        return value
+        return ",".join(urls)
 
     @model_validator(mode="after")
     def _timings(self) -> Self:
@@ -102,7 +104,8 @@ class CommonSettings(BaseSettings):
 
     @property
     def url(self) -> URL:
-        return make_url(self.database_url)
+        """The canonical URL (several hosts are ``host`` parameters, see ``database_url``)."""
+        return dburl.parse(self.database_url)
 
     @property
     def asyncpg_dsn(self) -> str:
@@ -110,11 +113,14 @@ class CommonSettings(BaseSettings):
         return asyncpg_dsn(self.database_url)
 
     @property
-    def amqp_url_with_heartbeat(self) -> str:
-        if "heartbeat=" in self.amqp_url:
-            return self.amqp_url
-        sep = "&" if "?" in self.amqp_url else "?"
-        return f"{self.amqp_url}{sep}heartbeat={self.amqp_heartbeat}"
+    def amqp_urls(self) -> list[str]:
+        """Every node's URL, each with the heartbeat unless it names one."""
+        out = []
+        for url in self.amqp_url.split(","):
+            if "heartbeat=" not in url:
+                url += f"{'&' if '?' in url else '?'}heartbeat={self.amqp_heartbeat}"
+            out.append(url)
+        return out
 
     @property
     def kind_module_list(self) -> list[str]:
@@ -126,13 +132,18 @@ class CommonSettings(BaseSettings):
 
 
 def asyncpg_dsn(url: str) -> str:
-    """A database URL as plain asyncpg takes it."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    """A database URL as plain asyncpg takes it (several hosts in libpq's ``h1:p1,h2:p2``)."""
+    return dburl.to_asyncpg(url)
 
 
 def on_database(url: str, database: str) -> str:
-    """The same server and credentials, another database."""
-    return make_url(url).set(database=database).render_as_string(hide_password=False)
+    """The same servers and credentials, another database (canonical form)."""
+    return dburl.with_database(url, database)
+
+
+def split_urls(value: str) -> list[str]:
+    """The URLs of a comma-separated list, blanks dropped."""
+    return [u.strip() for u in value.split(",") if u.strip()]
 
 
 def mask_url(url: str) -> str:

@@ -151,7 +151,10 @@ async def declare_topology(
 async def delete_topology(amqp_url: str, topology: Topology) -> None:
     """Delete the shared queues and exchanges of a prefix (tests and benchmarks clean up with
     it). Per-service control queues are exclusive and vanish with their connections."""
-    connection = await aio_pika.connect(amqp_url, timeout=5)
+    from contracts.amqp import connect_first
+    from contracts.settings import split_urls
+
+    connection, _ = await connect_first(split_urls(amqp_url), timeout=5)
     async with connection:
         for queue in (topology.work_queue, topology.error_queue):
             channel = await connection.channel()  # a failed delete closes its channel

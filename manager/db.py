@@ -7,8 +7,9 @@ import functools
 import json
 from collections.abc import AsyncIterator
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from contracts import pgconnect
 from contracts.errors import database_errors
 from contracts.settings import CommonSettings
 
@@ -18,8 +19,8 @@ to_json = functools.partial(json.dumps, separators=(",", ":"), default=str)
 
 def make_engine(settings: CommonSettings, *, pool_size: int = 20) -> AsyncEngine:
     # No overflow: a connection opened for a burst and closed after it costs more than waiting.
-    return create_async_engine(
-        settings.database_url,
+    return pgconnect.create_engine(
+        settings.database_url,  # several hosts: each in turn (``contracts.pgconnect``)
         pool_size=pool_size,
         max_overflow=0,
         # No pre-ping (three round trips per request); a dead connection fails one request

@@ -3,13 +3,16 @@ declaring the topology on connect, and the few questions the leader asks the bro
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 
-import aio_pika
 import aiormq.abc
-from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractConnection
 
+from contracts.amqp import connect_first
+from contracts.backoff import Backoff
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import Message
 from contracts.routing import Destination, Sender
@@ -20,38 +23,80 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
+    """One connection to one node of the broker (``ORCH_AMQP_URL`` may list several); when it
+    is lost, the publisher connects again, to the next node that answers, until closed. Until
+    then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
+
     def __init__(self, settings: CommonSettings) -> None:
         self.settings = settings
         self.topology = settings.topology
-        self._connection: AbstractRobustConnection | None = None
+        self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._sender: Sender | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
+        #: The node connected to last (tried last when connecting again).
+        self._url: str | None = None
+        self._closing = False
         self.version: tuple[int, ...] = (0,)
 
     async def start(self) -> None:
+        await self._open()
+
+    async def _open(self) -> None:
         with broker_errors():
-            self._connection = await aio_pika.connect_robust(
-                self.settings.amqp_url_with_heartbeat,
+            connection, self._url = await connect_first(
+                self.settings.amqp_urls,
+                lost=self._url,
                 timeout=10,
                 client_properties={"connection_name": f"{self.topology.prefix} manager"},
             )
-            self.version = broker_version(self._connection)
-            self._channel = await self._connection.channel(
-                publisher_confirms=True, on_return_raises=True
-            )
-            await declare_topology(
-                self._channel,
-                self.topology,
-                version=self.version,
-                queue_type=self.settings.queue_type,
-                consumer_timeout_ms=self.settings.consumer_timeout_ms,
-            )
-        self._sender = Sender(self._channel, self.topology)
+            try:
+                version = broker_version(connection)
+                channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+                await declare_topology(
+                    channel,
+                    self.topology,
+                    version=version,
+                    queue_type=self.settings.queue_type,
+                    consumer_timeout_ms=self.settings.consumer_timeout_ms,
+                )
+            except BaseException:
+                await connection.close()
+                raise
+        self.version = version
+        self._connection, self._channel = connection, channel
+        self._sender = Sender(channel, self.topology)
+        connection.close_callbacks.add(self._lost)
+        channel.close_callbacks.add(self._lost)
+
+    def _lost(self, _sender: object = None, exc: BaseException | None = None) -> None:
+        """The connection or its channel closed: connect again (once at a time)."""
+        if self._closing or (self._reconnecting is not None and not self._reconnecting.done()):
+            return
+        log.warning("broker connection lost (%s): connecting again", exc or "closed")
+        self._sender = None
+        self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        old = self._connection
+        if old is not None and not old.is_closed:
+            with contextlib.suppress(Exception):
+                await old.close()  # a channel closed alone: start afresh
+        backoff = Backoff(0.1, 2.0)
+        while not self._closing:
+            try:
+                await self._open()
+            except BrokerUnavailable as exc:
+                log.warning("broker still unreachable: %s", exc)
+                await asyncio.sleep(backoff.next())
+                continue
+            log.info("broker connection restored")
+            return
 
     @property
     def connected(self) -> bool:
-        c = self._connection
-        return c is not None and not c.is_closed and self._channel is not None
+        c, ch = self._connection, self._channel
+        return c is not None and not c.is_closed and ch is not None and not ch.is_closed
 
     async def deliver(self, to: Destination, message: Message) -> None:
         """Publish one message and wait for the broker's confirm; a directed start to a service
@@ -61,8 +106,8 @@ class Publisher:
         await self._sender.send(to, message)
 
     async def _raw(self) -> aiormq.abc.AbstractChannel:
-        # Straight to the AMQP channel: a robust channel's declare_queue returns its cached queue
-        # object, whose message count is the one from the first declaration.
+        # Straight to the AMQP channel: aio-pika's declare_queue may hand back a queue object
+        # it cached, with the message count of its first declaration.
         if self._channel is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
         return await self._channel.get_underlay_channel()
@@ -81,6 +126,11 @@ class Publisher:
         return await service_present(self._connection, self.topology, service_id)
 
     async def close(self) -> None:
+        self._closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnecting
         if self._connection is not None:
             with broker_errors():
                 await self._connection.close()

@@ -6,8 +6,9 @@ import asyncio
 
 from alembic import context
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
+from contracts.database_url import normalize
+from contracts.pgconnect import create_engine
 from contracts.settings import CommonSettings
 from contracts.tables import Base
 
@@ -16,7 +17,9 @@ target_metadata = Base.metadata
 
 
 def _url() -> str:
-    return config.get_main_option("sqlalchemy.url") or CommonSettings().database_url
+    """The canonical form (``contracts.database_url``): libpq's multi-host list is read too."""
+    url = config.get_main_option("sqlalchemy.url")
+    return normalize(url) if url else CommonSettings().database_url
 
 
 def run_migrations_offline() -> None:
@@ -32,7 +35,7 @@ def _run(connection: Connection) -> None:
 
 
 async def run_migrations_online() -> None:
-    engine = create_async_engine(_url())
+    engine = create_engine(_url())  # several hosts: each in turn, as libpq tries them
     async with engine.connect() as connection:
         await connection.run_sync(_run)
     await engine.dispose()

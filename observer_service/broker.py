@@ -25,6 +25,7 @@ from aiormq.exceptions import (
     ConnectionClosed,
 )
 
+from contracts.amqp import connect_first
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import CancelMessage, StartMessage
 from contracts.routing import BROADCAST, ERRORS, Sender
@@ -75,6 +76,8 @@ class AmqpSession:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.connection: AbstractConnection | None = None
+        #: The node this session is on (one of ``ORCH_AMQP_URL``'s).
+        self.url: str | None = None
         self._lookout: AbstractConnection | None = None
         self.version: tuple[int, ...] = (0,)
         self._work_queue: AbstractQueue | None = None
@@ -94,23 +97,27 @@ class AmqpSession:
             )
             self.closed.set()
 
-    async def open(self, spec: SessionSpec) -> None:
+    async def open(self, spec: SessionSpec, *, lost: str | None = None) -> None:
+        """Connect (``lost``: the node of the session before, tried last) and set up."""
         topo = self.topology
         service_id = self.service_id = spec.service_id
         with broker_errors():
-            self.connection = await aio_pika.connect(
-                self.settings.amqp_url_with_heartbeat,
+            self.connection, url = await connect_first(
+                self.settings.amqp_urls,
+                lost=lost,
                 timeout=10,
                 client_properties={
                     "connection_name": f"{topo.prefix} observer-service {service_id}"
                 },
             )
+            self.url = url
             self.connection.close_callbacks.add(self._on_close)
             self.version = broker_version(self.connection)
             # Questions about other services go on a connection of their own: on the session's
             # connection their answers would queue behind a burst of deliveries (a failover).
+            # Same node: the two are lost together, and the session opens again as one.
             self._lookout = await aio_pika.connect(
-                self.settings.amqp_url_with_heartbeat,
+                url,
                 timeout=10,
                 client_properties={"connection_name": f"{topo.prefix} lookout {service_id}"},
             )
@@ -197,14 +204,18 @@ class AmqpSession:
 class AmqpBroker:
     def __init__(self, settings: CommonSettings) -> None:
         self.settings = settings
+        #: The node of the last session: a session opens after the one before it was lost.
+        self._last: str | None = None
 
     async def open(self, spec: SessionSpec) -> AmqpSession:
         session = AmqpSession(self.settings)
         try:
-            await session.open(spec)
+            await session.open(spec, lost=self._last)
         except BaseException:
             await session.close()
             raise
+        finally:
+            self._last = session.url or self._last
         return session
 
 

@@ -10,7 +10,7 @@ import uuid
 
 import asyncpg
 
-from contracts import __version__, logs
+from contracts import __version__, logs, pgconnect
 from contracts.clock import Clock
 from contracts.errors import DatabaseUnavailable, StartupError
 from contracts.kinds import KindSpec
@@ -46,6 +46,7 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     size = min(20, 2 + settings.worker_count)
     pool = await asyncpg.create_pool(
         settings.asyncpg_dsn,
+        connect=pgconnect.connect,  # several hosts: each in turn, as libpq tries them
         min_size=min(4, size),
         max_size=size,
         max_inactive_connection_lifetime=0,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
 from contracts.kinds import RestartPolicy
 from contracts.statuses import ObserverStatus
@@ -216,7 +217,7 @@ class ThreadBlame:
 
     async def _blame(self, observer_id: uuid.UUID, reason: str) -> None:
         with database_errors():
-            conn = await asyncpg.connect(self.dsn, timeout=2)
+            conn = await pgconnect.connect(self.dsn, timeout=2)
             try:
                 await conn.execute(q.BLAME, observer_id, self.me, reason, timeout=2)
             finally:
@@ -346,7 +347,7 @@ class PgLeaseDatabase:
         """A new session holding a new advisory lock key for as long as it lives."""
         lock_key = secrets.randbits(63)
         with database_errors():
-            conn = await asyncpg.connect(
+            conn = await pgconnect.connect(
                 self.dsn,
                 timeout=self.connect_timeout,
                 server_settings={"application_name": f"orch lease {self.service_id}"},

@@ -204,11 +204,10 @@ def up(
 
 
 async def _broker_advice() -> str | None:
-    import aio_pika
-
+    from contracts.amqp import connect_first
     from contracts.topology import broker_version, consumer_timeout_advice
 
-    connection = await aio_pika.connect(CommonSettings().amqp_url, timeout=5)
+    connection, _ = await connect_first(CommonSettings().amqp_urls, timeout=5)
     async with connection:
         return consumer_timeout_advice(broker_version(connection))
 
@@ -287,10 +286,12 @@ def broker_policy(
     from orch import broker_policy as bp
 
     settings = _settings(CommonSettings)
-    topology, vhost = settings.topology, bp.vhost_of(settings.amqp_url)
+    # Policies are cluster-wide: any node's URL names the vhost and the credentials.
+    amqp_url = settings.amqp_urls[0]
+    topology, vhost = settings.topology, bp.vhost_of(amqp_url)
     try:
         if management:
-            done = bp.apply_with_management(topology, max_length, settings.amqp_url, management)
+            done = bp.apply_with_management(topology, max_length, amqp_url, management)
         elif apply:
             done = bp.apply_with_rabbitmqctl(topology, max_length, vhost)
         else:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aio_pika
 import asyncpg
 import httpx
+
+from contracts import pgconnect
 
 T = TypeVar("T")
 
@@ -146,7 +147,9 @@ class LocalCluster:
 
     async def connect(self) -> asyncpg.Pool:
         if self.db is None:
-            self.db = await asyncpg.create_pool(self.database_dsn, min_size=1, max_size=4)
+            self.db = await asyncpg.create_pool(
+                self.database_dsn, connect=pgconnect.connect, min_size=1, max_size=4
+            )
         return self.db
 
     async def start_manager(self, port: int | None = None, **env: Any) -> Proc:
@@ -177,13 +180,14 @@ class LocalCluster:
         return proc
 
     async def _wait_on_broker(self, proc: Proc, service_id: uuid.UUID) -> None:
-        from contracts.settings import CommonSettings
+        from contracts.amqp import connect_first
+        from contracts.settings import CommonSettings, split_urls
         from contracts.topology import service_present
 
         defaults = CommonSettings()
         url = self.env.get("ORCH_AMQP_URL", defaults.amqp_url)
         topology = CommonSettings(prefix=self.env.get("ORCH_PREFIX", defaults.prefix)).topology
-        connection = await aio_pika.connect(url, timeout=5)
+        connection, _ = await connect_first(split_urls(url), timeout=5)
         async with connection:
 
             async def present() -> bool:

@@ -7,23 +7,29 @@ import asyncio
 import asyncpg
 from alembic import command
 
+from contracts import pgconnect
 from contracts.errors import StartupError
-from contracts.settings import CommonSettings, where
+from contracts.settings import CommonSettings, asyncpg_dsn, on_database, where
 from migrations import alembic_config
 
-_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+_UNREACHABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,  # several hosts, none writable
+)
 
 
 async def ensure_database(settings: CommonSettings) -> bool:
     """Create the database named in the URL when the server lacks it; True if created."""
     try:
-        conn = await asyncpg.connect(settings.asyncpg_dsn, timeout=5)
+        conn = await pgconnect.connect(settings.asyncpg_dsn, timeout=5)
     except asyncpg.InvalidCatalogNameError:
-        url = settings.url.set(drivername="postgresql")
-        name = url.database
-        admin_dsn = url.set(database="postgres").render_as_string(hide_password=False)
+        name = settings.url.database
+        admin_dsn = asyncpg_dsn(on_database(settings.database_url, "postgres"))
         try:
-            admin = await asyncpg.connect(admin_dsn, timeout=5)
+            admin = await pgconnect.connect(admin_dsn, timeout=5)
         except _UNREACHABLE as exc:
             raise StartupError(f"cannot reach Postgres to create database {name!r}: {exc}") from exc
         try:

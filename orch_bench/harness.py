@@ -129,10 +129,14 @@ class BenchCluster(LocalCluster):
     prefix: str
     api_port: int = 0
 
-    async def start(self, services: int, worker_count: int, **env: Any) -> None:
+    async def start_api(self) -> None:
+        """The manager, whose API ``api()`` then talks to."""
         manager = await self.start_manager()
         assert manager.port is not None
         self.api_port = manager.port
+
+    async def start(self, services: int, worker_count: int, **env: Any) -> None:
+        await self.start_api()
         for i in range(services):
             await self.start_service(f"s{i + 1}", worker_count, **env)
 

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from sqlalchemy.engine import make_url
 
-from contracts.settings import asyncpg_dsn
+from contracts.settings import asyncpg_dsn, on_database
 from contracts.topology import Topology, delete_topology
 from tests.support.cluster import Cluster
 
@@ -35,8 +34,7 @@ class Servers:
     amqp_url: str
 
     def database_url(self, name: str) -> str:
-        url = make_url(self.admin_dsn).set(drivername="postgresql+asyncpg", database=name)
-        return url.render_as_string(hide_password=False)
+        return on_database(self.admin_dsn, name)
 
     def asyncpg_dsn(self, name: str) -> str:
         return asyncpg_dsn(self.database_url(name))

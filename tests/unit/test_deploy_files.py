@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -29,14 +31,25 @@ def test_compose_has_the_services() -> None:
     assert services["migrate"]["command"] == ["migrate"]
 
 
+def orch_env_names() -> set[str]:
+    """Every ORCH_ variable something reads: a settings field of either process, or an option of
+    the ``orch`` command (``ORCH_API``, ``ORCH_TOKEN``, ``ORCH_WAIT``)."""
+    fields = {*ManagerSettings.model_fields, *ServiceSettings.model_fields}
+    names = {f"ORCH_{n.upper()}" for n in fields}
+    stack = [_orch_group()]
+    while stack:
+        command = stack.pop()
+        for p in command.params:
+            names |= {p.envvar} if isinstance(p.envvar, str) else set(p.envvar or ())
+        stack += getattr(command, "commands", {}).values()
+    return names
+
+
 def test_compose_env_names_are_settings() -> None:
-    known = {f"ORCH_{n.upper()}" for n in ManagerSettings.model_fields} | {
-        f"ORCH_{n.upper()}" for n in ServiceSettings.model_fields
-    }
     text = (ROOT / "compose.yaml").read_text()
     used = set(re.findall(r"\b(ORCH_[A-Z_]+)\s*:", text))
     assert used, "compose.yaml sets no ORCH_ variables"
-    assert used <= known, f"unknown settings in compose.yaml: {used - known}"
+    assert used <= orch_env_names(), f"unknown settings in compose.yaml: {used - orch_env_names()}"
 
 
 def test_broker_config_raises_the_consumer_timeout() -> None:
@@ -49,6 +62,83 @@ def test_broker_config_raises_the_consumer_timeout() -> None:
     assert value >= 24 * 3600 * 1000
 
 
+def _services_in(profile: str | None) -> dict[str, dict[str, Any]]:
+    """compose's services that run with ``profile`` (None: the default, no profile)."""
+    services = _compose()["services"]
+    assert isinstance(services, dict)
+    return {
+        name: s
+        for name, s in services.items()
+        if (profile in s.get("profiles", ())) or (profile is None and "profiles" not in s)
+    }
+
+
+def test_the_default_profile_is_the_single_broker_setup() -> None:
+    default = _services_in(None)
+    assert set(default) == {
+        "postgres",
+        "rabbitmq",
+        "migrate",
+        "broker-policy",
+        "manager",
+        "observer-service",
+    }
+    for name, service in default.items():
+        assert set(service.get("depends_on", ())) <= set(default), f"{name} needs a profile"
+
+
+def test_the_rabbitmq_cluster_profile_clusters_three_nodes_with_quorum_queues() -> None:
+    from contracts.settings import CommonSettings
+
+    profile = _services_in("rabbitmq-cluster")
+    nodes = {n: s for n, s in profile.items() if s.get("image", "").startswith("rabbitmq:")}
+    assert len(nodes) == 3
+    hosts = {s["hostname"] for s in nodes.values()}
+    assert len(hosts) == 3, "each node needs a hostname of its own (it is its node name)"
+    cookies = {s["environment"]["RABBITMQ_ERLANG_COOKIE"] for s in nodes.values()}
+    assert len(cookies) == 1, "nodes join only a cluster whose Erlang cookie they share"
+    conf = (ROOT / "deploy" / "rabbitmq-cluster.conf").read_text()
+    assert re.search(r"^cluster_formation\.peer_discovery_backend = classic_config$", conf, re.M)
+    listed = set(re.findall(r"^cluster_formation\.classic_config\.nodes\.\d+ = (\S+)$", conf, re.M))
+    assert listed == {f"rabbit@{h}" for h in hosts}
+    for name, node in nodes.items():
+        mounted = " ".join(node["volumes"])
+        assert "rabbitmq-cluster.conf" in mounted, name
+        assert "deploy/rabbitmq.conf" in mounted, f"{name}: the consumer timeout is needed too"
+    clients = {n: s for n, s in profile.items() if "build" in s}
+    assert {s["command"][0] for s in clients.values()} >= {"migrate", "manager", "service"}
+    for name, client in clients.items():
+        env = client["environment"]
+        assert env["ORCH_QUEUE_TYPE"] == "quorum", name
+        urls = env["ORCH_AMQP_URL"].split(",")
+        assert {re.sub(r".*@([^:/]+).*", r"\1", u) for u in urls} == hosts, name
+        assert not set(client.get("depends_on", ())) & (set(_services_in(None)) - {"postgres"}), (
+            f"{name} waits for a service of the default profile"
+        )
+        filled = re.sub(r"\$\{[^}]*\}", "secret", env["ORCH_AMQP_URL"])
+        assert CommonSettings(amqp_url=filled, queue_type="quorum").amqp_url == filled
+
+
+def test_servers_keep_their_data_in_volumes() -> None:
+    compose = _compose()
+    services, declared = compose["services"], compose["volumes"]
+    assert isinstance(services, dict)
+    assert isinstance(declared, dict)
+    data_dirs = {"postgres:": "/var/lib/postgresql/data", "rabbitmq:": "/var/lib/rabbitmq"}
+    volumes: list[str] = []
+    for name, service in services.items():
+        mounts = [m.split(":") for m in service.get("volumes", [])]
+        named = {target: source for source, target, *_ in mounts if not source.startswith(".")}
+        volumes += named.values()
+        for image, data_dir in data_dirs.items():
+            if service.get("image", "").startswith(image):
+                assert data_dir in named, f"{name} keeps its data in the container"
+        if service.get("image", "").startswith("rabbitmq:"):
+            assert "hostname" in service, f"{name}: its node name (its data's name) must not change"
+    assert set(volumes) == set(declared), "a volume is used but not declared, or not used"
+    assert len(volumes) == len(set(volumes)), "two services share a data volume"
+
+
 def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for package in ("contracts", "manager", "observer_service", "migrations", "orch", "orch_bench"):
@@ -56,29 +146,47 @@ def test_dockerfile_copies_every_package() -> None:
     assert 'ENTRYPOINT ["orch"]' in text
 
 
-def _orch_commands() -> set[str]:
+def _orch_group() -> Any:
+    """The ``orch`` command as click sees it (typer's own copy of click: duck-typed here)."""
     import typer.main
 
     from orch.cli import app
 
-    group = typer.main.get_group(app)
-    return set(group.commands)
+    return typer.main.get_group(app)
+
+
+def _orch_commands() -> set[str]:
+    return set(_orch_group().commands)
+
+
+def orch_command(argv: Sequence[str]) -> Any:
+    """What ``orch *argv`` would run, parsed but not run (its click context: ``.params``); fails
+    when there is no such command or it does not take those options and arguments."""
+    command, words, path = _orch_group(), list(argv), ["orch"]
+    while hasattr(command, "commands"):
+        assert words, f"`{' '.join(path)}` needs a sub-command"
+        name = words.pop(0)
+        assert name in command.commands, f"`{' '.join(path)} {name}` is no command"
+        command, path = command.commands[name], [*path, name]
+    try:
+        return command.make_context(" ".join(path), list(words))
+    except Exception as exc:  # click's usage errors: an unknown option, a bad value
+        raise AssertionError(f"`{' '.join([*path, *words])}`: {exc}") from exc
 
 
 def test_every_compose_command_is_an_orch_command_and_every_file_exists() -> None:
     services = _compose()["services"]
     assert isinstance(services, dict)
-    commands = _orch_commands()
     for name, service in services.items():
         if "build" in service:
-            assert service["command"][0] in commands, f"{name}: {service['command']}"
+            orch_command(service["command"])
         for mount in service.get("volumes", []):
             source = mount.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which is missing"
         check = service.get("healthcheck", {}).get("test", [])
         if check[:2] == ["CMD", "orch"]:
-            assert check[2] in commands, f"{name}'s healthcheck: {check}"
+            orch_command(check[2:])
 
 
 def test_compose_variables_are_all_in_the_env_example() -> None:
