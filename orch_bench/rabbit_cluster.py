@@ -16,13 +16,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orch.cluster import free_port
 
 SBIN = Path(os.environ.get("ORCH_RABBITMQ_SBIN", "/usr/lib/rabbitmq/bin"))
 
@@ -34,12 +35,6 @@ def available() -> str | None:
     if shutil.which("erl") is None and not Path("/usr/lib/erlang/bin/erl").exists():
         return "Erlang is not installed"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -466,6 +466,21 @@ def _rabbitmqctl(*args: str) -> None:
     subprocess.run(["rabbitmqctl", *args], capture_output=True, timeout=120, check=True)
 
 
+def _max_tick_gap(scenario: str, gaps_ms: list[float], more: str = "") -> Figure:
+    """The largest tick gap of any observer through a broker fault: under a second, as the
+    lease carries them."""
+    worst = max(gaps_ms, default=float("nan"))
+    return Figure(
+        scenario,
+        "max tick gap",
+        round(worst, 1),
+        "ms",
+        "< 1000",
+        worst < 1000,
+        f"{len(gaps_ms)} observers; tick every {TICK * 1000:.0f} ms{more}",
+    )
+
+
 async def broker_restart(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     """``rabbitmqctl stop_app`` for 10 s, then ``start_app``, under two loaded services: the
     largest tick gap of any observer through it (the lease carries them, not the broker). It
@@ -488,17 +503,8 @@ async def broker_restart(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         ticks = read_ticks(c.workdir / "ticks")
         gaps = [g * 1000 for g in largest_gaps(ticks, stopped, end).values()]
         overlap = overlap_seconds(ticks)
-        worst = max(gaps, default=float("nan"))
         return [
-            Figure(
-                scenario,
-                "max tick gap",
-                round(worst, 1),
-                "ms",
-                "< 1000",
-                worst < 1000,
-                f"{len(gaps)} observers; tick every {TICK * 1000:.0f} ms",
-            ),
+            _max_tick_gap(scenario, gaps),
             Figure(scenario, "median of each observer's max gap", round(median(gaps), 1), "ms"),
             overlap_figure(scenario, overlap),
         ]
@@ -546,18 +552,8 @@ async def node_loss(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     on_lost_ids = {t.observer for t in ticks if t.pid == on_lost.pid and t.at < at}
     lost_side = [g * 1000 for o, g in gaps.items() if o in on_lost_ids]
     other_side = [g * 1000 for o, g in gaps.items() if o not in on_lost_ids]
-    worst = max(lost_side + other_side, default=float("nan"))
     return [
-        Figure(
-            scenario,
-            "max tick gap",
-            round(worst, 1),
-            "ms",
-            "< 1000",
-            worst < 1000,
-            f"{len(gaps)} observers; tick every {TICK * 1000:.0f} ms; "
-            f"cluster booted in {boot:.1f} s",
-        ),
+        _max_tick_gap(scenario, lost_side + other_side, f"; cluster booted in {boot:.1f} s"),
         Figure(
             scenario,
             "max gap, service on the lost node",

@@ -84,10 +84,12 @@ async def test_observers_run_move_and_stop_on_a_quorum_queue(
     assert late == [], "a deleted observer ran again"
 
 
+@pytest.mark.parametrize("how", ["stop_app", "kill"])
 async def test_losing_the_node_that_leads_the_work_queue_stops_no_observer(
-    on_quorum: Cluster, rabbit: RabbitCluster, prefix: str
+    on_quorum: Cluster, rabbit: RabbitCluster, prefix: str, how: str
 ) -> None:
-    """Services on the lost node's connections reconnect to a survivor and their observers go
+    """The node is stopped (``stop_app``: its connections closed) or killed (SIGKILL of its VM:
+    a machine lost). Services on its connections reconnect to a survivor and their observers go
     on under the lease; services on the survivors never notice. None runs twice, none is lost,
     a delete accepted during the loss completes, and the node rejoins when it comes back."""
     c = on_quorum
@@ -100,7 +102,10 @@ async def test_losing_the_node_that_leads_the_work_queue_stops_no_observer(
     await c.wait_all_running(ids, timeout=30)
     doomed, kept = ids[0], ids[1:]
     lost_at = time.time()
-    await asyncio.to_thread(rabbit.kill, lost)
+    if how == "kill":
+        await asyncio.to_thread(rabbit.kill, lost)
+    else:
+        await asyncio.to_thread(rabbit.ctl, lost, "stop_app")
     try:
         await on_lost.wait_log("broker session 1 closed", timeout=15)
         await quiet(2.0, "observers would stop while the node is lost")
@@ -111,7 +116,10 @@ async def test_losing_the_node_that_leads_the_work_queue_stops_no_observer(
         await c.wait_status(doomed, "deleted", timeout=30)
         await quiet(3.0, "a second copy would tick")
     finally:
-        await asyncio.to_thread(rabbit.start_node, lost)
+        if how == "kill":
+            await asyncio.to_thread(rabbit.start_node, lost)
+        else:
+            await asyncio.to_thread(rabbit.ctl, lost, "start_app")
     await asyncio.to_thread(rabbit.wait_running, 3)
     end = time.time()
     wanted = {str(i) for i in kept}
@@ -120,7 +128,12 @@ async def test_losing_the_node_that_leads_the_work_queue_stops_no_observer(
         for o, g in largest_gaps(read_ticks(c.tick_dir), lost_at, end).items()
         if o in wanted
     }
-    print(f"node loss: largest tick gap per observer {sorted(gaps.values())[-3:]} s")
+    logs = "".join(p.log.read_text(errors="replace") for p in c.procs if p.log is not None)
+    adopted, duplicates = logs.count("adopted its redelivered start"), logs.count("drop: duplicate")
+    print(
+        f"node loss ({how}): largest tick gaps {sorted(gaps.values())[-3:]} s; redelivered "
+        f"starts adopted {adopted}, dropped as duplicates {duplicates}"
+    )
     assert {o: g for o, g in gaps.items() if g > MAX_GAP} == {}, "observers stopped"
     assert_no_overlap(c.tick_dir)
     late = [t for t in read_ticks(c.tick_dir) if t.observer == str(doomed) and t.at > deleted_at]
