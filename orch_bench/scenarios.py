@@ -554,19 +554,15 @@ async def node_loss(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     other_side = [g * 1000 for o, g in gaps.items() if o not in on_lost_ids]
     return [
         _max_tick_gap(scenario, lost_side + other_side, f"; cluster booted in {boot:.1f} s"),
-        Figure(
-            scenario,
-            "max gap, service on the lost node",
-            round(max(lost_side, default=float("nan")), 1),
-            "ms",
-            note=f"{len(lost_side)} observers",
-        ),
-        Figure(
-            scenario,
-            "max gap, service on a surviving node",
-            round(max(other_side, default=float("nan")), 1),
-            "ms",
-            note=f"{len(other_side)} observers",
+        *(
+            Figure(
+                scenario,
+                f"max gap, service on {where}",
+                round(max(side, default=float("nan")), 1),
+                "ms",
+                note=f"{len(side)} observers",
+            )
+            for where, side in (("the lost node", lost_side), ("a surviving node", other_side))
         ),
         overlap_figure(scenario, overlap_seconds(ticks)),
     ]
