@@ -1,5 +1,32 @@
 """The registry of observer kinds, loaded the same way by the manager (to validate) and the
-services (to run)."""
+services (to run).
+
+Secret params
+-------------
+A kind declares a param secret by giving it a pydantic secret type in its params model::
+
+    class Params(BaseModel):
+        url: AnyHttpUrl
+        api_key: SecretStr                   # or SecretBytes, or Secret[int] …
+        password: SecretStr | None = None
+
+    @observer_kind("my_kind", params=Params)
+    async def run(ctx):
+        key = ctx.params.api_key.get_secret_value()   # the real value
+
+(A field the kind cannot retype may be marked with ``Field(json_schema_extra={"secret": True})``
+instead; it is masked the same way and reaches the kind as it is.) The params are stored as
+given and the kind gets the real values; only what the API shows a ``read`` token is masked,
+``***`` in place of each secret (``KindSpec.mask_params``). Whatever a kind declares, every
+string param is also masked generically: in a URL, the password and the values of query
+parameters named like secrets (``api_key``, ``token``, ``password``, ``secret``, ``key``,
+``signature``, ``…_key`` …, and those a ``secret_query`` param lists) become ``***`` and so
+does a user name; a param *named* like a secret is masked whole. A secret in a URL's path
+(``/bot<token>/``) is not recognised: declare such a param ``SecretStr``. Text logs and JSON
+logs mask URL passwords and secret query values too (``contracts.logs.mask``); never log a
+secret yourself (a ``SecretStr`` prints as ``**********``), and set
+``hide_input_in_errors=True`` on a params model whose validation errors could quote a secret.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +36,13 @@ import random
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import to_jsonable_python
 
 from contracts.errors import InvalidParams, StartupError, UnknownKind
+from contracts.logs import SECRET, is_secret_name, mask_urls
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
 
@@ -41,10 +70,15 @@ class RestartPolicy(BaseModel):
             raise ValueError("max_delay must be at least base_delay")
         return self
 
+    def nominal_delay(self, restarts: int) -> float:
+        """The exponential part of :meth:`delay`, without its jitter (what the console shows as
+        the earliest next restart)."""
+        return min(self.max_delay, self.base_delay * 2.0 ** min(max(restarts - 1, 0), 32))
+
     def delay(self, restarts: int) -> float:
-        """Seconds to wait before restart number ``restarts`` (1 for the first)."""
-        exponential = self.base_delay * 2.0 ** min(max(restarts - 1, 0), 32)
-        return min(self.max_delay, exponential) + random.uniform(0, self.base_delay)
+        """Seconds to wait before restart number ``restarts`` (1 for the first): the nominal
+        delay plus a jitter of up to ``base_delay``."""
+        return self.nominal_delay(restarts) + random.uniform(0, self.base_delay)
 
 
 @dataclass(frozen=True)
@@ -56,21 +90,159 @@ class KindSpec:
     description: str = ""
     #: Where it was defined ("module:qualname"): the same kind imported twice is no duplicate.
     origin: str = ""
+    #: The params shown to a ``read`` token as ``***``: those given here, and every field of
+    #: the params model of a secret type (``SecretStr`` …) or marked ``{"secret": True}``.
+    secret_params: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        found = secret_fields(self.params_model) if self.params_model is not None else set()
+        object.__setattr__(self, "secret_params", frozenset(self.secret_params) | found)
 
     def validate_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Validated params as JSON-ready data; raises InvalidParams with a readable message."""
+        """Validated params as JSON-ready data, secrets as they were given (they are stored so:
+        the kind needs them); raises InvalidParams with a readable message."""
         if self.params_model is None:
             return params
         try:
-            return self.params_model.model_validate(params).model_dump(mode="json")
+            model = self.params_model.model_validate(params)
         except ValidationError as exc:
             raise InvalidParams(f"invalid params for kind {self.name!r}: {_readable(exc)}") from exc
+        dumped: dict[str, Any] = model.model_dump(mode="json")
+        _reveal(model, dumped)
+        return dumped
+
+    def mask_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as a ``read`` token may see them: see ``mask_params``."""
+        return mask_params(params, self)
 
     def policy(self, override: dict[str, Any] | None) -> RestartPolicy:
         """The kind's restart policy with an observer's own fields over it."""
         if not override:
             return self.restart_policy
         return RestartPolicy.model_validate({**self.restart_policy.model_dump(), **override})
+
+
+def _is_secret_type(annotation: Any) -> bool:
+    """``SecretStr``, ``SecretBytes``, ``Secret[T]``, or one of them in ``X | None``,
+    ``list[X]``, ``Annotated[X, …]`` …"""
+    origin = get_origin(annotation)
+    if inspect.isclass(origin) and hasattr(origin, "get_secret_value"):
+        return True
+    if inspect.isclass(annotation) and hasattr(annotation, "get_secret_value"):
+        return True
+    return any(_is_secret_type(arg) for arg in get_args(annotation))
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The params models nested in a field's type (``Inner``, ``Inner | None``, ``list[Inner]``)."""
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def secret_fields(model: type[BaseModel]) -> set[str]:
+    """The fields of ``model`` that hold secrets: of a secret type, or marked secret."""
+    found = set()
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra
+        if (isinstance(extra, dict) and extra.get("secret") is True) or _is_secret_type(
+            info.annotation
+        ):
+            found.add(name)
+    return found
+
+
+def _reveal(model: BaseModel, dumped: dict[str, Any]) -> None:
+    """Put the real values of ``model``'s secrets where its JSON dump has ``**********``."""
+    for name in type(model).model_fields:
+        if name in dumped:
+            dumped[name] = _revealed(getattr(model, name), dumped[name])
+
+
+def _revealed(value: Any, dumped: Any) -> Any:
+    if hasattr(value, "get_secret_value"):
+        return to_jsonable_python(value.get_secret_value())
+    if isinstance(value, BaseModel) and isinstance(dumped, dict):
+        _reveal(value, dumped)
+    elif isinstance(value, list | tuple) and isinstance(dumped, list):
+        return [_revealed(v, d) for v, d in zip(value, dumped, strict=False)]
+    elif isinstance(value, dict) and isinstance(dumped, dict):
+        for key, v in value.items():
+            if str(key) in dumped:
+                dumped[str(key)] = _revealed(v, dumped[str(key)])
+    return dumped
+
+
+def mask_params(params: dict[str, Any], spec: KindSpec | None) -> dict[str, Any]:
+    """``params`` as a ``read`` token may see them (a copy): the kind's secret params (those of
+    nested models too) are ``***``; so is any param named like a secret (``password``,
+    ``api_key``, ``token`` …); and in every string, the URLs' user names, passwords and secret
+    query values. ``spec`` is None for a kind this manager does not know: the generic rules
+    only."""
+    model = spec.params_model if spec is not None else None
+    extra = spec.secret_params if spec is not None else frozenset()
+    declared = params.get(SECRET_QUERY)
+    names = tuple(n for n in (declared if isinstance(declared, list) else []) if isinstance(n, str))
+    return _masked(params, model, extra, names)  # type: ignore[no-any-return]
+
+
+def secret_values(params: dict[str, Any], spec: KindSpec | None) -> list[str]:
+    """The values ``mask_params`` hides as a whole (a secret param's value, as text), longest
+    first: what an error message that quotes one must not show either."""
+    found: set[str] = set()
+
+    def walk(given: Any, shown: Any) -> None:
+        if shown == SECRET and given != SECRET and given not in (None, ""):
+            if isinstance(given, str | int | float):
+                found.add(str(given))
+        elif isinstance(given, dict) and isinstance(shown, dict):
+            for key, value in given.items():
+                walk(value, shown.get(key))
+        elif isinstance(given, list) and isinstance(shown, list):
+            for a, b in zip(given, shown, strict=False):
+                walk(a, b)
+
+    walk(params, mask_params(params, spec))
+    # Short values (a PIN of 3 digits) would mask every number in a message: left to the rest.
+    return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def hide_values(text: str, values: list[str]) -> str:
+    """``text`` with each of ``values`` replaced by ``***``."""
+    for value in values:
+        text = text.replace(value, SECRET)
+    return text
+
+
+#: A param of this name (a list of query-parameter names) adds to the secret query values
+#: masked in that observer's URLs (``http_poll`` has one).
+SECRET_QUERY = "secret_query"
+
+
+def _masked(
+    value: Any,
+    model: type[BaseModel] | None,
+    secret: frozenset[str] = frozenset(),
+    names: tuple[str, ...] = (),
+) -> Any:
+    if isinstance(value, str):
+        return mask_urls(value, keep_user=False, names=names)
+    if isinstance(value, list):
+        return [_masked(v, model, names=names) for v in value]
+    if not isinstance(value, dict):
+        return value
+    fields = model.model_fields if model is not None else {}
+    hidden = secret | (secret_fields(model) if model is not None else set())
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        named = key != SECRET_QUERY and is_secret_name(str(key))
+        if v is not None and v != "" and (key in hidden or named):
+            out[key] = SECRET
+            continue
+        info = fields.get(key)
+        inner = _models_in(info.annotation) if info is not None else []
+        out[key] = _masked(v, inner[0] if len(inner) == 1 else None, names=names)
+    return out
 
 
 class KindLoadError(StartupError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import urllib.parse
 import uuid
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pythonjsonlogger.json import JsonFormatter
@@ -39,7 +41,116 @@ _CREDENTIALS = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@"
 
 
 def mask(text: str) -> str:
-    return _CREDENTIALS.sub(r"\g<head>***@", text)
+    """``text`` with the passwords and the secret query values of its URLs masked."""
+    return mask_urls(_CREDENTIALS.sub(r"\g<head>***@", text))
+
+
+#: Characters that steer a terminal or reorder text rather than show: C0 controls and DEL, C1
+#: controls (U+0080-U+009F), and the bidi controls (marks, embeddings, overrides, isolates).
+#: As the inside of a regex character class (the API's name pattern uses it too).
+UNSAFE_CLASS = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+UNSAFE_CHARS = re.compile(f"[{UNSAFE_CLASS}]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def safe_text(s: str) -> str:
+    """``s`` with every control and bidi character shown as a visible escape (ESC becomes the
+    four characters ``\\x1b``, U+202E the six characters ``\\u202e``), so printing it to a
+    terminal or a text log cannot move the cursor, colour the screen, forge a line or reorder
+    it. Other text, backslashes included, is unchanged."""
+    return UNSAFE_CHARS.sub(_escape_char, s)
+
+
+#: What a secret is replaced with wherever it would be shown.
+SECRET = "***"
+_SECRET_WORDS = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "token",
+    "apikey",
+    "api_key",
+    "signature",
+    "credential",
+    "private_key",
+    "privatekey",
+    "access_key",
+    "accesskey",
+    "bearer",
+    "jwt",
+    "cookie",
+    "sessionid",
+    "session_id",
+    "assertion",
+)
+_SECRET_NAMES = frozenset({"key", "pass", "pwd", "sig", "auth", "authorization", "session"})
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a query parameter (or a param) of this name holds a secret: ``api_key``,
+    ``token``, ``password``, ``secret``, ``key``, ``signature``, ``X-Amz-Credential``, any
+    ``…_key``, ``…_token`` and the like."""
+    n = name.strip().lower().replace("-", "_")
+    return n in _SECRET_NAMES or n.endswith("_key") or any(w in n for w in _SECRET_WORDS)
+
+
+#: A URL in a line of text (up to whitespace or a quote).
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s<>\"'`]+", re.I)
+
+
+def _mask_pairs(part: str, names: frozenset[str]) -> str:
+    """``a=1&token=x`` → ``a=1&token=***`` (pairs separated by ``&`` or ``;``)."""
+    pieces = _PAIR_SEPARATOR.split(part)
+    for i in range(0, len(pieces), 2):  # pairs at even places, their separators between
+        name, eq, value = pieces[i].partition("=")
+        plain = urllib.parse.unquote_plus(name)
+        if eq and value and (is_secret_name(plain) or plain.lower() in names):
+            pieces[i] = f"{name}{eq}{SECRET}"
+    return "".join(pieces)
+
+
+_PAIR_SEPARATOR = re.compile(r"([&;])")
+
+
+def mask_url(url: str, *, keep_user: bool = True, names: Iterable[str] = ()) -> str:
+    """``url`` with its password (and, unless ``keep_user``, its user name too) and the values
+    of secret query (and fragment) parameters replaced by ``***``: those named like secrets
+    (``is_secret_name``) and those in ``names``. A user name without a password is masked
+    even with ``keep_user``: alone, it is often a token (``https://ghp_…@github.com``)."""
+    secret = frozenset(n.lower() for n in names)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:
+        userinfo, host = authority.rsplit("@", 1)
+        user, colon, _password = userinfo.partition(":")
+        if not keep_user or not colon:
+            userinfo = SECRET
+        elif colon:
+            userinfo = f"{user}:{SECRET}"
+        authority = f"{userinfo}@{host}"
+    before, hash_, fragment = tail.partition("#")
+    path, question, query = before.partition("?")
+    if query:
+        query = _mask_pairs(query, secret)
+    if "=" in fragment:
+        fragment = _mask_pairs(fragment, secret)
+    return f"{scheme}://{authority}{path}{question}{query}{hash_}{fragment}"
+
+
+def mask_urls(text: str, *, keep_user: bool = True, names: Iterable[str] = ()) -> str:
+    """Every URL in ``text`` masked as ``mask_url`` does."""
+    if "://" not in text:
+        return text
+    names = tuple(names)
+    return _URL.sub(lambda m: mask_url(m.group(), keep_user=keep_user, names=names), text)
 
 
 class _Masked(logging.Formatter):
@@ -54,17 +165,39 @@ class _Masked(logging.Formatter):
 
 
 class _Text(logging.Formatter):
+    """For people: control and bidi characters in what it prints (the message, the observer's
+    fields, a traceback's lines) are shown as escapes (``safe_text``), so a name or an error
+    string can neither steer the terminal nor forge a line."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        # A copy: the record goes on to other handlers as it came.
+        clean = logging.makeLogRecord(record.__dict__)
+        clean.msg, clean.args = safe_text(record.getMessage()), None
+        if clean.exc_info:
+            clean.exc_text = None  # formatted anew, by formatException below
+        elif clean.exc_text:
+            clean.exc_text = _safe_lines(clean.exc_text)
+        line = super().format(clean)
         fields = [
-            f"{key}={getattr(record, key)}"
+            f"{key}={safe_text(str(getattr(record, key)))}"
             for key in (*OBSERVER_FIELDS, *_PROCESS)
             if getattr(record, key, None) is not None
         ]
         return f"{line} [{' '.join(fields)}]" if fields else line
+
+    def formatException(self, ei: Any) -> str:
+        return _safe_lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _safe_lines(super().formatStack(stack_info))
+
+
+def _safe_lines(text: str) -> str:
+    """A traceback keeps its lines; whatever else is in them is escaped."""
+    return "\n".join(safe_text(line) for line in text.split("\n"))
 
 
 def configure(level: str = "INFO", fmt: LogFormat = "text", **process: object) -> None:

@@ -66,6 +66,13 @@ class DrainMessage(Message):
     service_id: uuid.UUID
 
 
-AnyControl = CancelMessage | DirectedStart | HandoffMessage | DrainMessage
+class UndrainMessage(Message):
+    """Broadcast: service ``service_id`` (drained) takes work again."""
+
+    type: Literal["undrain"] = "undrain"
+    service_id: uuid.UUID
+
+
+AnyControl = CancelMessage | DirectedStart | HandoffMessage | DrainMessage | UndrainMessage
 ControlMessage = Annotated[AnyControl, Field(discriminator="type")]
 CONTROL_MESSAGE: TypeAdapter[AnyControl] = TypeAdapter(ControlMessage)

@@ -133,6 +133,10 @@ DRAIN = (
     "UPDATE services SET draining = true, modified_at = now() "
     "WHERE id = :id AND NOT is_deleted RETURNING id"
 )
+UNDRAIN = (
+    "UPDATE services SET draining = false, modified_at = now() "
+    "WHERE id = :id AND NOT is_deleted RETURNING id"
+)
 
 # ---------------------------------------------------------------------- leader: the sweeper
 SWEEP_EXPIRED = (
@@ -270,3 +274,56 @@ SELECT s.id, s.name, s.worker_count, s.draining,
   FROM services s WHERE {live_service("s")}
 """
 METRICS_OUTBOX = "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox"
+
+# ------------------------------------------------------------------ console views (api/views.py)
+# The console's list: filters, one sort from VIEW_SORTS (a whitelist: {order} is never user
+# text), server-side paging. :q matches any part of the name, :idp the start of the id, :id one
+# observer; deleted observers only when asked for (or filtered on).
+VIEW_FILTER = (
+    "(CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
+    "AND (CAST(:id AS uuid) IS NULL OR o.id = :id) "
+    r"AND (CAST(:q AS text) IS NULL OR o.name ILIKE '%' || :q || '%' ESCAPE '\' "
+    "     OR (CAST(:idp AS text) IS NOT NULL AND CAST(o.id AS text) LIKE :idp)) "
+)
+VIEW_OBSERVERS = (
+    "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
+    "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
+    "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, "
+    "clock_timestamp() AS now "
+    "FROM observers o LEFT JOIN services s ON s.id = o.service_id "
+    f"WHERE {VIEW_FILTER}"
+    "AND (CAST(:status AS text) IS NULL OR o.status = :status) "
+    f"AND (:deleted OR CAST(:status AS text) IS NOT NULL OR o.status <> {_v(S.DELETED)}) "
+    "ORDER BY {order} LIMIT :limit OFFSET :offset"
+)
+VIEW_SORTS = {
+    "name": "o.name",
+    "kind": "o.kind",
+    "status": "o.status",
+    "service": "s.name",
+    "epoch": "o.epoch",
+    "restarts": "o.restart_count",
+    "checkpoint": "o.checkpointed_at",
+    "created": "o.created_at",
+    "modified": "o.modified_at",
+}
+# Totals by status under the same filters (the status filter aside): the chips and the pager.
+VIEW_TOTALS = (
+    f"SELECT o.status, count(*) AS n FROM observers o WHERE {VIEW_FILTER}GROUP BY o.status"
+)
+# Takes, restarts and failures per minute since :since. History has no index on its time: the
+# window starts after the newest event older than it, found walking the primary key backwards
+# (events are written in time order), so this reads the window's events, not the table.
+ACTIVITY_SINCE = "SELECT date_trunc('minute', now()) - make_interval(mins => :m - 1)"
+ACTIVITY = f"""
+WITH edge AS (
+    SELECT COALESCE((SELECT e.id FROM observer_events e WHERE e.at < :since
+                      ORDER BY e.id DESC LIMIT 1), 0) AS id)
+SELECT date_trunc('minute', e.at) AS minute, e.event, count(*) AS n
+  FROM observer_events e, edge
+ WHERE e.id > edge.id AND e.at >= :since
+   AND e.event IN ({_v(Event.TAKEN)}, {_v(Event.RESTARTED)}, {_v(Event.FAILED)})
+   AND (CAST(:sid AS uuid) IS NULL OR e.service_id = :sid)
+ GROUP BY 1, 2
+"""

@@ -12,7 +12,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from contracts.errors import Conflict, NameTaken, NotFound, database_errors
-from contracts.messages import CancelMessage, DrainMessage, Message, StartMessage
+from contracts.messages import (
+    CancelMessage,
+    DrainMessage,
+    Message,
+    StartMessage,
+    UndrainMessage,
+)
 from contracts.routing import BROADCAST, WORK, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from manager import outbox
@@ -132,10 +138,13 @@ async def list_observers(
     return [_row(r) for r in rows]
 
 
-async def list_events(conn: AsyncConnection, observer_id: uuid.UUID) -> list[dict[str, Any]]:
-    await get_observer(conn, observer_id)
+async def list_events(
+    conn: AsyncConnection, observer_id: uuid.UUID
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The observer (NotFound if there is none) and its history."""
+    observer = await get_observer(conn, observer_id)
     rows = (await conn.execute(text(q.LIST_EVENTS), {"id": observer_id})).all()
-    return [_row(r) for r in rows]
+    return observer, [_row(r) for r in rows]
 
 
 async def _lock(conn: AsyncConnection, observer_id: uuid.UUID) -> Any:
@@ -253,5 +262,19 @@ async def drain_service(
     if done is None:
         raise NotFound(f"no live service with id {service_id}")
     pending = await outbox.add_many(conn, [(BROADCAST, DrainMessage(service_id=service_id))])
+    row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one()
+    return _row(row), pending
+
+
+async def undrain_service(
+    conn: AsyncConnection, service_id: uuid.UUID
+) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    """A live service takes work again (no longer draining) and is told so. Undraining one that
+    does not drain changes nothing."""
+    done = (await conn.execute(text(q.UNDRAIN), {"id": service_id})).one_or_none()
+    if done is None:
+        raise NotFound(f"no live service with id {service_id}")
+    message = UndrainMessage(service_id=service_id)
+    pending = await outbox.add_many(conn, [(BROADCAST, message)])
     row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one()
     return _row(row), pending

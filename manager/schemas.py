@@ -6,9 +6,10 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from contracts.kinds import RestartPolicy
+from contracts.logs import UNSAFE_CHARS, UNSAFE_CLASS
 from contracts.statuses import ObserverStatus
 from manager.problems import Problem
 
@@ -44,14 +45,42 @@ def clean_params(value: dict[str, Any]) -> dict[str, Any]:
 
 
 SafeText = Annotated[str, AfterValidator(clean_text)]
+
+#: The longest observer name: one line of a terminal or of the console (the column is text, so
+#: longer names created before stay readable; only new names are bounded).
+MAX_NAME = 100
+#: The names' rule for the schema; ``check_name`` enforces it first, with the reason in words.
+NAME_PATTERN = rf"^[^\s{UNSAFE_CLASS}]([^{UNSAFE_CLASS}]*[^\s{UNSAFE_CLASS}])?$"
+
+
+def check_name(value: Any) -> Any:
+    """Refuse, saying why, a name that would steer a terminal or a log rather than show: C0 and
+    C1 control characters (ESC, CR, newline, DEL, U+0080-U+009F) and bidi controls (U+061C,
+    U+200E, U+200F, U+202A-U+202E, U+2066-U+2069); and one that starts or ends with blanks.
+    What is not a string is left to the type check."""
+    if not isinstance(value, str):
+        return value
+    bad = UNSAFE_CHARS.search(value)
+    if bad is not None:
+        code = ord(bad.group())
+        what = "a bidi control character" if code > 0x9F else "a control character"
+        raise ValueError(f"must not contain {what} (U+{code:04X} at position {bad.start()})")
+    if value != value.strip():
+        raise ValueError("must not start or end with whitespace")
+    return value
+
+
 Name = Annotated[
-    SafeText,
+    str,
     Field(
         min_length=1,
-        max_length=200,
-        pattern=r"^\S(.*\S)?$",
-        description="unique among observers that are not deleted",
+        max_length=MAX_NAME,
+        pattern=NAME_PATTERN,
+        description=f"unique among observers that are not deleted; 1 to {MAX_NAME} characters, "
+        "no control or bidi control characters, no blanks at either end",
     ),
+    AfterValidator(clean_text),
+    BeforeValidator(check_name),  # the outermost: it runs first, so the reason is in words
 ]
 KindName = Annotated[
     SafeText, Field(min_length=1, max_length=100, description="a registered observer kind")

@@ -25,6 +25,19 @@ class ManagerSettings(CommonSettings):
     max_batch_body_bytes: int = Field(default=16 << 20, ge=1024)
     #: A request body must arrive within this many seconds (408 otherwise).
     body_timeout: float = Field(default=10.0, gt=0, le=300)
+    #: Largest request head (request line and headers), bytes: 431 past it.
+    max_header_bytes: int = Field(default=32 << 10, ge=1024, le=1 << 20)
+    #: Most header fields in one request: 431 past it.
+    max_headers: int = Field(default=100, ge=10, le=10_000)
+    #: A request head must arrive within this many seconds of the connection (or of its first
+    #: byte after a response): 408 and the connection closed otherwise (a slowloris).
+    header_timeout: float = Field(default=10.0, gt=0, le=300)
+    #: An idle keep-alive connection is closed after this many seconds.
+    keep_alive_timeout: int = Field(default=5, ge=1, le=300)
+    #: Serve Swagger UI at /docs and ReDoc at /redoc. Off by default: they load their scripts
+    #: from a CDN (pinned versions with subresource integrity), which an offline site cannot
+    #: reach. /openapi.json is served either way, with no token.
+    api_docs: bool = False
     #: Largest ``params`` of one observer (as JSON), bytes.
     max_params_bytes: int = Field(default=64 << 10, ge=64)
     #: How often the leader looks for dead services, seconds.

@@ -14,6 +14,7 @@ import itertools
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
@@ -82,6 +83,7 @@ class AmqpSession:
         self.version: tuple[int, ...] = (0,)
         self._work_queue: AbstractQueue | None = None
         self._work_tag: str | None = None
+        self._on_start_message: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None
         self._sender: Sender | None = None
         self.service_id = uuid.UUID(int=0)
 
@@ -149,6 +151,7 @@ class AmqpSession:
 
             await cq.consume(control_message, no_ack=True)
             self._work_queue = queue
+            self._on_start_message = start_message
             self._sender = Sender(control, topo)
             if spec.consume_work:
                 self._work_tag = await queue.consume(start_message)
@@ -189,6 +192,18 @@ class AmqpSession:
                     await self._work_queue.cancel(tag, timeout=5)
             except BrokerUnavailable as exc:
                 log.warning("could not cancel the work consumer: %s", exc)
+
+    async def start_consuming(self) -> None:
+        """Take start messages again (after a drain was undone)."""
+        queue, on_message = self._work_queue, self._on_start_message
+        if queue is None or on_message is None or self._work_tag is not None or not self.is_open:
+            return
+        try:
+            with broker_errors():
+                self._work_tag = await queue.consume(on_message)
+        except BrokerUnavailable as exc:
+            # The session is closing: the next one is opened consuming (no longer draining).
+            log.warning("could not consume the work queue again: %s", exc)
 
     async def close(self) -> None:
         for connection in (self._lookout, self.connection):

@@ -399,6 +399,9 @@ class FakeSession:
     async def stop_consuming(self) -> None:
         self.consuming = False
 
+    async def start_consuming(self) -> None:
+        self.consuming = True
+
     async def close(self) -> None:
         self.closed.set()
 

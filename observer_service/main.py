@@ -72,6 +72,7 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
             shutdown_timeout=settings.shutdown_timeout,
             check_every=settings.check_every,
             loop_stall=settings.loop_stall,
+            broker_advice=settings.broker_advice,
         ),
         kinds=kinds,
         store=PgStore(pool, service_id),

@@ -14,6 +14,7 @@ from enum import Enum
 
 from contracts.errors import Fenced
 from contracts.kinds import KindSpec, RestartPolicy
+from contracts.logs import mask
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
 from observer_service.origin import Origin, Queued
@@ -128,7 +129,9 @@ async def run_observer(
 
 
 def describe(exc: BaseException | None) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    """An error as stored and logged: URL credentials and secret query values masked first,
+    then cut (a cut first could leave half a password that no longer looks like one)."""
+    return mask(f"{type(exc).__name__}: {exc}")[:2000]
 
 
 def refused(what: str) -> Fenced:

@@ -29,6 +29,7 @@ from contracts.messages import (
     DirectedStart,
     DrainMessage,
     HandoffMessage,
+    UndrainMessage,
 )
 from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
@@ -65,6 +66,9 @@ class ServiceConfig:
     check_every: float = 30.0
     #: A step of kind code longer than this, seconds, is a stall (``stalls.py``).
     loop_stall: float = 2.0
+    #: Warn at the first broker session when the broker is too old for the per-queue consumer
+    #: timeout (off where someone else already said so: ``orch up``).
+    broker_advice: bool = True
 
 
 class ObserverService:
@@ -96,6 +100,9 @@ class ObserverService:
         self.stopping = False
         #: Draining: takes no new work, hands every observer over (POST /services/{id}/drain).
         self.draining = False
+        #: When the last undrain arrived (clock time): a renewal that still reads the old
+        #: ``draining`` flag (its query ran before the undrain committed) must not drain again.
+        self._undrained_at: float | None = None
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch)
@@ -226,7 +233,8 @@ class ObserverService:
                 continue
             backoff.reset()
             opened += 1
-            if opened == 1 and (advice := consumer_timeout_advice(session.version)):
+            advise = opened == 1 and self.config.broker_advice
+            if advise and (advice := consumer_timeout_advice(session.version)):
                 log.warning("%s", advice)
             if opened > 1:
                 self.metrics.reconnects.inc()
@@ -295,6 +303,16 @@ class ObserverService:
             self.spawn(self.session.stop_consuming())
         self._stop_where(lambda r: True, StopReason.DRAIN)
 
+    def undrain(self) -> None:
+        """A drain undone: take work again (the database no longer says draining)."""
+        self._undrained_at = self.clock.now()
+        if not self.draining:
+            return
+        self.draining = False
+        log.warning("undrained: taking work again")
+        if self.session is not None:
+            self.spawn(self.session.start_consuming())
+
     def _stop_where(self, pred: Callable[[Runner], bool], reason: StopReason) -> None:
         stopped = [r for r in self.runners.values() if pred(r)]
         for r in stopped:
@@ -319,6 +337,9 @@ class ObserverService:
         elif isinstance(control, DrainMessage):
             if control.service_id == self.id:
                 self.drain()
+        elif isinstance(control, UndrainMessage):
+            if control.service_id == self.id:
+                self.undrain()
         elif isinstance(control, CancelMessage):
             self.cancel(control.observer_id)
 
@@ -353,11 +374,17 @@ class ObserverService:
             renewal = await self.lease.renewals.get()
             for oid in renewal.deleting:
                 self.cancel(oid)
-            if renewal.draining:
+            if renewal.draining and not self._just_undrained():
                 self.drain()
             if self.clock.now() - checked >= self.config.check_every:
                 checked = self.clock.now()
                 await self._check_held()
+
+    def _just_undrained(self) -> bool:
+        """Within a lease's length of an undrain: a renewal's ``draining`` may predate it. (The
+        renewal only backs up the drain broadcast, which is acted on whenever it comes.)"""
+        since = self._undrained_at
+        return since is not None and self.clock.now() - since < self.lease.timings.ttl
 
     async def _check_held(self) -> None:
         held = await until_done(self.store.held_count, "counting held observers")

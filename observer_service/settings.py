@@ -20,3 +20,6 @@ class ServiceSettings(CommonSettings):
     loop_stall: float = Field(default=2.0, gt=0)
     #: Serve Prometheus metrics on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65_535)
+    #: Warn at start when the broker is too old for the per-queue consumer timeout (``orch up``
+    #: turns it off for its services: it warns once itself).
+    broker_advice: bool = True

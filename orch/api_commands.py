@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from orch.client import ApiError, Client
+from contracts.logs import safe_text
+from contracts.statuses import ObserverStatus
+from orch.client import ApiError, Client, problem_text
 
 out = Console()
 err = Console(stderr=True)
@@ -30,7 +34,8 @@ observers_app = typer.Typer(
     help="Create, list, inspect and act on observers.", no_args_is_help=True
 )
 services_app = typer.Typer(
-    help="List services; drain one before stopping it.", no_args_is_help=True
+    help="List services; drain one before stopping it (undrain: take work again).",
+    no_args_is_help=True,
 )
 
 
@@ -38,9 +43,22 @@ def _client(api: str, token: str | None) -> Client:
     return Client(api, token)
 
 
+def shown(value: object) -> str:
+    """A value from the API (or a file) as the terminal may show it: Rich markup escaped, and
+    control and bidi characters made visible (``\\x1b``), so that data can neither break the
+    output nor steer the terminal."""
+    return escape(safe_text(str(value)))
+
+
 def _failed(exc: ApiError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc}", highlight=False)
+    err.print(f"[red]error:[/red] {shown(exc)}", highlight=False)
     return typer.Exit(1)
+
+
+def _usage(message: str) -> typer.Exit:
+    """Bad input to the command (exit 2), saying what would be right."""
+    err.print(f"[red]error:[/red] {shown(message)}", highlight=False)
+    return typer.Exit(2)
 
 
 def _show_json(data: Any) -> None:
@@ -60,20 +78,31 @@ def _read(api: str, token: str | None, path: str, as_json: bool, **params: Any) 
 
 
 # ---------------------------------------------------------------------------------- observers
-def _observer_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "kind", "status", "service", "epoch", "restarts", "checkpointed")
+def _observer_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Table:
+    """Observers, their ids whole (however narrow the terminal: an id is there to be copied);
+    the service's id shortened to 8 characters unless ``wide``."""
+    table = Table(show_edge=not wide)
+    # Ids never wrap, fold or shrink; the other columns give way.
+    table.add_column("id", no_wrap=True, min_width=36)
+    for header in ("name", "kind", "status"):
+        table.add_column(header)
+    table.add_column("service", no_wrap=wide, min_width=36 if wide else None)
+    for header in ("epoch", "restarts", "checkpointed"):
+        table.add_column(header)
     for o in rows:
+        status = shown(o["status"])
         style = {"failed": "red", "pausing": "yellow", "paused": "yellow"}.get(o["status"])
         restarts = str(o["restart_count"]) if o["restart_count"] else ""
+        service = o["service_id"] or ""
         table.add_row(
-            o["id"],
-            o["name"],
-            o["kind"],
-            f"[{style}]{o['status']}[/{style}]" if style else o["status"],
-            (o["service_id"] or "")[:8],
-            str(o["epoch"]),
-            f"[red]{restarts}[/red]" if restarts else "",
-            (o.get("checkpointed_at") or "")[:19],
+            shown(o["id"]),
+            shown(o["name"]),
+            shown(o["kind"]),
+            f"[{style}]{status}[/{style}]" if style else status,
+            shown(service if wide else service[:8]),
+            shown(o["epoch"]),
+            f"[red]{shown(restarts)}[/red]" if restarts else "",
+            shown((o.get("checkpointed_at") or "")[:19]),
         )
     return table
 
@@ -112,27 +141,54 @@ def create(
         o = _client(api, token).post("/observers", body)
     except ApiError as exc:
         raise _failed(exc) from None
-    _show_json(o) if as_json else out.print(f"created {o['id']} ({o['status']})")
+    _show_json(o) if as_json else out.print(f"created {shown(o['id'])} ({shown(o['status'])})")
 
 
 #: Observers per POST /observers/batch (the API's most).
 BATCH = 1000
 
 
-def _observers_in(source: str) -> list[Any]:
-    """A JSON array of observers, or one JSON object a line; ``-`` is standard input."""
+@dataclass
+class _Entry:
+    """One observer of an import: where it is in the file (1-based), and its body, or why it
+    could not be read."""
+
+    where: str
+    number: int
+    body: Any = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        name = self.body.get("name") if isinstance(self.body, dict) else None
+        return f"{self.where} {self.number}" + (f" ({name})" if isinstance(name, str) else "")
+
+
+def _observers_in(source: str) -> list[_Entry]:
+    """A JSON array of observers (items numbered from 1), or one JSON object a line (numbered
+    by their line in the file, from 1); ``-`` is standard input. A line that is not JSON is an
+    entry of its own that failed: the others are still imported."""
     import sys
     from pathlib import Path
 
     text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    stripped = text.strip()
-    if stripped.startswith("["):
-        items = json.loads(stripped)
+    if text.strip().startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise typer.BadParameter("expected a JSON array of observers, or one a line")
+        entries = [_Entry("item", i, body=item) for i, item in enumerate(items, start=1)]
     else:
-        items = [json.loads(line) for line in stripped.splitlines() if line.strip()]
-    if not isinstance(items, list) or not items:
+        entries = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(_Entry("line", number, body=json.loads(line)))
+            except json.JSONDecodeError as exc:
+                entries.append(_Entry("line", number, error=f"not JSON: {exc.msg}"))
+    if not entries:
         raise typer.BadParameter("expected a JSON array of observers, or one a line")
-    return items
+    return entries
 
 
 @observers_app.command("import")
@@ -148,37 +204,47 @@ def import_observers(
     as_json: JsonOption = False,
 ) -> None:
     """Create many observers, a thousand a request (POST /observers/batch). Each is shaped like
-    the body of a single create; one that fails is reported and the others go on. Exits 1 when
-    any failed."""
+    the body of a single create; one that fails (a line that is not JSON too) is reported with
+    its line number (or its number in the array) and the API's reasons, and the others go on.
+    Exits 1 when any failed."""
     from rich.progress import Progress
 
     try:
-        items = _observers_in(source)
+        entries = _observers_in(source)
     except (OSError, json.JSONDecodeError) as exc:
         raise typer.BadParameter(str(exc), param_hint="SOURCE") from None
+    todo = [e for e in entries if e.error is None]
     client = _client(api, token)
-    results: list[dict[str, Any]] = []
+    answers: dict[int, dict[str, Any]] = {}  # id(entry) -> the API's item
     with Progress(console=err, transient=True, disable=as_json) as progress:
-        task = progress.add_task("creating", total=len(items))
-        for first in range(0, len(items), BATCH):
+        task = progress.add_task("creating", total=len(todo))
+        for first in range(0, len(todo), BATCH):
+            batch = todo[first : first + BATCH]
             try:
-                answer = client.post(
-                    "/observers/batch", {"observers": items[first : first + BATCH]}
-                )
+                answer = client.post("/observers/batch", {"observers": [e.body for e in batch]})
             except ApiError as exc:
                 raise _failed(exc) from None
-            results += [{**item, "index": item["index"] + first} for item in answer["items"]]
-            progress.advance(task, len(answer["items"]))
-    failed = [r for r in results if r["status"] != 201]
+            for item in answer["items"]:
+                answers[id(batch[item["index"]])] = item
+            progress.advance(task, len(batch))
+    results: list[dict[str, Any]] = []
+    for e in entries:
+        if e.error is not None:
+            problem = {"title": "Bad Request", "status": 400, "detail": e.error}
+            results.append({e.where: e.number, "status": 400, "problem": problem})
+        else:
+            item = {k: v for k, v in answers[id(e)].items() if k != "index"}
+            results.append({e.where: e.number, **item})
+    failed = [(e, r) for e, r in zip(entries, results, strict=True) if r["status"] != 201]
+    created = len(results) - len(failed)
     if as_json:
-        _show_json({"created": len(results) - len(failed), "failed": len(failed), "items": results})
+        _show_json({"created": created, "failed": len(failed), "items": results})
     else:
-        for r in failed:
-            name = items[r["index"]].get("name") if isinstance(items[r["index"]], dict) else None
-            err.print(
-                f"[red]#{r['index']}[/red] {name or ''}: {r['problem']['detail']}", highlight=False
-            )
-        out.print(f"created {len(results) - len(failed)}, failed {len(failed)}")
+        for e, r in failed:
+            # A batch item's field errors sit under observers.INDEX: show them from the field.
+            reason = problem_text(r["problem"], under=2)
+            err.print(f"[red]{shown(e.label)}[/red]: {shown(reason)}", highlight=False)
+        out.print(f"created {created}, failed {len(failed)}")
     if failed:
         raise typer.Exit(1)
 
@@ -195,37 +261,62 @@ def _pages(client: Client, **filters: Any) -> Iterator[list[dict[str, Any]]]:
 
 @observers_app.command("list")
 def list_observers(
-    status: Annotated[str | None, typer.Option(help="only this status")] = None,
+    status: Annotated[
+        ObserverStatus | None, typer.Option(help="only this status", case_sensitive=False)
+    ] = None,
     kind: Annotated[str | None, typer.Option(help="only this kind")] = None,
     name: Annotated[str | None, typer.Option(help="names containing this")] = None,
     service: Annotated[str | None, typer.Option(help="only held by this service id")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows per page")] = 100,
     offset: Annotated[int, typer.Option(min=0)] = 0,
     every: Annotated[bool, typer.Option("--all", help="every page, not just one")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="only the ids, one a line")] = False,
+    wide: Annotated[bool, typer.Option("--wide", help="the services' ids whole too")] = False,
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List observers, oldest first."""
+    """List observers, oldest first. Ids are shown whole (also with --json and -q)."""
     client = _client(api, token)
-    filters = {"status": status, "kind": kind, "name": name, "service_id": service}
+    filters = {
+        "status": None if status is None else status.value,
+        "kind": kind,
+        "name": name,
+        "service_id": service,
+    }
     rows: list[dict[str, Any]] = []
     try:
         for page in _pages(client, limit=limit, offset=offset, **filters):
             rows += page
             if not every:
                 break
+        if kind is not None and not rows:
+            # Nothing of that kind: say so when the cluster does not know it (observers of a
+            # kind no longer installed are still listed by it).
+            installed = sorted(k["name"] for k in client.get("/kinds"))
+            if kind not in installed:
+                raise _usage(
+                    f"unknown kind {kind!r}; installed kinds: {', '.join(installed) or 'none'}"
+                )
     except ApiError as exc:
         raise _failed(exc) from None
-    _show_json(rows) if as_json else out.print(_observer_table(rows))
+    if as_json:
+        _show_json(rows)
+    elif quiet:
+        for o in rows:
+            typer.echo(safe_text(str(o["id"])))
+    else:
+        out.print(_observer_table(rows, wide=wide))
 
 
 def _render_observer(o: dict[str, Any]) -> None:
-    out.print(_observer_table([o]))
+    out.print(_observer_table([o], wide=True))
+    if o.get("params"):
+        out.print("params:", shown(json.dumps(o["params"])), highlight=False)
     if o["checkpoint"] is not None:
-        out.print("checkpoint:", json.dumps(o["checkpoint"]), highlight=False)
+        out.print("checkpoint:", shown(json.dumps(o["checkpoint"])), highlight=False)
     if o["last_error"]:
-        out.print(f"[red]last error:[/red] {o['last_error']}", highlight=False)
+        out.print(f"[red]last error:[/red] {shown(o['last_error'])}", highlight=False)
 
 
 def _render_events(rows: list[dict[str, Any]]) -> None:
@@ -233,7 +324,9 @@ def _render_events(rows: list[dict[str, Any]]) -> None:
     for e in rows:
         epoch = "" if e["epoch"] is None else str(e["epoch"])
         service = (e["service_id"] or "")[:8]
-        table.add_row(e["at"][:23], e["event"], service, epoch, e["detail"] or "")
+        table.add_row(
+            shown(e["at"][:23]), shown(e["event"]), shown(service), epoch, shown(e["detail"] or "")
+        )
     out.print(table)
 
 
@@ -277,14 +370,14 @@ def _act(
     path = f"/observers/{observer_id}"
     try:
         o = client.request(method, path + suffix)
-        out.print(f"{o['id']}: {o['status']}")
+        out.print(f"{shown(o['id'])}: {shown(o['status'])}")
         if wait and o["status"] != settled:
             client.wait(
                 f"{observer_id} to be {settled}",
                 lambda: client.get(path)["status"] == settled,
                 timeout=timeout,
             )
-            out.print(f"{o['id']}: {settled}")
+            out.print(f"{shown(o['id'])}: {settled}")
     except ApiError as exc:
         raise _failed(exc) from None
 
@@ -323,24 +416,36 @@ def services_list(
     rows = _read(api, token, "/services", as_json, include_deleted=every or None)
     if rows is None:
         return
-    table = Table("id", "name", "running", "host", "pid", "state", "last renewal")
+    table = Table()
+    table.add_column("id", no_wrap=True, min_width=36)  # whole, to be copied
+    for header in ("name", "running", "host", "pid", "state", "last renewal"):
+        table.add_column(header)
     for s in rows:
         state = "deleted" if s["is_deleted"] else "draining" if s["draining"] else "live"
         table.add_row(
-            s["id"],
-            s["name"],
+            shown(s["id"]),
+            shown(s["name"]),
             f"{s['running']} / {s['worker_count']}",
-            s["host"],
-            str(s["pid"]),
+            shown(s["host"]),
+            shown(s["pid"]),
             state,
-            s["last_heartbeat_at"][:23],
+            shown(s["last_heartbeat_at"][:23]),
         )
     out.print(table)
 
 
+ServiceIdArg = Annotated[str | None, typer.Argument(help="a service id")]
+
+
+def _service_ids(client: Client, service_id: str | None, name: str | None) -> list[str]:
+    if (service_id is None) == (name is None):
+        raise _usage("give a service id or --name" + (", not both" if service_id else ""))
+    return [service_id] if service_id else _ids_named(client, name or "")
+
+
 @services_app.command("drain")
 def services_drain(
-    service_id: Annotated[str | None, typer.Argument(help="a service id")] = None,
+    service_id: ServiceIdArg = None,
     name: Annotated[
         str | None, typer.Option(help="drain the live service(s) with this name instead")
     ] = None,
@@ -349,19 +454,40 @@ def services_drain(
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
 ) -> None:
-    """Move every observer off a service and stop it taking new ones, before stopping it."""
-    if (service_id is None) == (name is None):
-        raise typer.BadParameter("give a service id or --name, not both", param_hint="ID")
+    """Move every observer off a service and stop it taking new ones, before stopping it
+    (`orch services undrain` lets it take work again)."""
     client = _client(api, token)
     try:
-        ids = [service_id] if service_id else _ids_named(client, name or "")
+        ids = _service_ids(client, service_id, name)
         for sid in ids:
             s = client.post(f"/services/{sid}/drain")
-            out.print(f"draining {s['name']} {s['id']} ({s['running']} observers to move)")
+            out.print(
+                f"draining {shown(s['name'])} {shown(s['id'])} "
+                f"({shown(s['running'])} observers to move)"
+            )
         if wait:
             for sid in ids:
                 client.wait(f"{sid} to run nothing", _empty(client, sid), timeout=timeout)
             out.print("drained: nothing runs there any more")
+    except ApiError as exc:
+        raise _failed(exc) from None
+
+
+@services_app.command("undrain")
+def services_undrain(
+    service_id: ServiceIdArg = None,
+    name: Annotated[
+        str | None, typer.Option(help="undrain the live service(s) with this name instead")
+    ] = None,
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+) -> None:
+    """Let a drained service take work again (new observers, and moves to it)."""
+    client = _client(api, token)
+    try:
+        for sid in _service_ids(client, service_id, name):
+            s = client.post(f"/services/{sid}/undrain")
+            out.print(f"taking work again: {shown(s['name'])} {shown(s['id'])}")
     except ApiError as exc:
         raise _failed(exc) from None
 
@@ -394,9 +520,9 @@ def kinds(
         props = (k["params_schema"] or {}).get("properties", {})
         policy = k["restart_policy"]
         table.add_row(
-            k["name"],
-            k["description"],
-            ", ".join(props),
+            shown(k["name"]),
+            shown(k["description"]),
+            shown(", ".join(props)),
             f"{policy['max_restarts']} per {policy['reset_after']:g}s",
         )
     out.print(table)

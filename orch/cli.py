@@ -54,8 +54,9 @@ def main(
 
 def _fail(message: str, code: int = 1) -> NoReturn:
     from contracts.logs import mask
+    from orch.api_commands import shown
 
-    err.print(f"[red]error:[/red] {mask(message)}", highlight=False)
+    err.print(f"[red]error:[/red] {shown(mask(message))}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -151,6 +152,7 @@ async def _serve_manager(
     import uvicorn
 
     from manager.app import create_app
+    from manager.http import guarded_http
     from manager.runtime import ManagerRuntime
 
     runtime = ManagerRuntime(settings, kinds, replica=replica)
@@ -160,6 +162,13 @@ async def _serve_manager(
         port=settings.port,
         log_level="warning",
         access_log=False,
+        # httptools with bounded request heads (by itself it has no limit on them).
+        http=guarded_http(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            header_timeout=settings.header_timeout,
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout,
     )
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
@@ -213,10 +222,11 @@ async def _broker_advice() -> str | None:
 
 
 async def _up(services: int, worker_count: int, port: int) -> None:
-    from orch.cluster import LocalCluster
+    from orch.api_commands import shown
+    from orch.cluster import LocalCluster, free_port
 
     if advice := await _broker_advice():
-        err.print(f"[yellow]warning:[/yellow] {advice}", highlight=False)
+        err.print(f"[yellow]warning:[/yellow] {shown(advice)}", highlight=False)
     cluster = LocalCluster(env={})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -224,12 +234,21 @@ async def _up(services: int, worker_count: int, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await cluster.start_manager(port)
+        metrics = []
         for i in range(services):
-            await cluster.start_service(f"local-{i + 1}", worker_count)
+            # Each service serves its metrics (the dashboard's half about services); the broker
+            # advice was given once, above, and is not repeated by each service.
+            name, metrics_port = f"local-{i + 1}", free_port()
+            await cluster.start_service(
+                name, worker_count, ORCH_METRICS_PORT=metrics_port, ORCH_BROKER_ADVICE="false"
+            )
+            metrics.append(f"{name}: http://127.0.0.1:{metrics_port}/metrics")
         out.print(
             f"console: http://127.0.0.1:{port}/console  API: http://127.0.0.1:{port} "
-            f"(docs: /docs); {services} services x {worker_count} workers. "
-            "Ctrl-C stops everything."
+            f"(schema: /openapi.json); {services} services x {worker_count} workers. "
+            "Ctrl-C stops everything.\n"
+            f"metrics: manager: http://127.0.0.1:{port}/metrics"
+            + "".join(f"\n  {m}" for m in metrics)
         )
         if cluster.token:
             out.print(

@@ -8,6 +8,12 @@ from typing import Any
 
 import httpx
 
+#: What a 401 adds: where the command line takes its token from.
+TOKEN_HINT = (
+    "give an API token with --token TOKEN or the ORCH_TOKEN environment variable "
+    "(`orch token new NAME --role admin` makes one; `orch up` prints one for its run)"
+)
+
 
 class ApiError(Exception):
     """A request that failed: its message is the API's own, or why the API was not reached."""
@@ -25,7 +31,10 @@ class Client:
         except httpx.HTTPError as exc:
             raise ApiError(f"cannot reach the manager at {self.base_url}: {exc}") from None
         if r.status_code >= 400:
-            raise ApiError(f"{r.status_code}: {_message(r)}")
+            message = f"{r.status_code}: {_message(r)}"
+            if r.status_code == 401:
+                message += f"; {TOKEN_HINT}"
+            raise ApiError(message)
         return r.json() if r.content else None
 
     def get(self, path: str, **params: Any) -> Any:
@@ -59,14 +68,22 @@ def _message(r: httpx.Response) -> str:
         return r.text.strip() or r.reason_phrase
     if not isinstance(body, dict):
         return str(body)
-    detail = body.get("detail") or body.get("title") or r.reason_phrase
+    return problem_text(body, r.reason_phrase)
+
+
+def problem_text(body: dict[str, Any], fallback: str = "failed", *, under: int = 0) -> str:
+    """A problem document as one line: its detail, then each field error's path and message.
+    ``under`` drops that many leading parts of each path besides ``body`` (a batch item's
+    errors sit under ``observers``, INDEX)."""
+    detail = body.get("detail") or body.get("title") or fallback
     errors = body.get("errors")
     if isinstance(detail, list):  # FastAPI's own validation shape
         errors, detail = detail, "invalid request"
     if isinstance(errors, list) and errors:
         parts = []
         for e in errors:
-            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            loc = [p for p in e.get("loc", ()) if p != "body"][under:]
+            where = ".".join(str(p) for p in loc)
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
         return f"{detail}: " + "; ".join(parts)
     return str(detail)

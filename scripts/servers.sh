@@ -110,11 +110,20 @@ ensure_browser() {  # the console's browser test drives Debian's chromium
   fi
 }
 
-ensure_venv() {
-  if [ ! -x .venv/bin/orch ] || [ pyproject.toml -nt .venv/.installed ]; then
-    python3 -m venv .venv
+install_venv() {  # marker pip-target: (re)install the project into .venv when it is stale
+  if [ ! -x .venv/bin/orch ] || [ ! -e ".venv/$1" ] || [ pyproject.toml -nt ".venv/$1" ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
     .venv/bin/pip install --quiet --upgrade pip
-    .venv/bin/pip install --quiet -e '.[dev]'
-    touch .venv/.installed
+    .venv/bin/pip install --quiet -e "$2"
+    touch ".venv/$1"
   fi
+}
+
+ensure_run_venv() {  # what running the system needs: the project, no dev tools (scripts/up)
+  [ -e .venv/.installed-dev ] && [ ! pyproject.toml -nt .venv/.installed-dev ] && return 0
+  install_venv .installed-run .
+}
+
+ensure_venv() {  # the project with its dev extras: tests, linters, browser (scripts/test)
+  install_venv .installed-dev '.[dev]'
 }

@@ -7,16 +7,17 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from contracts.errors import NameTaken, OrchError, TooLarge
-from contracts.kinds import get_kind
+from contracts.kinds import get_kind, hide_values, mask_params, secret_values
+from contracts.logs import mask_urls
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
-from manager.auth import ADMIN, READ
+from manager.auth import ADMIN, READ, Authenticator, Credentials, Role
 from manager.db import autocommit, transaction
 from manager.outbox import Pending
 from manager.problems import field_errors, problem_of, responses, status_of
@@ -35,6 +36,38 @@ from manager.schemas import (
 router = APIRouter(prefix="/observers", tags=["observers"])
 AUTH = (401, 403)
 ONE = (*AUTH, 404, 422, 503)
+
+
+async def sees_secrets(request: Request, credentials: Credentials) -> bool:
+    """Whether the caller may see params as they are: an admin token (or no auth at all, where
+    anyone may change anything). A ``read`` token sees secrets masked (``mask_params``)."""
+    auth: Authenticator = request.app.state.auth
+    if not auth.enabled:
+        return True
+    token = auth.identify(credentials.credentials if credentials else None)
+    return token is not None and token.role is Role.ADMIN
+
+
+SeesSecrets = Annotated[bool, Depends(sees_secrets)]
+#: The list filters ``GET /observers`` and the console's view share.
+StatusFilter = Annotated[ObserverStatus | None, Query(alias="status")]
+KindFilter = Annotated[KindName | None, Query()]
+
+
+def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
+    """An observer as the caller may see it: for a ``read`` token its secret params are
+    ``***``, and so are passwords and secret query values of URLs in its last error."""
+    if raw:
+        return row
+    masked = dict(row)
+    spec = state.kinds.get(row["kind"])
+    values: list[str] = []
+    if "params" in row:  # a console view row carries none
+        masked["params"] = mask_params(row["params"] or {}, spec)
+        values = secret_values(row["params"] or {}, spec)
+    if row.get("last_error"):
+        masked["last_error"] = hide_values(mask_urls(row["last_error"], keep_user=False), values)
+    return masked
 
 
 def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
@@ -126,8 +159,9 @@ def _failed(
 )
 async def list_observers(
     state: RuntimeDep,
-    status_: Annotated[ObserverStatus | None, Query(alias="status")] = None,
-    kind: Annotated[KindName | None, Query()] = None,
+    raw: SeesSecrets,
+    status_: StatusFilter = None,
+    kind: KindFilter = None,
     service_id: uuid.UUID | None = None,
     name: Annotated[
         SafeText | None,
@@ -148,7 +182,7 @@ async def list_observers(
             offset=offset,
         )
     return {
-        "items": items,
+        "items": [shown(state, item, raw) for item in items],
         "limit": limit,
         "offset": offset,
         "next_offset": offset + limit if len(items) == limit else None,
@@ -162,10 +196,13 @@ async def list_observers(
     dependencies=[READ],
     responses=responses(*ONE),
 )
-async def get_observer(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
-    """One observer: where it runs (service, epoch), its checkpoint, its last error."""
+async def get_observer(
+    observer_id: uuid.UUID, state: RuntimeDep, raw: SeesSecrets
+) -> dict[str, Any]:
+    """One observer: where it runs (service, epoch), its checkpoint, its last error. Secret
+    params are `***` unless the token is an admin's."""
     async with autocommit(state.engine) as conn:
-        return await repo.get_observer(conn, observer_id)
+        return shown(state, await repo.get_observer(conn, observer_id), raw)
 
 
 @router.get(
@@ -175,10 +212,24 @@ async def get_observer(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, A
     dependencies=[READ],
     responses=responses(*ONE),
 )
-async def observer_events(observer_id: uuid.UUID, state: RuntimeDep) -> list[dict[str, Any]]:
+async def observer_events(
+    observer_id: uuid.UUID, state: RuntimeDep, raw: SeesSecrets
+) -> list[dict[str, Any]]:
     """History: every take (with its service and epoch), release, restart, pause, deletion."""
     async with autocommit(state.engine) as conn:
-        return await repo.list_events(conn, observer_id)
+        row, events = await repo.list_events(conn, observer_id)
+    if raw:
+        return events
+    values = secret_values(row["params"] or {}, state.kinds.get(row["kind"]))
+    return [
+        {
+            **e,
+            "detail": hide_values(mask_urls(e["detail"], keep_user=False), values)
+            if e["detail"]
+            else e["detail"],
+        }
+        for e in events
+    ]
 
 
 Change = Callable[[AsyncConnection, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]

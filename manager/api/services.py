@@ -50,6 +50,23 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, A
     return row
 
 
+@router.post(
+    "/services/{service_id}/undrain",
+    status_code=202,
+    response_model=ServiceOut,
+    operation_id="undrainService",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 404, 422, 503),
+)
+async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
+    """Undo a drain: the service takes work again (new observers, and moves to it from busier
+    services). Undraining a service that does not drain changes nothing."""
+    async with transaction(state.engine) as conn:
+        row, pending = await repo.undrain_service(conn, service_id)
+    await state.outbox.publish_now(pending)
+    return row
+
+
 @router.get(
     "/kinds",
     response_model=list[KindOut],

@@ -1,40 +1,56 @@
-// The live console: it reads the same API as the command line, every two seconds, and acts
-// through it. No build step; no data ever goes into innerHTML. The API token (if the manager
-// asks for one) is kept in this tab's sessionStorage and sent as a bearer header: no cookie.
+// The live console: it reads the API every two seconds and acts through it. No build step; no
+// data ever goes into innerHTML (textContent only), names are direction-isolated in <bdi>. The
+// API token is kept in this tab's sessionStorage and sent as a bearer header: no cookie.
 "use strict";
 
 const REFRESH_MS = 2000;
 const PAGE = 50;
-const state = { offset: 0, next: null, services: new Map(), timer: null, busy: false, asked: false };
+const NAME_MAX = 40;  // characters of a name shown in a list; the whole name is its title
+const KEY = "orch-token";
+const SVG = "http://www.w3.org/2000/svg";
+const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;  // direction controls
+const state = {
+  who: null, timer: null, busy: false, again: false, services: new Map(), kinds: [],
+  lists: {},
+};
 const $ = (sel) => document.querySelector(sel);
+const $$ = (sel) => Array.from(document.querySelectorAll(sel));
 
-function token() { return sessionStorage.getItem("orch-token") || ""; }
+// ------------------------------------------------------------------------------ the API
+class ApiError extends Error {
+  constructor(status, problem) {
+    super(`${status} ${problem?.title ?? ""}: ${problem?.detail ?? ""}`);
+    this.status = status;
+    this.problem = problem || { title: "Error", status, detail: "no problem document" };
+  }
+}
 
-async function api(method, path, params, json) {
+function token() { return sessionStorage.getItem(KEY) || ""; }
+
+async function api(method, path, params, json, bearer) {
   const url = new URL(path, window.location.origin);
   for (const [k, v] of Object.entries(params || {})) if (v !== "" && v != null) url.searchParams.set(k, v);
   const headers = { Accept: "application/json" };
-  if (token()) headers.Authorization = `Bearer ${token()}`;
+  const t = bearer ?? token();
+  if (t) headers.Authorization = `Bearer ${t}`;
   const init = { method, headers };
   if (json !== undefined) {
     headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(json);
   }
-  const r = await fetch(url, init);
-  const body = r.headers.get("content-type")?.includes("json") ? await r.json() : null;
-  if (r.status === 401 && !state.asked) {
-    state.asked = true;  // once; the "API token" button asks again
-    askToken(token() ? "That API token was refused." : "This manager wants an API token.");
+  let r;
+  try { r = await fetch(url, init); } catch (err) {
+    throw new ApiError(0, { title: "Network error", status: 0, detail: String(err.message || err) });
   }
-  if (!r.ok) throw new Error(`${r.status}: ${body?.detail ?? body?.title ?? r.statusText}`);
+  const body = r.headers.get("content-type")?.includes("json") ? await r.json() : null;
+  if (r.status === 401 && bearer === undefined && state.who) {
+    signOut("The manager refused the token (401); sign in again.");
+  }
+  if (!r.ok) throw new ApiError(r.status, body || { title: r.statusText, status: r.status, detail: "" });
   return body;
 }
 
-function askToken(why) {
-  const t = window.prompt(`${why}\nAPI token (kept in this tab only):`, "");
-  if (t !== null) sessionStorage.setItem("orch-token", t.trim());
-}
-
+// ------------------------------------------------------------------------------ small parts
 function el(tag, text, cls) {
   const e = document.createElement(tag);
   if (text != null) e.textContent = String(text);
@@ -42,30 +58,556 @@ function el(tag, text, cls) {
   return e;
 }
 
-function row(cells, cls) {
-  const tr = el("tr", null, cls);
-  for (const c of cells) tr.append(c instanceof Node ? wrap(c) : el("td", c));
-  return tr;
+function svg(tag, attrs) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  return e;
 }
 
-function wrap(node) { const td = el("td"); td.append(node); return td; }
+function td(content) {
+  const cell = el("td");
+  if (content instanceof Node) cell.append(content); else if (content != null) cell.textContent = String(content);
+  return cell;
+}
+
 function short(id) { return id ? id.slice(0, 8) : ""; }
+function count(n) { return Number(n).toLocaleString("en-US"); }
+function admin() { return state.who?.role === "admin"; }
+
+/** A name, safely: text only, direction-isolated, truncated, the whole of it as the title. */
+function nameNode(name, href) {
+  const shown = name.replace(BIDI, "\uFFFD");  // a control shows as what it is, not as an effect
+  const b = el("bdi", shown.length > NAME_MAX ? `${shown.slice(0, NAME_MAX - 1)}…` : shown, "name");
+  b.title = name;
+  if (!href) return b;
+  const a = el("a");
+  a.href = href;
+  a.append(b);
+  return a;
+}
+
+// Times: one way everywhere, "2025-01-31 13:04:05 UTC", in the browser's zone, named.
+const ZONE = Intl.DateTimeFormat().resolvedOptions().timeZone;
+const FMT = new Intl.DateTimeFormat("en-GB", {
+  year: "numeric", month: "2-digit", day: "2-digit", hour: "2-digit", minute: "2-digit",
+  second: "2-digit", hourCycle: "h23", timeZoneName: "short",
+});
+function stamp(iso) {
+  const p = Object.fromEntries(FMT.formatToParts(new Date(iso)).map((x) => [x.type, x.value]));
+  return `${p.year}-${p.month}-${p.day} ${p.hour}:${p.minute}:${p.second} ${p.timeZoneName}`;
+}
 function ago(iso) {
-  if (!iso) return "";
   const s = (Date.now() - Date.parse(iso)) / 1000;
-  return s < 1 ? "now" : s < 120 ? `${s.toFixed(1)} s ago` : `${Math.round(s / 60)} min ago`;
+  return s < 1 ? "just now" : s < 120 ? `${s.toFixed(1)} s ago` : `${Math.round(s / 60)} min ago`;
+}
+function when(iso) {
+  if (!iso) return el("span", "never", "muted");
+  const t = el("time", stamp(iso));
+  t.dateTime = iso;
+  t.title = ago(iso);
+  return t;
 }
 
-function showError(err) {
-  const box = $("#error");
-  box.hidden = !err;
-  box.textContent = err ? String(err.message || err) : "";
+/** "restart 3 of 5, next in 12 s": the restart budget and the backoff. */
+function restarts(o) {
+  if (!o.restart_count) return "";
+  let s = `restart ${o.restart_count} of ${o.max_restarts}`;
+  if (o.in_backoff) s += `, next in ${Math.max(0, Math.ceil(o.next_restart_in ?? 0))} s`;
+  return s;
 }
 
-async function act(method, path, question) {
-  if (question && !window.confirm(question)) return;
-  try { await api(method, path); showError(null); } catch (err) { showError(err); }
+function statusPill(o) {
+  const backoffNow = o.in_backoff;
+  const p = el("span", backoffNow ? "backoff" : o.status, `pill status-${backoffNow ? "backoff" : o.status}`);
+  if (backoffNow) p.title = `${o.status}: its code raised, it waits to be restarted`;
+  return p;
+}
+
+// ------------------------------------------------------------------------------ problems
+/** Every failed action leaves its problem document on the page until it is dismissed. */
+function report(what, err, items) {
+  const p = err?.problem || { title: "Error", status: "", detail: String(err?.message || err) };
+  const box = el("div", null, "problem");
+  box.dataset.status = String(p.status ?? "");
+  const head = el("div", null, "problem-head");
+  head.append(el("strong", `${what}: ${p.status || ""} ${p.title || ""}`.replace(/\s+/g, " ")));
+  const x = el("button", "Dismiss", "dismiss");
+  x.type = "button";
+  x.onclick = () => box.remove();
+  head.append(x);
+  box.append(head);
+  if (p.detail) box.append(el("p", p.detail, "problem-detail"));
+  const lines = (p.errors || []).map((e) => `${(e.loc || []).join(".")}: ${e.msg}`);
+  for (const it of items || []) lines.push(it);
+  if (lines.length) {
+    const ul = el("ul");
+    ul.append(...lines.map((l) => el("li", l)));
+    box.append(ul);
+  }
+  $("#problems").append(box);
+}
+
+/** Ask first, in the page (no window.confirm); resolves true on "confirm". */
+function ask(question, okLabel, names) {
+  const d = $("#confirm");
+  $("#confirm-text").textContent = question;
+  const list = $("#confirm-list");
+  list.replaceChildren(...(names || []).slice(0, 10).map((n) => { const li = el("li"); li.append(nameNode(n)); return li; }));
+  if ((names || []).length > 10) list.append(el("li", `and ${names.length - 10} more`, "muted"));
+  $("#confirm-ok").textContent = okLabel || "Confirm";
+  return new Promise((resolve) => {
+    const done = (v) => { d.close(); $("#confirm-ok").onclick = null; $("#confirm-cancel").onclick = null; resolve(v); };
+    $("#confirm-ok").onclick = () => done(true);
+    $("#confirm-cancel").onclick = () => done(false);
+    d.oncancel = () => done(false);
+    d.showModal();
+  });
+}
+
+async function act(what, method, path, question, okLabel, names) {
+  if (question && !(await ask(question, okLabel, names))) return;
+  try { await api(method, path); } catch (err) { report(what, err); }
   await refresh();
+}
+
+// ------------------------------------------------------------------------------ signing in
+async function start() {
+  $("#zone").textContent = `times in ${ZONE}`;
+  $("#login-form").addEventListener("submit", signIn);
+  $("#logout").onclick = () => signOut("Signed out.");
+  $("#filters").addEventListener("submit", (e) => e.preventDefault());
+  let debounce = null;
+  $("#filters").addEventListener("input", () => {
+    clearTimeout(debounce);
+    debounce = setTimeout(() => { state.lists.observers.offset = 0; refresh(); }, 250);
+  });
+  $("#create-go").onclick = createMany;
+  $("#f-restart").onclick = () => bulk("restart");
+  $("#f-delete").onclick = () => bulk("delete");
+  window.addEventListener("hashchange", () => { window.scrollTo(0, 0); refresh(); });
+  makeLists();
+  try {
+    signedIn(await api("GET", "/whoami", null, undefined, token()));
+  } catch (err) {
+    showLogin(token() && err.status === 401 ? "That API token was refused." : "");
+  }
+}
+
+function showLogin(message) {
+  clearInterval(state.timer);
+  state.timer = null;
+  $("#login").hidden = false;
+  for (const s of ["overview", "service", "failed", "observer"]) $(`#${s}`).hidden = true;
+  for (const s of ["#nav", "#whoami", "#logout"]) $(s).hidden = true;
+  const e = $("#login-error");
+  e.hidden = !message;
+  e.textContent = message || "";
+  $("#login-token").value = "";
+  $("#login-token").focus();
+}
+
+async function signIn(event) {
+  event.preventDefault();
+  const t = $("#login-token").value.trim();
+  if (!t) return;
+  $("#login-go").disabled = true;
+  try {
+    const who = await api("GET", "/whoami", null, undefined, t);
+    sessionStorage.setItem(KEY, t);
+    signedIn(who);
+  } catch (err) {
+    showLogin(err.status === 401 ? "That API token was refused." : `${err.problem.title}: ${err.problem.detail}`);
+  } finally {
+    $("#login-go").disabled = false;
+  }
+}
+
+function signOut(message) {
+  sessionStorage.removeItem(KEY);
+  state.who = null;
+  state.kinds = [];
+  for (const t of $$("table.observers, #services tbody, #o-events tbody")) t.replaceChildren();
+  for (const f of ["#activity", "#s-activity", "#totals"]) $(f).replaceChildren();
+  $("#leader").textContent = "";
+  $("#updated").textContent = "";
+  showLogin(message);
+}
+
+async function signedIn(who) {
+  state.who = who;
+  $("#login").hidden = true;
+  $("#nav").hidden = false;
+  $("#whoami").hidden = false;
+  $("#logout").hidden = !who.auth;
+  $("#who-name").textContent = who.name;
+  $("#who-role").textContent = who.role;
+  $("#who-role").className = `role role-${who.role}`;
+  for (const e of $$("[data-admin]")) e.hidden = !admin();
+  for (const list of Object.values(state.lists)) { list.all = null; list.selected.clear(); list.head(); }
+  // Kinds once signed in (before, the API would refuse them).
+  try {
+    state.kinds = await api("GET", "/kinds");
+    const select = $("#filters select[name=kind]");
+    select.replaceChildren(el("option", "any"), ...state.kinds.map((k) => el("option", k.name)));
+    select.options[0].value = "";
+  } catch (err) { report("Loading the kinds", err); }
+  clearInterval(state.timer);
+  state.timer = setInterval(refresh, REFRESH_MS);
+  await refresh();
+}
+
+// ------------------------------------------------------------------------------ lists
+const COLUMNS = {
+  name: { label: "name", sort: "name", cell: (o) => nameNode(o.name, `#/observers/${o.id}`) },
+  kind: { label: "kind", sort: "kind", cell: (o) => o.kind },
+  status: { label: "status", sort: "status", cell: statusPill },
+  service: {
+    label: "service", sort: "service",
+    cell: (o) => o.service_id ? nameNode(o.service_name || short(o.service_id), `#/services/${o.service_id}`) : "",
+  },
+  epoch: { label: "epoch", sort: "epoch", cell: (o) => o.epoch },
+  restarts: { label: "restarts", sort: "restarts", cell: (o) => el("span", restarts(o), o.in_backoff ? "restarts backoff" : "restarts") },
+  checkpoint: { label: "last checkpoint", sort: "checkpoint", cell: (o) => when(o.checkpointed_at) },
+  created: { label: "created", sort: "created", cell: (o) => when(o.created_at) },
+  error: {
+    label: "last error",
+    cell: (o) => { const s = el("span", (o.last_error || "").slice(0, 80), "error-text"); s.title = o.last_error || ""; return s; },
+  },
+};
+
+class List {
+  constructor(id, columns, params, { selectable = false, sort = "created", order = "asc" } = {}) {
+    Object.assign(this, { id, columns, params, selectable, sort, order, offset: 0, page: null });
+    this.table = $(`#${id}`);
+    this.pager = $(`[data-pager="${id}"]`);
+    this.selected = new Set();
+    this.prev = el("button", "← previous");
+    this.next = el("button", "next →");
+    this.range = el("span", "", "muted range");
+    for (const b of [this.prev, this.next]) b.type = "button";
+    this.prev.onclick = () => { this.offset = Math.max(0, this.offset - PAGE); refresh(); };
+    this.next.onclick = () => { if (this.page?.next_offset != null) { this.offset = this.page.next_offset; refresh(); } };
+    this.pager.append(this.prev, this.range, this.next);
+    this.head();
+  }
+
+  head() {
+    const tr = el("tr");
+    if (this.selectable && admin()) {
+      this.all = el("input");
+      this.all.type = "checkbox";
+      this.all.setAttribute("aria-label", "select every observer on this page");
+      this.all.onchange = () => {
+        for (const o of this.page?.items || []) this.all.checked ? this.selected.add(o.id) : this.selected.delete(o.id);
+        this.render(this.page);
+      };
+      tr.append(td(this.all));
+    }
+    for (const key of this.columns) {
+      const c = COLUMNS[key];
+      const th = el("th");
+      th.dataset.col = key;
+      if (c.sort) {
+        const b = el("button", c.label, "sort");
+        b.type = "button";
+        b.dataset.sort = c.sort;
+        b.onclick = () => {
+          this.order = this.sort === c.sort && this.order === "asc" ? "desc" : "asc";
+          this.sort = c.sort;
+          this.offset = 0;
+          refresh();
+        };
+        th.append(b);
+      } else th.textContent = c.label;
+      tr.append(th);
+    }
+    const thead = el("thead");
+    thead.append(tr);
+    this.table.replaceChildren(thead, el("tbody"));
+  }
+
+  async load() {
+    const page = await api("GET", "/views/observers", {
+      ...this.params(), sort: this.sort, order: this.order, limit: PAGE, offset: this.offset,
+    });
+    if (page.items.length === 0 && this.offset > 0 && page.total > 0) {  // the page emptied
+      this.offset = Math.max(0, Math.floor((page.total - 1) / PAGE) * PAGE);
+      return this.load();
+    }
+    this.render(page);
+    return page;
+  }
+
+  render(page) {
+    this.page = page;
+    if (this.selectable && admin() && !this.all) this.head();
+    const ids = new Set(page.items.map((o) => o.id));
+    for (const id of this.selected) if (!ids.has(id)) this.selected.delete(id);
+    for (const th of this.table.querySelectorAll("th[data-col]")) {
+      const key = COLUMNS[th.dataset.col].sort;
+      const on = key && key === this.sort;
+      th.setAttribute("aria-sort", on ? (this.order === "asc" ? "ascending" : "descending") : "none");
+      th.classList.toggle("sorted", Boolean(on));
+      th.classList.toggle("desc", Boolean(on) && this.order === "desc");
+    }
+    this.table.tBodies[0].replaceChildren(...page.items.map((o) => {
+      const tr = el("tr", null, o.status === "failed" ? "failed" : o.in_backoff ? "backoff" : o.restart_count > 0 ? "restarting" : "");
+      tr.dataset.id = o.id;
+      if (this.selectable && admin()) {
+        const box = el("input");
+        box.type = "checkbox";
+        box.checked = this.selected.has(o.id);
+        box.setAttribute("aria-label", `select ${o.name}`);
+        box.onchange = () => { box.checked ? this.selected.add(o.id) : this.selected.delete(o.id); this.changed(); };
+        tr.append(td(box));
+      }
+      for (const key of this.columns) tr.append(td(COLUMNS[key].cell(o)));
+      return tr;
+    }));
+    if (page.items.length === 0) {
+      const empty = el("tr");
+      const cell = td(el("span", "none", "muted"));
+      cell.colSpan = this.columns.length + 1;
+      empty.append(cell);
+      this.table.tBodies[0].append(empty);
+    }
+    const first = page.items.length ? page.offset + 1 : 0;
+    this.range.textContent = `${count(first)}–${count(page.offset + page.items.length)} of ${count(page.total)}`;
+    this.prev.disabled = page.offset === 0;
+    this.next.disabled = page.next_offset == null;
+    this.changed();
+  }
+
+  changed() {
+    if (this.all) this.all.checked = this.page?.items.length > 0 && this.page.items.every((o) => this.selected.has(o.id));
+    if (this.onchange) this.onchange();
+  }
+}
+
+function makeLists() {
+  const filters = () => {
+    const f = Object.fromEntries(new FormData($("#filters")));
+    return { q: f.q?.trim(), status: f.status, kind: f.kind, include_deleted: f.include_deleted ? "true" : "" };
+  };
+  state.lists.observers = new List("observers",
+    ["name", "kind", "status", "service", "epoch", "restarts", "checkpoint", "created"], filters);
+  state.lists.service = new List("s-observers",
+    ["name", "kind", "status", "epoch", "restarts", "checkpoint"], () => ({ service_id: state.serviceId }),
+    { sort: "name" });
+  state.lists.failed = new List("f-observers",
+    ["name", "kind", "restarts", "error", "checkpoint", "created"], () => ({ status: "failed" }),
+    { selectable: true, sort: "name" });
+  state.lists.failed.onchange = () => {
+    const n = state.lists.failed.selected.size;
+    $("#f-restart").disabled = n === 0;
+    $("#f-delete").disabled = n === 0;
+    $("#f-selected").textContent = n ? `${n} selected` : "";
+  };
+}
+
+// ------------------------------------------------------------------------------ activity
+const SERIES = [["taken", "takes"], ["restarted", "restarts"], ["failed", "failures"]];
+
+function activity(figure, data) {
+  const W = 240, H = 44, n = data.buckets.length, bw = W / n;
+  figure.replaceChildren(...SERIES.map(([key, label]) => {
+    const values = data.buckets.map((b) => b[key]);
+    const max = Math.max(1, ...values);
+    const total = values.reduce((a, b) => a + b, 0);
+    const box = el("div", null, `spark spark-${key}`);
+    const head = el("div", null, "spark-head");
+    head.append(el("span", `${label} / min`, "muted"), el("strong", count(values[n - 1] ?? 0), "spark-now"));
+    const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "aria-label": `${label} per minute, the last ${n} minutes` });
+    chart.append(svg("line", { x1: 0, y1: H - 0.5, x2: W, y2: H - 0.5, class: "axis" }));
+    data.buckets.forEach((b, i) => {
+      if (!b[key]) return;
+      const h = Math.max(2, (b[key] / max) * (H - 2));
+      const r = svg("rect", { x: (i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar bar-${key}` });
+      const t = svg("title");
+      t.textContent = `${stamp(b.at)}: ${b[key]} ${label}`;
+      r.append(t);
+      chart.append(r);
+    });
+    box.append(head, chart, el("div", `${count(total)} in ${n} min · peak ${count(max === 1 && total === 0 ? 0 : max)}`, "muted small"));
+    return box;
+  }));
+}
+
+// ------------------------------------------------------------------------------ the views
+function serviceButtons(s, where) {
+  if (!admin() || s.is_deleted) return [];
+  const b = s.draining
+    ? el("button", "undrain")
+    : el("button", "drain", "danger");
+  b.type = "button";
+  b.dataset.action = s.draining ? "undrain" : "drain";
+  b.onclick = s.draining
+    ? () => act(`Undrain ${s.name}`, "POST", `/services/${s.id}/undrain`, null)
+    : () => act(`Drain ${s.name}`, "POST", `/services/${s.id}/drain`,
+      `Drain ${s.name}? Every observer on it moves to the others, and it takes no new ones until it is undrained.`, "Drain");
+  b.dataset.where = where;
+  return [b];
+}
+
+function serviceState(s) {
+  return s.is_deleted ? "gone" : s.draining ? "draining" : "taking work";
+}
+
+function totals(page) {
+  const order = ["created", "processing", "pausing", "paused", "on_deleting", "failed", "deleted"];
+  const chips = order.map((status) => {
+    const b = el("button", null, `chip status-${status}`);
+    b.type = "button";
+    b.dataset.status = status;
+    b.append(el("span", status), el("strong", count(page.totals[status] || 0)));
+    b.onclick = () => {
+      const sel = $("#filters select[name=status]");
+      sel.value = sel.value === status ? "" : status;
+      state.lists.observers.offset = 0;
+      refresh();
+    };
+    b.classList.toggle("on", $("#filters select[name=status]").value === status);
+    return b;
+  });
+  const all = el("span", null, "chip total");
+  all.append(el("span", "shown"), el("strong", count(page.total)));
+  $("#totals").replaceChildren(all, ...chips);
+}
+
+async function renderOverview() {
+  const [services, leader, failed, act_, page] = await Promise.all([
+    api("GET", "/services"),
+    api("GET", "/leader"),
+    api("GET", "/views/observers", { status: "failed", limit: 1 }),
+    api("GET", "/views/activity", { minutes: 30 }),
+    state.lists.observers.load(),
+  ]);
+  totals(page);
+  $("#failed-count").textContent = failed.total ? count(failed.total) : "";
+  activity($("#activity"), act_);
+  state.services = new Map(services.map((s) => [s.id, s]));
+  $("#leader").textContent = leader.holder ? `leader: ${leader.holder}` : "no leader";
+  $("#services tbody").replaceChildren(...services.map((s) => {
+    const bar = el("span", null, "bar");
+    const fill = el("span");
+    fill.style.width = `${Math.min(100, (100 * s.running) / Math.max(1, s.worker_count))}%`;
+    bar.append(fill);
+    const load = el("span");
+    load.append(bar, `${s.running} / ${s.worker_count}`);
+    const actions = el("span", null, "actions inline");
+    actions.append(...serviceButtons(s, "list"));
+    const tr = el("tr", null, s.draining ? "draining" : "");
+    tr.dataset.id = s.id;
+    tr.append(td(nameNode(s.name, `#/services/${s.id}`)), td(el("span", short(s.id), "mono")), td(load),
+      td(el("span", serviceState(s), `pill state-${serviceState(s).replace(" ", "-")}`)), td(when(s.last_heartbeat_at)), td(actions));
+    return tr;
+  }));
+}
+
+async function renderService(id) {
+  state.serviceId = id;
+  const [s, act_] = await Promise.all([
+    api("GET", `/views/services/${id}`),
+    api("GET", "/views/activity", { minutes: 30, service_id: id }),
+    state.lists.service.load(),
+  ]);
+  $("#s-name").textContent = s.name;
+  const st = serviceState(s);
+  $("#s-state").textContent = st;
+  $("#s-state").className = `pill state-${st.replace(" ", "-")}`;
+  const fields = [["id", s.id], ["load", `${s.running} / ${s.worker_count}`], ["host", `${s.host} (pid ${s.pid})`],
+    ["version", s.version], ["started", when(s.created_at)], ["last renewal", when(s.last_heartbeat_at)],
+    ["lease until", when(s.lease_expires_at)]];
+  $("#s-fields").replaceChildren(...fields.flatMap(([k, v]) => {
+    const dd = el("dd");
+    dd.id = `s-field-${k.replace(" ", "-")}`;
+    if (v instanceof Node) dd.append(v); else dd.textContent = String(v ?? "");
+    return [el("dt", k), dd];
+  }));
+  $("#s-actions").replaceChildren(...serviceButtons(s, "page"));
+  activity($("#s-activity"), act_);
+}
+
+async function renderFailed() {
+  const page = await state.lists.failed.load();
+  $("#f-total").textContent = `(${count(page.total)})`;
+  $("#failed-count").textContent = page.total ? count(page.total) : "";
+}
+
+async function bulk(verb) {
+  const list = state.lists.failed;
+  const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
+  if (!chosen.length) return;
+  const names = chosen.map((o) => o.name);
+  const question = verb === "restart"
+    ? `Restart ${chosen.length} failed observer(s)? Each starts again from its last checkpoint with a fresh restart budget.`
+    : `Delete ${chosen.length} observer(s) for good?`;
+  if (!(await ask(question, verb === "restart" ? `Restart ${chosen.length}` : `Delete ${chosen.length}`, names))) return;
+  const byId = new Map(chosen.map((o) => [o.id, o.name]));
+  try {
+    const out = await api("POST", `/views/observers/${verb}`, null, { ids: chosen.map((o) => o.id) });
+    list.selected.clear();
+    $("#f-selected").textContent = `${out.done} ${verb === "restart" ? "restarted" : "deleted"}`;
+    const bad = out.items.filter((i) => i.problem);
+    if (bad.length) {
+      const first = bad[0].problem;
+      report(`${verb === "restart" ? "Restart" : "Delete"}: ${bad.length} of ${out.items.length} failed`,
+        { problem: { ...first, detail: "" } },
+        bad.map((i) => `${byId.get(i.id) ?? i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
+    }
+  } catch (err) {
+    report(`${verb === "restart" ? "Restart" : "Delete"} ${chosen.length}`, err);
+  }
+  await refresh();
+}
+
+async function renderObserver(id) {
+  const [o, events, row, services] = await Promise.all([
+    api("GET", `/observers/${id}`), api("GET", `/observers/${id}/events`),
+    api("GET", "/views/observers", { q: id, include_deleted: "true", limit: 1 }),
+    state.services.size ? null : api("GET", "/services"),
+  ]);
+  if (services) state.services = new Map(services.map((s) => [s.id, s]));
+  const v = row.items[0] || { ...o, max_restarts: "?", in_backoff: false };
+  $("#o-name").textContent = o.name;
+  const pill = statusPill(v);
+  $("#o-state").textContent = pill.textContent;
+  $("#o-state").className = pill.className;
+  $("#o-state").title = pill.title;
+  const svc = o.service_id ? nameNode(v.service_name || short(o.service_id), `#/services/${o.service_id}`) : "none";
+  const fields = [["id", o.id], ["kind", o.kind], ["status", o.status], ["service", svc],
+    ["epoch", o.epoch], ["restarts", restarts(v) || "none"], ["params", JSON.stringify(o.params)],
+    ["created", when(o.created_at)], ["started", when(o.started_at)],
+    ["last checkpoint", when(o.checkpointed_at)], ["modified", when(o.modified_at)]];
+  $("#o-fields").replaceChildren(...fields.flatMap(([k, val]) => {
+    const dd = el("dd", null, k === "status" ? `status-${val}` : "");
+    dd.id = `o-field-${k.replace(" ", "-")}`;
+    if (val instanceof Node) dd.append(val); else dd.textContent = String(val ?? "");
+    return [el("dt", k), dd];
+  }));
+  $("#o-checkpoint").textContent = JSON.stringify(o.checkpoint, null, 2);
+  $("#o-error").textContent = o.last_error || "none";
+  const buttons = [];
+  const button = (label, method, suffix, question, danger) => {
+    const b = el("button", label, danger ? "danger" : "");
+    b.type = "button";
+    b.onclick = () => act(`${label} ${o.name}`, method, `/observers/${o.id}${suffix}`, question, label, question ? [o.name] : null);
+    buttons.push(b);
+  };
+  if (admin()) {
+    if (["created", "processing"].includes(o.status))
+      button("Pause", "POST", "/pause", "Pause this observer? Its copy stops; its checkpoint stays.");
+    if (o.status === "paused") button("Resume", "POST", "/resume", null);
+    if (o.status === "failed") button("Restart", "POST", "/restart", "Restart this failed observer?");
+    if (o.status !== "deleted") button("Delete", "DELETE", "", "Delete this observer for good?", true);
+  }
+  $("#o-actions").replaceChildren(...buttons);
+  $("#o-events tbody").replaceChildren(...events.slice().reverse().map((e) => {
+    const s = state.services.get(e.service_id);
+    const tr = el("tr");
+    tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : short(e.service_id)), td(e.epoch ?? ""), td(e.detail ?? ""));
+    return tr;
+  }));
 }
 
 // ------------------------------------------------------------------------------ creating
@@ -93,8 +635,7 @@ async function createMany() {
   const failures = $("#create-failures");
   failures.replaceChildren();
   let items;
-  try { items = parseObservers($("#create-text").value); } catch (err) { showError(err); return; }
-  showError(null);
+  try { items = parseObservers($("#create-text").value); } catch (err) { report("Create", err); return; }
   $("#create-go").disabled = true;
   let created = 0;
   try {
@@ -110,135 +651,46 @@ async function createMany() {
     progress.textContent = `${created} of ${items.length} created` +
       (failures.children.length ? `, ${failures.children.length} failed` : "");
   } catch (err) {
-    showError(err);
+    report("Create", err);
   } finally {
     $("#create-go").disabled = false;
   }
   await refresh();
 }
 
-// ------------------------------------------------------------------------------ the views
-async function renderCluster() {
-  const filters = Object.fromEntries(new FormData($("#filters")));
-  const [services, page, leader] = await Promise.all([
-    api("GET", "/services"),
-    api("GET", "/observers", { ...filters, limit: PAGE, offset: state.offset }),
-    api("GET", "/leader"),
-  ]);
-  state.services = new Map(services.map((s) => [s.id, s]));
-  $("#leader").textContent = leader.holder ? `leader: ${leader.holder}` : "no leader";
-  const sbody = $("#services tbody");
-  sbody.replaceChildren(...services.map((s) => {
-    const bar = el("span", null, "bar");
-    const fill = el("span");
-    fill.style.width = `${Math.min(100, (100 * s.running) / s.worker_count)}%`;
-    bar.append(fill);
-    const load = el("span");
-    load.append(bar, `${s.running} / ${s.worker_count}`);
-    const drain = el("button", "drain", "danger");
-    drain.disabled = s.draining;
-    drain.onclick = () => act("POST", `/services/${s.id}/drain`,
-      `Drain ${s.name}? Every observer on it moves to the others, and it takes no new ones.`);
-    return row([s.name, el("span", short(s.id), "mono"), load,
-      s.draining ? "draining" : "taking work", ago(s.last_heartbeat_at), drain]);
-  }));
-  const obody = $("#observers tbody");
-  obody.replaceChildren(...page.items.map((o) => {
-    const link = el("a", o.name);
-    link.href = `#/observers/${o.id}`;
-    const svc = state.services.get(o.service_id);
-    const cls = o.status === "failed" ? "failed" : o.restart_count > 0 ? "restarting" : "";
-    const tr = row([link, o.kind, el("span", o.status, `status-${o.status}`),
-      svc ? svc.name : short(o.service_id), o.epoch,
-      el("span", o.restart_count || "", o.restart_count ? "restarts" : ""),
-      ago(o.checkpointed_at)], cls);
-    tr.dataset.id = o.id;
-    return tr;
-  }));
-  state.next = page.next_offset;
-  $("#page").textContent = `${state.offset + 1}–${state.offset + page.items.length}`;
-  $("#prev").disabled = state.offset === 0;
-  $("#next").disabled = page.next_offset == null;
-}
-
-async function renderObserver(id) {
-  const [o, events] = await Promise.all([
-    api("GET", `/observers/${id}`), api("GET", `/observers/${id}/events`),
-  ]);
-  if (state.services.size === 0) {
-    const services = await api("GET", "/services");
-    state.services = new Map(services.map((s) => [s.id, s]));
-  }
-  $("#o-name").textContent = o.name;
-  const svc = state.services.get(o.service_id);
-  const fields = [["id", o.id], ["kind", o.kind], ["status", o.status],
-    ["service", svc ? `${svc.name} (${short(o.service_id)})` : short(o.service_id) || "none"],
-    ["epoch", o.epoch], ["restarts", o.restart_count], ["params", JSON.stringify(o.params)],
-    ["created", o.created_at], ["last checkpoint", o.checkpointed_at || "never"]];
-  $("#o-fields").replaceChildren(...fields.flatMap(([k, v]) => {
-    const dd = el("dd", v, k === "status" ? `status-${v}` : "");
-    dd.id = `o-field-${k}`;
-    return [el("dt", k), dd];
-  }));
-  $("#o-checkpoint").textContent = JSON.stringify(o.checkpoint, null, 2);
-  $("#o-error").textContent = o.last_error || "none";
-  const buttons = [];
-  const button = (label, method, suffix, question, danger) => {
-    const b = el("button", label, danger ? "danger" : "");
-    b.onclick = () => act(method, `/observers/${o.id}${suffix}`, question);
-    buttons.push(b);
-  };
-  if (["created", "processing"].includes(o.status))
-    button("Pause", "POST", "/pause", `Pause ${o.name}? Its copy stops; its checkpoint stays.`);
-  if (o.status === "paused") button("Resume", "POST", "/resume", null);
-  if (o.status === "failed") button("Restart", "POST", "/restart", `Restart ${o.name}?`);
-  if (o.status !== "deleted")
-    button("Delete", "DELETE", "", `Delete ${o.name} for good?`, true);
-  $("#o-actions").replaceChildren(...buttons);
-  $("#o-events tbody").replaceChildren(...events.slice().reverse().map((e) => {
-    const s = state.services.get(e.service_id);
-    return row([e.at.replace("T", " ").slice(0, 23), e.event, s ? s.name : short(e.service_id),
-      e.epoch ?? "", e.detail ?? ""]);
-  }));
-}
-
 // ------------------------------------------------------------------------------ the loop
 function route() {
-  const m = window.location.hash.match(/^#\/observers\/([0-9a-f-]{36})$/);
-  $("#cluster").hidden = Boolean(m);
-  $("#observer").hidden = !m;
-  return m ? m[1] : null;
+  const h = window.location.hash;
+  let m;
+  if ((m = h.match(/^#\/observers\/([0-9a-f-]{36})$/))) return ["observer", m[1]];
+  if ((m = h.match(/^#\/services\/([0-9a-f-]{36})$/))) return ["service", m[1]];
+  if (h === "#/failed") return ["failed", null];
+  return ["overview", null];
 }
+
+const RENDER = { overview: renderOverview, service: renderService, failed: renderFailed, observer: renderObserver };
 
 async function refresh() {
-  if (state.busy) return;
+  if (!state.who) return;
+  if (state.busy) { state.again = true; return; }
   state.busy = true;
   try {
-    const id = route();
-    await (id ? renderObserver(id) : renderCluster());
-    $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
-    showError(null);
+    const [view, id] = route();
+    for (const s of Object.keys(RENDER)) $(`#${s}`).hidden = s !== view;
+    for (const a of $$("#nav a")) a.classList.toggle("on", a.dataset.nav === view);
+    await RENDER[view](id);
+    if (!state.who) return;
+    $("#updated").textContent = `updated ${stamp(new Date().toISOString())}`;
+    $("#updated").classList.remove("stale");
   } catch (err) {
-    showError(err);
+    if (state.who) {  // a refresh that failed says so here; it never clears a reported problem
+      $("#updated").textContent = `refresh failed: ${err.message || err}`;
+      $("#updated").classList.add("stale");
+    }
   } finally {
     state.busy = false;
+    if (state.again) { state.again = false; refresh(); }
   }
-}
-
-async function start() {
-  try {
-    const kinds = await api("GET", "/kinds");
-    $("#filters select[name=kind]").append(...kinds.map((k) => el("option", k.name)));
-  } catch (err) { showError(err); }
-  $("#filters").addEventListener("input", () => { state.offset = 0; refresh(); });
-  $("#filters").addEventListener("submit", (e) => e.preventDefault());
-  $("#prev").onclick = () => { state.offset = Math.max(0, state.offset - PAGE); refresh(); };
-  $("#next").onclick = () => { if (state.next != null) { state.offset = state.next; refresh(); } };
-  $("#create-go").onclick = createMany;
-  $("#token").onclick = () => { state.asked = false; askToken("Set the API token."); refresh(); };
-  window.addEventListener("hashchange", refresh);
-  await refresh();
-  state.timer = setInterval(refresh, REFRESH_MS);
 }
 
 document.addEventListener("DOMContentLoaded", start);

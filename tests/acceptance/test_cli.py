@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,13 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
                     return False
 
             await wait_for(two_services, timeout=60, what="orch up: manager and 2 services")
+            # Each service serves its metrics on a port orch up printed.
+            metrics = re.findall(r"local-\d+: (http://127\.0\.0\.1:\d+/metrics)", seen.decode())
+            assert len(metrics) == 2, seen.decode()
+            for url in metrics:
+                page = await api.get(url)
+                assert page.status_code == 200
+                assert "orch_observers_running" in page.text
             r = await api.post(
                 "/observers", json={"name": "via-up", "kind": "ticker", "params": {"interval": 0.1}}
             )
@@ -92,19 +100,27 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
     assert left.strip() == b"", "orch up left processes behind"
 
 
-def _orch(*args: str, api: str, token: str | None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ORCH_API": api, "COLUMNS": "200", "ORCH_TOKEN": token or ""}
+def _orch(
+    *args: str, api: str, token: str | None, columns: int = 200
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ORCH_API": api, "COLUMNS": str(columns), "ORCH_TOKEN": token or ""}
     return subprocess.run(
         [sys.executable, "-m", "orch", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 
 async def _run(
-    cluster: Cluster, *args: str, api: str | None = None
+    cluster: Cluster,
+    *args: str,
+    api: str | None = None,
+    token: str | None = "admin",
+    columns: int = 200,
 ) -> subprocess.CompletedProcess[str]:
-    """``orch ARGS`` against the cluster's manager (or ``api``), with its admin token."""
+    """``orch ARGS`` against the cluster's manager (or ``api``), with its admin token (or
+    ``token``)."""
     url = api or f"http://127.0.0.1:{cluster.api_port}"
-    return await asyncio.to_thread(_orch, *args, api=url, token=cluster.token)
+    given = cluster.token if token == "admin" else token
+    return await asyncio.to_thread(_orch, *args, api=url, token=given, columns=columns)
 
 
 async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
@@ -159,8 +175,8 @@ async def test_import_creates_many_and_reports_each_failure(
     imported = await _run(cluster, "observers", "import", str(source))
     assert imported.returncode == 1, "one failed"
     assert "created 1499, failed 1" in imported.stdout
-    assert "#7" in imported.stderr
-    assert "imp-bad" in imported.stderr
+    # Numbered from 1, as an editor shows them: the 8th item of the array.
+    assert "item 8 (imp-bad): unknown kind 'no-such-kind'" in imported.stderr
     lines = tmp_path / "more.jsonl"
     lines.write_text(
         "\n".join(json.dumps({"name": f"line-{i}", "kind": "ticker"}) for i in range(3))
@@ -188,3 +204,128 @@ async def test_failures_print_the_api_message_and_exit_1_usage_exits_2(cluster: 
     unreachable = await _run(cluster, "kinds", api="http://127.0.0.1:1")
     assert unreachable.returncode == 1
     assert "cannot reach the manager" in unreachable.stderr
+
+
+async def test_import_numbers_lines_from_1_gives_the_reasons_and_skips_a_bad_line(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    await cluster.start_manager()
+    lines = tmp_path / "observers.jsonl"
+    lines.write_text(
+        "\n".join(
+            [
+                json.dumps({"name": "ok-1", "kind": "ticker"}),
+                "",
+                '{"name": "broken", ',  # not JSON: fails alone
+                json.dumps({"name": "no-kind"}),  # not valid: the API says which field
+                json.dumps({"name": "ok-2", "kind": "ticker", "params": {"interval": 60}}),
+            ]
+        )
+    )
+    imported = await _run(cluster, "observers", "import", str(lines))
+    assert imported.returncode == 1
+    assert "created 2, failed 2" in imported.stdout
+    assert "line 3: not JSON" in imported.stderr
+    assert "line 4 (no-kind): the observer is not valid: kind: Field required" in imported.stderr
+    listed = json.loads((await _run(cluster, "observers", "list", "--json")).stdout)
+    assert sorted(o["name"] for o in listed) == ["ok-1", "ok-2"]
+    as_json = await _run(cluster, "observers", "import", str(lines), "--json")
+    items = json.loads(as_json.stdout)["items"]
+    assert [(i["line"], i["status"]) for i in items] == [(1, 409), (3, 400), (4, 422), (5, 409)]
+
+
+async def test_data_from_the_api_is_printed_as_it_is(cluster: Cluster) -> None:
+    """Names, errors and params may hold Rich markup or terminal control characters: they are
+    shown literally, never interpreted (rows from before the API refused such names)."""
+    await cluster.start_manager()
+    nasty = ["x[/red]", "[link=http://127.0.0.1/]click[/link]", "esc\x1b[31mRED"]
+    ids = []
+    for i in range(len(nasty)):
+        created = await _run(cluster, "observers", "create", f"plain-{i}", "ticker", "--json")
+        assert created.returncode == 0, created.stderr
+        ids.append(json.loads(created.stdout)["id"])
+    for oid, name in zip(ids, nasty, strict=True):
+        await cluster.q(
+            "UPDATE observers SET name = $2, last_error = $3, params = $4::jsonb WHERE id = $1",
+            uuid.UUID(oid),
+            name,
+            f"boom [bold]{name}[/bold]",
+            json.dumps({"note": name}),
+        )
+    listed = await _run(cluster, "observers", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "Traceback" not in listed.stderr
+    for name in ("x[/red]", "[link=http://127.0.0.1/]click[/link]", "esc\\x1b[31mRED"):
+        assert name in listed.stdout
+    assert "\x1b" not in listed.stdout
+    got = await _run(cluster, "observers", "get", ids[0])
+    assert got.returncode == 0, got.stderr
+    assert "last error: boom [bold]x[/red][/bold]" in got.stdout
+    assert '{"note": "x[/red]"}' in got.stdout
+    escaped = await _run(cluster, "observers", "get", ids[2])
+    assert "esc\\x1b[31mRED" in escaped.stdout
+    assert "\x1b" not in escaped.stdout
+
+
+async def test_ids_are_whole_and_unknown_filters_name_what_exists(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    created = await _run(cluster, "observers", "create", "a-long-name-" * 4, "ticker", "--json")
+    oid = json.loads(created.stdout)["id"]
+    narrow = await _run(cluster, "observers", "list", columns=80)
+    assert oid in narrow.stdout, narrow.stdout
+    quiet = await _run(cluster, "observers", "list", "-q", columns=80)
+    assert quiet.stdout.split() == [oid]
+    as_json = await _run(cluster, "observers", "list", "--json", columns=80)
+    assert [o["id"] for o in json.loads(as_json.stdout)] == [oid]
+    kind = await _run(cluster, "observers", "list", "--kind", "nosuch")
+    assert kind.returncode == 2
+    assert "unknown kind 'nosuch'" in kind.stderr
+    assert "ticker" in kind.stderr
+    status = await _run(cluster, "observers", "list", "--status", "nosuch")
+    assert status.returncode == 2
+    assert "processing" in status.stderr
+    assert "paused" in status.stderr
+    # A known kind with nothing of it is an empty list, not an error.
+    empty = await _run(cluster, "observers", "list", "--kind", "http_poll", "--json")
+    assert (empty.returncode, json.loads(empty.stdout)) == (0, [])
+
+
+async def test_a_401_says_how_to_give_a_token(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    anonymous = await _run(cluster, "observers", "list", token=None)
+    assert anonymous.returncode == 1
+    assert "401" in anonymous.stderr
+    assert "ORCH_TOKEN" in anonymous.stderr
+    assert "--token" in anonymous.stderr
+
+
+async def test_undrain_lets_a_drained_service_take_work_again(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=5)
+    b = await cluster.start_service("b", worker_count=5)
+    a_id, b_id = await cluster.service_id(a), await cluster.service_id(b)
+    nothing = await _run(cluster, "services", "drain")
+    assert nothing.returncode == 2
+    assert "give a service id or --name" in nothing.stderr
+    assert "not both" not in nothing.stderr
+    assert (await _run(cluster, "services", "drain", "--name", "a", "--wait")).returncode == 0
+
+    async def create(name: str) -> uuid.UUID:
+        made = await _run(cluster, "observers", "create", name, "ticker", "-p", "interval=0.1")
+        assert made.returncode == 0, made.stderr
+        return uuid.UUID(made.stdout.split()[1])
+
+    first = await create("while-a-drains")
+    await cluster.wait_all_running([first], timeout=20, on={b_id})
+    undrained = await _run(cluster, "services", "undrain", str(a_id))
+    assert undrained.returncode == 0, undrained.stderr
+    assert "taking work again" in undrained.stdout
+    services = json.loads((await _run(cluster, "services", "list", "--json")).stdout)
+    assert {s["name"]: s["draining"] for s in services} == {"a": False, "b": False}
+    # With b drained in turn, a is the only one taking work: new observers land on it again,
+    # and b's observer moves to it.
+    assert (await _run(cluster, "services", "drain", "--name", "b", "--wait")).returncode == 0
+    second = await create("after-undrain")
+    await cluster.wait_all_running([first, second], timeout=30, on={a_id})
+    again = await _run(cluster, "services", "undrain", "--name", "b")
+    assert again.returncode == 0, again.stderr

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from manager.settings import ManagerSettings
+from observer_service.kinds.http_poll import HttpPollSettings
 from observer_service.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +33,12 @@ def test_compose_has_the_services() -> None:
 
 
 def orch_env_names() -> set[str]:
-    """Every ORCH_ variable something reads: a settings field of either process, or an option of
-    the ``orch`` command (``ORCH_API``, ``ORCH_TOKEN``, ``ORCH_WAIT``)."""
+    """Every ORCH_ variable something reads: a settings field of either process, a built-in
+    kind's own setting (``ORCH_HTTP_POLL_ALLOW``), or an option of the ``orch`` command
+    (``ORCH_API``, ``ORCH_TOKEN``, ``ORCH_WAIT``)."""
     fields = {*ManagerSettings.model_fields, *ServiceSettings.model_fields}
     names = {f"ORCH_{n.upper()}" for n in fields}
+    names |= {f"ORCH_HTTP_POLL_{n.upper()}" for n in HttpPollSettings.model_fields}
     stack = [_orch_group()]
     while stack:
         command = stack.pop()

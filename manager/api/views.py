@@ -1,0 +1,381 @@
+"""What the console reads and does beyond the plain API: who is signed in, a sorted and counted
+page of observers (server-side, fast with tens of thousands), one service, activity per minute
+from the history, and bulk restart and delete of failed observers.
+
+No route here returns an observer's params (the plain API decides what a token may see of
+them); a last error is masked for a read token as ``GET /observers/{id}`` masks it. Read
+routes tell their own time in a ``Server-Timing`` header (``app;dur=…`` ms).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from contracts.errors import NotFound, OrchError
+from contracts.kinds import KindSpec, RestartPolicy
+from contracts.statuses import Event, ObserverStatus
+from manager import queries as q
+from manager import repository as repo
+from manager.api.deps import RuntimeDep
+from manager.api.observers import KindFilter, SeesSecrets, StatusFilter, shown
+from manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
+from manager.db import autocommit, transaction
+from manager.outbox import Pending
+from manager.problems import Problem, problem_of, responses, status_of
+from manager.schemas import SafeText, ServiceOut
+
+router = APIRouter(tags=["console"])
+AUTH = (401, 403)
+#: Observers one bulk action takes at most.
+MAX_BULK = 1000
+_HEXISH = re.compile(r"^[0-9a-fA-F-]{4,36}$")
+
+
+# ------------------------------------------------------------------------------------ bodies
+class WhoAmI(BaseModel):
+    name: str = Field(description="the token's name (never the token)")
+    role: Role
+    auth: bool = Field(description="false when the manager runs without tokens")
+
+
+class ObserverRow(BaseModel):
+    """An observer as the console lists it: no params, its restart budget and backoff."""
+
+    id: uuid.UUID
+    name: str
+    kind: str
+    status: ObserverStatus
+    service_id: uuid.UUID | None
+    service_name: str | None
+    epoch: int
+    restart_count: int = Field(description="restarts within the current window")
+    max_restarts: int = Field(description="the restart budget of its policy")
+    restarted_at: datetime | None
+    in_backoff: bool = Field(description="its code raised and it waits to be restarted")
+    next_restart_in: float | None = Field(
+        description="seconds until the restart at the earliest (a jitter may add to it)"
+    )
+    last_error: str | None = Field(description="the first 500 characters")
+    checkpointed_at: datetime | None
+    created_at: datetime
+    modified_at: datetime
+    started_at: datetime | None
+
+
+class ObserverView(BaseModel):
+    items: list[ObserverRow]
+    total: int = Field(description="observers matching the filters")
+    totals: dict[str, int] = Field(description="by status, under every filter but status")
+    limit: int
+    offset: int
+    next_offset: int | None
+    sort: str
+    order: Literal["asc", "desc"]
+    now: datetime | None = Field(default=None, description="the database's clock")
+
+
+class ActivityBucket(BaseModel):
+    at: datetime = Field(description="the minute's start")
+    taken: int
+    restarted: int
+    failed: int
+
+
+class Activity(BaseModel):
+    since: datetime
+    minutes: int
+    buckets: list[ActivityBucket] = Field(description="one per minute, oldest first")
+
+
+class BulkIds(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[uuid.UUID] = Field(min_length=1, max_length=MAX_BULK)
+
+
+class BulkItem(BaseModel):
+    id: uuid.UUID
+    status: int = Field(description="the status the one-observer route would have answered")
+    observer_status: ObserverStatus | None = None
+    problem: Problem | None = None
+
+
+class BulkOut(BaseModel):
+    done: int
+    failed: int
+    items: list[BulkItem] = Field(description="one per distinct id, in order")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _timed(response: Response, started: float) -> None:
+    response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
+
+
+def _policy(kinds: dict[str, KindSpec], kind: str, override: Any) -> RestartPolicy:
+    spec = kinds.get(kind)
+    if spec is None:
+        return RestartPolicy.model_validate(override) if override else RestartPolicy()
+    try:
+        return spec.policy(override)
+    except ValueError:
+        return spec.restart_policy
+
+
+def backoff(row: dict[str, Any], policy: RestartPolicy, now: datetime) -> tuple[bool, float | None]:
+    """Whether an observer waits to be restarted, and for how long at the earliest. The service
+    waits ``policy.delay(n)`` after its n-th restart was recorded: the exponential part, plus a
+    jitter of up to ``base_delay``."""
+    n = int(row["restart_count"])
+    at = row["restarted_at"]
+    if n < 1 or at is None or row["status"] != ObserverStatus.PROCESSING:
+        return False, None
+    if at < now - timedelta(seconds=policy.reset_after):
+        return False, None
+    start = at + timedelta(seconds=policy.nominal_delay(n))
+    if now >= start + timedelta(seconds=policy.base_delay):
+        return False, None  # restarted by now
+    return True, max(0.0, (start - now).total_seconds())
+
+
+def _lookup(text_: str | None) -> dict[str, Any]:
+    """The lookup box: a whole id, or part of a name (or the start of an id)."""
+    if not text_:
+        return {"id": None, "q": None, "idp": None}
+    text_ = text_.strip()
+    try:
+        return {"id": uuid.UUID(text_), "q": None, "idp": None}
+    except ValueError:
+        pass
+    like = text_.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    idp = text_.lower() + "%" if _HEXISH.match(text_) else None
+    return {"id": None, "q": like, "idp": idp}
+
+
+# ------------------------------------------------------------------------------------ routes
+@router.get(
+    "/whoami",
+    response_model=WhoAmI,
+    operation_id="whoAmI",
+    responses=responses(401),
+)
+async def whoami(request: Request, credentials: Credentials) -> dict[str, Any]:
+    """The token this request carries: its name and role (what the console may show)."""
+    auth: Authenticator = request.app.state.auth
+    if not auth.enabled:
+        request.state.who = "anonymous"
+        return {"name": "anonymous", "role": Role.ADMIN, "auth": False}
+    token = auth.identify(credentials.credentials if credentials else None)
+    if token is None:
+        raise Unauthenticated("a valid API token is needed (Authorization: Bearer …)")
+    request.state.who = token.name
+    return {"name": token.name, "role": token.role, "auth": True}
+
+
+Sort = Literal["name", "kind", "status", "service", "epoch", "restarts", "checkpoint", "created"]
+
+
+@router.get(
+    "/views/observers",
+    response_model=ObserverView,
+    operation_id="viewObservers",
+    dependencies=[READ],
+    responses=responses(*AUTH, 422, 503),
+)
+async def view_observers(
+    state: RuntimeDep,
+    response: Response,
+    raw: SeesSecrets,
+    status_: StatusFilter = None,
+    kind: KindFilter = None,
+    service_id: uuid.UUID | None = None,
+    q_: Annotated[
+        SafeText | None,
+        Query(
+            alias="q",
+            min_length=1,
+            max_length=200,
+            description="an id, the start of one, or any part of a name",
+        ),
+    ] = None,
+    include_deleted: bool = False,
+    sort: Sort = "created",
+    order: Literal["asc", "desc"] = "asc",
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> dict[str, Any]:
+    """A page of observers, sorted on the server, with the number that match and the totals by
+    status. Deleted observers are left out unless asked for (or filtered on)."""
+    started = time.perf_counter()
+    direction = "DESC" if order == "desc" else "ASC"
+    sql = q.VIEW_OBSERVERS.replace(
+        "{order}", f"{q.VIEW_SORTS[sort]} {direction} NULLS LAST, o.id {direction}"
+    )
+    common = {"kind": kind, "sid": service_id, **_lookup(q_)}
+    async with autocommit(state.engine) as conn:
+        rows = (
+            await conn.execute(
+                text(sql),
+                {
+                    **common,
+                    "status": status_.value if status_ else None,
+                    "deleted": include_deleted,
+                    "limit": limit,
+                    "offset": offset,
+                },
+            )
+        ).all()
+        totals = {
+            r.status: int(r.n) for r in (await conn.execute(text(q.VIEW_TOTALS), common)).all()
+        }
+    if status_ is not None:
+        total = totals.get(status_.value, 0)
+    else:
+        total = sum(totals.values()) - (0 if include_deleted else totals.get("deleted", 0))
+    items = []
+    now = None
+    for r in rows:
+        row = dict(r._mapping)
+        now = row.pop("now")
+        policy = _policy(state.kinds, row["kind"], row.pop("restart_policy"))
+        waiting, left = backoff(row, policy, now)
+        row = shown(state, row, raw)  # as GET /observers/{id} shows it to a read token
+        error = row["last_error"]
+        row["last_error"] = error[:500] if error else error
+        items.append(
+            {
+                **row,
+                "max_restarts": policy.max_restarts,
+                "in_backoff": waiting,
+                "next_restart_in": left,
+            }
+        )
+    _timed(response, started)
+    return {
+        "items": items,
+        "total": total,
+        "totals": totals,
+        "limit": limit,
+        "offset": offset,
+        "next_offset": offset + limit if offset + len(items) < total else None,
+        "sort": sort,
+        "order": order,
+        "now": now,
+    }
+
+
+@router.get(
+    "/views/services/{service_id}",
+    response_model=ServiceOut,
+    operation_id="viewService",
+    dependencies=[READ],
+    responses=responses(*AUTH, 404, 422, 503),
+)
+async def view_service(
+    service_id: uuid.UUID, state: RuntimeDep, response: Response
+) -> dict[str, Any]:
+    """One service, live or not (``GET /services`` lists the live ones)."""
+    started = time.perf_counter()
+    async with autocommit(state.engine) as conn:
+        row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one_or_none()
+    if row is None:
+        raise NotFound(f"no service with id {service_id}")
+    _timed(response, started)
+    return dict(row._mapping)
+
+
+@router.get(
+    "/views/activity",
+    response_model=Activity,
+    operation_id="viewActivity",
+    dependencies=[READ],
+    responses=responses(*AUTH, 422, 503),
+)
+async def view_activity(
+    state: RuntimeDep,
+    response: Response,
+    minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 30,
+    service_id: uuid.UUID | None = None,
+) -> dict[str, Any]:
+    """Takes, restarts and failures per minute (from the history), oldest minute first; on one
+    service with ``service_id``."""
+    started = time.perf_counter()
+    async with autocommit(state.engine) as conn:
+        since: datetime = (await conn.execute(text(q.ACTIVITY_SINCE), {"m": minutes})).scalar_one()
+        rows = (await conn.execute(text(q.ACTIVITY), {"since": since, "sid": service_id})).all()
+    counts: dict[tuple[datetime, str], int] = {(r.minute, r.event): int(r.n) for r in rows}
+    buckets = []
+    for i in range(minutes):
+        at = since + timedelta(minutes=i)
+        buckets.append(
+            {
+                "at": at,
+                "taken": counts.get((at, Event.TAKEN.value), 0),
+                "restarted": counts.get((at, Event.RESTARTED.value), 0),
+                "failed": counts.get((at, Event.FAILED.value), 0),
+            }
+        )
+    _timed(response, started)
+    return {"since": since, "minutes": minutes, "buckets": buckets}
+
+
+Change = Callable[[AsyncConnection, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
+
+
+async def _bulk(state: RuntimeDep, change: Change, ids: list[uuid.UUID], ok: int) -> dict[str, Any]:
+    """One change for each observer, in one transaction, each under a savepoint of its own: one
+    that cannot be changed (gone, or not in the state it needs) fails alone, with the problem
+    the one-observer route would have given. Then every broker message in one publish."""
+    items: list[dict[str, Any]] = []
+    pending: list[Pending] = []
+    async with transaction(state.engine) as conn:
+        for oid in dict.fromkeys(ids):  # each once, in order
+            try:
+                async with conn.begin_nested():
+                    row, more = await change(conn, oid)
+            except OrchError as exc:
+                code = status_of(exc)
+                if code == 503:
+                    raise
+                items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
+                continue
+            pending.extend(more)
+            items.append({"id": oid, "status": ok, "observer_status": row["status"]})
+    await state.outbox.publish_now(pending)
+    done = sum(1 for i in items if "problem" not in i)
+    return {"done": done, "failed": len(items) - done, "items": items}
+
+
+@router.post(
+    "/views/observers/restart",
+    response_model=BulkOut,
+    operation_id="restartObservers",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 422, 503),
+)
+async def restart_observers(body: BulkIds, state: RuntimeDep) -> dict[str, Any]:
+    """Revive failed observers (up to 1,000): each as `POST /observers/{id}/restart` would, in
+    one transaction; one that is not failed fails alone (409)."""
+    return await _bulk(state, repo.restart_observer, body.ids, 200)
+
+
+@router.post(
+    "/views/observers/delete",
+    response_model=BulkOut,
+    operation_id="deleteObservers",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 422, 503),
+)
+async def delete_observers(body: BulkIds, state: RuntimeDep) -> dict[str, Any]:
+    """Delete observers (up to 1,000): each as `DELETE /observers/{id}` would, in one
+    transaction; one that does not exist fails alone (404)."""
+    return await _bulk(state, repo.delete_observer, body.ids, 202)

@@ -1,0 +1,195 @@
+"""The API in process, auth on, on a real database and broker: names that would steer a
+terminal or a log are refused with the reason; secret params are shown to a ``read`` token
+masked and to an ``admin`` token as they are."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from contracts.kinds import observer_kind
+from manager.app import create_app
+from manager.auth import Role, new_token
+from manager.settings import ManagerSettings
+from tests.conftest import Servers
+
+
+class VaultParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    endpoint: str
+    token: SecretStr
+    region: str = Field(default="eu", json_schema_extra={"secret": True})
+
+
+@observer_kind("test_vault", params=VaultParams)
+async def vault_kind(ctx: Any) -> None:  # never run here: the manager only validates
+    """A kind with secret params (for these tests)."""
+
+
+@dataclass
+class Clients:
+    read: httpx.AsyncClient
+    admin: httpx.AsyncClient
+
+
+@pytest.fixture
+async def clients(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[Clients]:
+    read, read_entry = new_token("reader", Role.READ)
+    admin, admin_entry = new_token("ops", Role.ADMIN)
+    settings = ManagerSettings(
+        database_url=database_url,
+        amqp_url=servers.amqp_url,
+        prefix=prefix,
+        kind_modules=__name__,
+        auth="on",
+        api_tokens=f"{read_entry},{admin_entry}",
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+
+        def client(token: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                transport=transport,
+                base_url="http://test",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+
+        async with client(read) as r, client(admin) as a:
+            yield Clients(read=r, admin=a)
+
+
+# ----------------------------------------------------------------------------------- names
+BAD_NAMES = [
+    ("ESC", "esc\x1b[31mRED", "control character (U+001B"),
+    ("CR", "a\rb", "control character (U+000D"),
+    ("LF", "a\nb", "control character (U+000A"),
+    ("TAB", "a\tb", "control character (U+0009"),
+    ("DEL", "a\x7fb", "control character (U+007F"),
+    ("C1 NEL", "a\x85b", "control character (U+0085"),
+    ("C1 CSI", "a\x9b31mb", "control character (U+009B"),
+    ("ALM", "a\u061cb", "bidi control character (U+061C"),
+    ("LRM", "a\u200eb", "bidi control character (U+200E"),
+    ("RLM", "a\u200fb", "bidi control character (U+200F"),
+    ("LRE", "a\u202ab", "bidi control character (U+202A"),
+    ("RLO", "txt.\u202eexe", "bidi control character (U+202E"),
+    ("LRI", "a\u2066b", "bidi control character (U+2066"),
+    ("PDI", "a\u2069b", "bidi control character (U+2069"),
+    ("leading blank", " a", "must not start or end with whitespace"),
+    ("101 characters", "n" * 101, "at most 100 characters"),
+]
+
+
+@pytest.mark.parametrize(("what", "name", "reason"), BAD_NAMES, ids=[b[0] for b in BAD_NAMES])
+async def test_a_name_that_would_steer_a_terminal_is_refused_with_the_reason(
+    clients: Clients, what: str, name: str, reason: str
+) -> None:
+    r = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    body = r.json()
+    assert body["status"] == 422
+    assert body["detail"]
+    assert body["errors"][0]["loc"] == ["body", "name"]
+    assert reason in body["errors"][0]["msg"], body
+    # In a bulk create, that one item fails alone, with the same reason.
+    batch = await clients.admin.post(
+        "/observers/batch",
+        json={"observers": [{"name": name, "kind": "ticker"}, {"name": what, "kind": "ticker"}]},
+    )
+    assert batch.status_code == 200, batch.text
+    first, second = batch.json()["items"]
+    assert first["status"] == 422
+    assert reason in first["problem"]["errors"][0]["msg"]
+    assert first["problem"]["errors"][0]["loc"] == ["body", "observers", 0, "name"]
+    assert second["status"] == 201
+
+
+async def test_printable_names_up_to_the_limit_are_taken(clients: Clients) -> None:
+    for name in ("n" * 100, "x[/red]", "[link=http://127.0.0.1/]click[/link]", "é 日本 a\\x1b"):
+        r = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
+        assert r.status_code == 201, (name, r.text)
+        assert r.json()["name"] == name
+
+
+async def test_the_schema_documents_the_name_rule(clients: Clients) -> None:
+    spec = (await clients.read.get("/openapi.json")).json()
+    name = spec["components"]["schemas"]["ObserverCreate"]["properties"]["name"]
+    assert name["maxLength"] == 100
+    assert "\\x00-\\x1f" in name["pattern"]
+    assert "\\u202a-\\u202e" in name["pattern"]
+
+
+# --------------------------------------------------------------------------------- secrets
+URL = "http://alice:S3cretPW@example.com/p?api_key=K3Y&page=2"
+MASKED_URL = "http://***@example.com/p?api_key=***&page=2"
+VAULT = {"endpoint": "https://vault/?token=V4ULT", "token": "t0ken-value", "region": "us"}
+
+
+async def _created(clients: Clients) -> tuple[dict[str, Any], dict[str, Any]]:
+    poll = await clients.admin.post(
+        "/observers", json={"name": "poll", "kind": "http_poll", "params": {"url": URL}}
+    )
+    vault = await clients.admin.post(
+        "/observers", json={"name": "vault", "kind": "test_vault", "params": VAULT}
+    )
+    assert poll.status_code == 201, poll.text
+    assert vault.status_code == 201, vault.text
+    return poll.json(), vault.json()
+
+
+def _no_secret_in(text: str) -> None:
+    for secret in ("S3cretPW", "K3Y", "alice", "t0ken-value", "V4ULT", '"us"'):
+        assert secret not in text, secret
+
+
+async def test_a_read_token_sees_secret_params_masked(clients: Clients) -> None:
+    poll, vault = await _created(clients)
+    page = await clients.read.get("/observers")
+    assert page.status_code == 200
+    _no_secret_in(page.text)
+    by_name = {o["name"]: o for o in page.json()["items"]}
+    assert by_name["poll"]["params"]["url"] == MASKED_URL
+    assert by_name["poll"]["params"]["interval"] == 30.0, "what is not secret is shown"
+    assert by_name["vault"]["params"] == {
+        "endpoint": "https://vault/?token=***",
+        "token": "***",
+        "region": "***",
+    }
+    for created in (poll, vault):
+        one = await clients.read.get(f"/observers/{created['id']}")
+        assert one.status_code == 200
+        _no_secret_in(one.text)
+        events = await clients.read.get(f"/observers/{created['id']}/events")
+        assert events.status_code == 200
+        _no_secret_in(events.text)
+    filtered = await clients.read.get("/observers", params={"kind": "http_poll"})
+    assert filtered.json()["items"][0]["params"]["url"] == MASKED_URL
+
+
+async def test_an_admin_token_sees_params_as_they_are(clients: Clients) -> None:
+    poll, vault = await _created(clients)
+    assert poll["params"]["url"] == URL, "the create answers the admin with the real values"
+    assert vault["params"] == VAULT
+    page = (await clients.admin.get("/observers")).json()
+    by_name = {o["name"]: o for o in page["items"]}
+    assert by_name["poll"]["params"]["url"] == URL
+    assert by_name["vault"]["params"] == VAULT, "stored as given, not as **********"
+    one = (await clients.admin.get(f"/observers/{vault['id']}")).json()
+    assert one["params"]["token"] == "t0ken-value"
+
+
+async def test_a_refused_secret_is_not_echoed(clients: Clients) -> None:
+    r = await clients.admin.post(
+        "/observers",
+        json={"name": "v", "kind": "test_vault", "params": {"endpoint": 1, "token": "t0ken-value"}},
+    )
+    assert r.status_code == 422
+    assert "t0ken-value" not in json.dumps(r.json())

@@ -1,0 +1,295 @@
+"""Names and secrets that must not leak or steer: ``safe_text`` for terminals and text logs,
+masked URLs, secret params declared by a kind (``SecretStr`` or a marker) masked for reading
+and given to the kind as they are."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
+
+from contracts import logs
+from contracts.kinds import KindSpec, mask_params
+from contracts.logs import mask, mask_url, safe_text
+from observer_service.context import ObserverContext
+from tests.unit.test_service_core import KINDS, harness, until
+
+# ------------------------------------------------------------------------------ safe_text
+BAD = {
+    "ESC": ("\x1b", "\\x1b"),
+    "CR": ("\r", "\\x0d"),
+    "LF": ("\n", "\\x0a"),
+    "NUL": ("\x00", "\\x00"),
+    "DEL": ("\x7f", "\\x7f"),
+    "C1 NEL": ("\x85", "\\x85"),
+    "C1 CSI": ("\x9b", "\\x9b"),
+    "ALM": ("\u061c", "\\u061c"),
+    "LRM": ("\u200e", "\\u200e"),
+    "RLM": ("\u200f", "\\u200f"),
+    "LRE": ("\u202a", "\\u202a"),
+    "RLO": ("\u202e", "\\u202e"),
+    "LRI": ("\u2066", "\\u2066"),
+    "PDI": ("\u2069", "\\u2069"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD))
+def test_safe_text_shows_controls_and_bidi_as_escapes(what: str) -> None:
+    char, shown = BAD[what]
+    assert safe_text(f"a{char}b") == f"a{shown}b"
+    assert logs.UNSAFE_CHARS.search(safe_text(f"a{char}b")) is None
+
+
+def test_safe_text_leaves_printable_text_alone() -> None:
+    for text in ("plain", "x[/red]", "[link=http://127.0.0.1/]click[/link]", "é日本 \\x1b", ""):
+        assert safe_text(text) == text
+    assert safe_text("esc\x1b[31mRED") == "esc\\x1b[31mRED"
+
+
+# ------------------------------------------------------------------------------ text logs
+def test_a_text_log_line_escapes_an_esc_in_a_name_and_in_the_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logs.configure("INFO", "text", service="s")
+    try:
+        log = logs.observer_log(
+            "t", observer_id=uuid.uuid4(), name="esc\x1b[31mRED\u202e", kind="ticker"
+        )
+        log.warning("raised (%s)", "RuntimeError: \x1b]0;owned\x07\r\nforged line")
+        try:
+            raise ValueError("in a traceback \x1b[2J")
+        except ValueError:
+            log.exception("failed")
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    for raw in ("\x1b", "\u202e", "\r", "\x07"):
+        assert raw not in err
+    assert "observer=esc\\x1b[31mRED\\u202e" in err
+    assert "RuntimeError: \\x1b]0;owned\\x07\\x0d\\x0aforged line" in err
+    assert "in a traceback \\x1b[2J" in err
+    assert "Traceback (most recent call last):\n" in err, "a traceback keeps its lines"
+
+
+def test_a_json_log_line_carries_the_name_quoted(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.configure("INFO", "json", service="s")
+    try:
+        logs.observer_log("t", observer_id=uuid.uuid4(), name="esc\x1b[31m").warning("hi")
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    assert "\x1b" not in err
+    assert json.loads(err)["observer"] == "esc\x1b[31m"
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_no_log_line_carries_a_url_password_or_secret_query_value(
+    fmt: logs.LogFormat, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("INFO", fmt, service="s")
+    try:
+        logging.getLogger("t").warning(
+            "GET %s failed", "http://alice:S3cretPW@host/p?api_key=K3Y&page=2&token=T0K"
+        )
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    for secret in ("S3cretPW", "K3Y", "T0K"):
+        assert secret not in err
+    assert "http://alice:***@host/p?api_key=***&page=2&token=***" in err
+
+
+# ---------------------------------------------------------------------------- URL masking
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("http://alice:S3cretPW@host/p?api_key=K", "http://***@host/p?api_key=***"),
+        ("https://TOKEN@github.com/o/r.git", "https://***@github.com/o/r.git"),
+        (
+            "https://h/p?a=1&Signature=s&X-Amz-Credential=c",
+            "https://h/p?a=1&Signature=***&X-Amz-Credential=***",
+        ),
+        ("https://h/cb#access_token=t&state=x", "https://h/cb#access_token=***&state=x"),
+        ("https://h/p?password=&q=search", "https://h/p?password=&q=search"),
+        ("https://h/p?key=k&monkey=banana", "https://h/p?key=***&monkey=banana"),
+        ("https://example.com/", "https://example.com/"),
+        ("not a url", "not a url"),
+    ],
+)
+def test_mask_url_hides_credentials_and_secret_query_values(url: str, masked: str) -> None:
+    assert mask_url(url, keep_user=False) == masked
+
+
+def test_mask_keeps_the_user_for_logs() -> None:
+    assert mask("postgresql://orch:pw@db:5432/x") == "postgresql://orch:***@db:5432/x"
+    assert mask("see 'https://u:p@h/x?client_secret=s' now") == (
+        "see 'https://u:***@h/x?client_secret=***' now"
+    )
+
+
+# ------------------------------------------------------------------------- secret params
+class Inner(BaseModel):
+    password: SecretStr
+    label: str = "l"
+
+
+class SecretParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    url: AnyHttpUrl = AnyHttpUrl("http://example.com/")
+    token: SecretStr
+    maybe: SecretStr | None = None
+    marked: str = Field(default="m", json_schema_extra={"secret": True})
+    inner: Inner | None = None
+    interval: float = 0.01
+
+
+SEEN: dict[uuid.UUID, dict[str, Any]] = {}
+
+
+async def keeps_secrets(ctx: ObserverContext) -> None:
+    p: SecretParams = ctx.params
+    SEEN[ctx.observer_id] = {
+        "token": p.token.get_secret_value(),
+        "marked": p.marked,
+        "inner": p.inner.password.get_secret_value() if p.inner else None,
+        "url": str(p.url),
+    }
+    while True:
+        await ctx.sleep(p.interval)
+
+
+SPEC = KindSpec("keeps_secrets", keeps_secrets, SecretParams)
+RAW = {
+    "url": "http://alice:S3cretPW@example.com/p?api_key=K3Y&page=2",
+    "token": "t0ken-value",
+    "marked": "marked-value",
+    "inner": {"password": "inner-pw"},
+}
+
+
+def test_a_kind_declares_secrets_by_type_or_marker() -> None:
+    assert SPEC.secret_params == {"token", "maybe", "marked"}
+    explicit = KindSpec("x", keeps_secrets, SecretParams, secret_params=frozenset({"interval"}))
+    assert explicit.secret_params == {"token", "maybe", "marked", "interval"}
+    assert KindSpec("plain", keeps_secrets).secret_params == frozenset()
+
+
+def test_params_are_stored_as_given_secrets_included() -> None:
+    stored = SPEC.validate_params(RAW)
+    assert stored["token"] == "t0ken-value", "not pydantic's **********"
+    assert stored["marked"] == "marked-value"
+    assert stored["inner"] == {"password": "inner-pw", "label": "l"}
+    assert stored["url"] == RAW["url"]
+    again = SecretParams.model_validate(stored)
+    assert again.token.get_secret_value() == "t0ken-value"
+
+
+def test_a_reader_sees_secret_params_masked() -> None:
+    masked = SPEC.mask_params(SPEC.validate_params(RAW))
+    assert masked["token"] == "***"
+    assert masked["marked"] == "***"
+    assert masked["maybe"] is None, "an absent secret stays absent"
+    assert masked["inner"] == {"password": "***", "label": "l"}
+    assert masked["url"] == "http://***@example.com/p?api_key=***&page=2"
+    assert masked["interval"] == 0.01
+    text = json.dumps(masked)
+    for secret in ("t0ken-value", "marked-value", "inner-pw", "S3cretPW", "K3Y", "alice"):
+        assert secret not in text
+
+
+def test_a_kind_this_manager_does_not_know_gets_the_generic_rules() -> None:
+    params = {"password": "p", "opts": [{"api_key": "k"}], "u": "ftp://a:b@h/", "n": 1}
+    assert mask_params(params, None) == {
+        "password": "***",
+        "opts": [{"api_key": "***"}],
+        "u": "ftp://***@h/",
+        "n": 1,
+    }
+    assert params["password"] == "p", "a copy: the row is not changed"
+
+
+async def test_the_kind_receives_the_real_secret_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validated by the manager, stored, taken by a service: the kind gets what was given."""
+    monkeypatch.setitem(KINDS, SPEC.name, SPEC)
+    async with harness() as h:
+        row = h.store.add(SPEC.name, params=SPEC.validate_params(RAW))
+        await h.run(row)
+        await until(lambda: row.id in SEEN)
+        assert SEEN[row.id] == {
+            "token": "t0ken-value",
+            "marked": "marked-value",
+            "inner": "inner-pw",
+            "url": RAW["url"],
+        }
+
+
+def test_an_observers_own_secret_query_names_are_masked_too() -> None:
+    params = {
+        "url": "https://example.com/x?sid=S1D&page=2",
+        "secret_query": ["sid"],
+        "interval": 30.0,
+    }
+    masked = mask_params(params, None)
+    assert masked["url"] == "https://example.com/x?sid=***&page=2"
+    assert masked["secret_query"] == ["sid"], "the names are no secret"
+
+
+def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
+    from manager.api.observers import shown
+
+    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC})
+    row = {
+        "kind": SPEC.name,
+        "params": SPEC.validate_params(RAW),
+        "last_error": "ConnectError: http://alice:S3cretPW@example.com/p?api_key=K3Y failed",
+    }
+    masked = shown(state, row, raw=False)
+    assert masked["last_error"] == "ConnectError: http://***@example.com/p?api_key=*** failed"
+    assert masked["params"]["token"] == "***"
+    assert shown(state, row, raw=True) is row, "an admin sees the row as it is"
+
+
+def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
+    from manager.api.observers import shown
+
+    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC})
+    params = SPEC.validate_params(RAW)
+    secret = str(params["token"])
+    row = {"kind": SPEC.name, "params": params, "last_error": f"Refused: bad token {secret}!"}
+    masked = shown(state, row, raw=False)
+    assert secret not in masked["last_error"]
+    assert masked["last_error"] == "Refused: bad token ***!"
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("https://h/p?a=1;token=x;b=2", "https://h/p?a=1;token=***;b=2"),
+        ("https://h/p?jwt=j&bearer=b&cookie=c", "https://h/p?jwt=***&bearer=***&cookie=***"),
+        ("https://h/p?privatekey=k&sessionid=s", "https://h/p?privatekey=***&sessionid=***"),
+        ("https://h/p?client_assertion=a", "https://h/p?client_assertion=***"),
+    ],
+)
+def test_more_secret_query_forms_are_masked(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_a_user_name_alone_is_masked_even_in_logs() -> None:
+    # Alone, a URL's user name is usually a token.
+    assert mask("cloning https://ghp_T0KEN@github.com/o/r") == "cloning https://***@github.com/o/r"
+
+
+def test_an_error_is_masked_before_it_is_cut() -> None:
+    from observer_service.runner import describe
+
+    # Cut at 2,000 characters first, the URL would end inside its password, before its "@".
+    url = "https://admin:" + "p" * 40 + "@host/x"
+    text = describe(RuntimeError("x" * (2000 - len("RuntimeError: ") - 34) + url))
+    assert "ppppp" not in text
+    assert len(text) <= 2000
