@@ -19,6 +19,7 @@ from observer_service.broker import AmqpBroker
 from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
 from observer_service.store import (
+    SERVER_SETTINGS,
     PgLeaseDatabase,
     PgStore,
     ThreadBlame,
@@ -52,6 +53,7 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         max_inactive_connection_lifetime=0,
         init=prepare_connection,
         reset=keep_session,
+        server_settings=SERVER_SETTINGS,
         timeout=max(2.0, timings.ttl),
         command_timeout=max(5.0, 2 * timings.ttl),
     )

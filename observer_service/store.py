@@ -224,6 +224,13 @@ class ThreadBlame:
                 await conn.close(timeout=2)
 
 
+#: Settings of every service connection. Its statements reach rows by key (an observer's id,
+#: its own service id): never by reading the table. With the table growing faster than ANALYZE
+#: runs (bulk intake), a generic plan costed on stale statistics would otherwise read every row
+#: for each batch of 40 (``tests/integration/test_store_plans.py``).
+SERVER_SETTINGS = {"enable_seqscan": "off"}
+
+
 async def keep_session(conn: asyncpg.Connection) -> None:
     """The pool's reset, a no-op: the service's statements leave no session state behind (no
     LISTEN, cursor, session lock or setting; their advisory locks end with the statement), so a
