@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from contracts.clock import Clock
 from contracts.errors import Transient
 from contracts.kinds import KindSpec, load_kinds
 from manager import background
-from manager.db import make_engine
+from manager import repository as repo
+from manager.db import autocommit, make_engine
+from manager.intake import GroupCommit
 from manager.leader import Leadership, Loop
 from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox
+from manager.outbox import Outbox, Pending
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
 from manager.settings import ManagerSettings
@@ -40,6 +42,8 @@ class ManagerRuntime:
         self.engine = make_engine(settings)
         self.publisher = Publisher(settings)
         self.outbox = Outbox(self.engine, self.publisher)
+        #: Single creates of this process, written and published together (``manager.intake``).
+        self.creates = GroupCommit(self._create_rows, self.outbox.publish_now)
         self.leadership = Leadership(
             self.engine,
             loops=self._leader_loops(),
@@ -51,6 +55,12 @@ class ManagerRuntime:
         self.fatal = asyncio.Event()
         self.error: BaseException | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def _create_rows(
+        self, new: Sequence[repo.NewObserver]
+    ) -> tuple[list[dict[str, Any] | None], list[Pending]]:
+        async with autocommit(self.engine) as conn:  # one statement: rows, history, outbox
+            return await repo.create_observers(conn, new)
 
     def _leader_loops(self) -> dict[str, Loop]:
         s = self.settings

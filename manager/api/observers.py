@@ -91,11 +91,8 @@ def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
 )
 async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, Any]:
     """Start an observer. It is `created` at once and `processing` when a service takes it."""
-    new = _new(state, body)
-    async with autocommit(state.engine) as conn:  # one statement: row, history, outbox
-        row, pending = await repo.create_observer(conn, new)
-    await state.outbox.publish_now([pending])
-    return row
+    # Written with the creates that arrive meanwhile: one statement, one publish (intake.py).
+    return await state.creates.create(_new(state, body))
 
 
 @router.post(
