@@ -112,6 +112,7 @@ class ManagerRuntime:
 
     async def start(self) -> None:
         await self.publisher.start()
+        self._spawn(self.creates.run(), "group-commit")
         self._spawn(
             background.every(0.1, self.outbox.delete_published, "outbox cleanup")(),
             "outbox-cleanup",

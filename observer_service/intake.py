@@ -18,13 +18,13 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from contracts.backoff import Backoff
+from contracts.batching import Batcher
 from contracts.clock import Clock
 from contracts.errors import BrokerUnavailable, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.logs import observer_log
 from contracts.messages import StartMessage
 from observer_service.admission import Admission, Slot
-from observer_service.batching import Batcher
 from observer_service.context import ObserverContext
 from observer_service.guard import Timing
 from observer_service.lease import LeaseKeeper

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from contracts.backoff import Backoff
+from contracts.batching import Batcher
 from contracts.clock import Clock
 from contracts.deadline import LeaseTimings
 from contracts.errors import BrokerUnavailable
@@ -34,7 +35,6 @@ from contracts.messages import (
 from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
 from observer_service.admission import Admission
-from observer_service.batching import Batcher
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics

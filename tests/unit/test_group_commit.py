@@ -5,7 +5,7 @@ each gets its own answer."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -47,6 +47,25 @@ class Store:
         self.published.append(len(self.writes))
 
 
+Start = Callable[..., GroupCommit]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    """Group commits with their writer running (as the manager's runtime runs it)."""
+    tasks: list[asyncio.Task[None]] = []
+
+    def make(store: Store, **kw: Any) -> GroupCommit:
+        commit = GroupCommit(store.write, store.publish, **kw)
+        tasks.append(asyncio.create_task(commit.run()))
+        return commit
+
+    yield make
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _turns() -> None:
     """A few turns of the loop: the tasks just made have run as far as they can."""
     for _ in range(3):
@@ -57,17 +76,17 @@ def _new(name: str) -> NewObserver:
     return NewObserver(name, "ticker", {}, None)
 
 
-async def test_a_lone_create_is_written_at_once_and_alone() -> None:
+async def test_a_lone_create_is_written_at_once_and_alone(start: Start) -> None:
     store = Store()
-    commit = GroupCommit(store.write, store.publish)
+    commit = start(store)
     assert await commit.create(_new("a")) == {"name": "a"}
     assert store.writes == [["a"]]
     assert store.published == [1], "published once it was written"
 
 
-async def test_creates_arriving_during_a_write_share_the_next_one() -> None:
+async def test_creates_arriving_during_a_write_share_the_next_one(start: Start) -> None:
     store = Store()
-    commit = GroupCommit(store.write, store.publish)
+    commit = start(store)
     store.gate = asyncio.Event()
     first = asyncio.create_task(commit.create(_new("first")))
     await _turns()
@@ -82,10 +101,12 @@ async def test_creates_arriving_during_a_write_share_the_next_one() -> None:
     assert commit.creates == 51
 
 
-async def test_a_taken_name_fails_alone_and_a_name_twice_in_a_write_stands_once() -> None:
+async def test_a_taken_name_fails_alone_and_a_name_twice_in_a_write_stands_once(
+    start: Start,
+) -> None:
     store = Store()
     store.names.add("old")
-    commit = GroupCommit(store.write, store.publish)
+    commit = start(store)
     store.gate = asyncio.Event()
     blocker = asyncio.create_task(commit.create(_new("x")))
     await _turns()
@@ -101,10 +122,10 @@ async def test_a_taken_name_fails_alone_and_a_name_twice_in_a_write_stands_once(
     assert store.writes[1] == ["old", "dup", "ok"], "the second 'dup' never reached the table"
 
 
-async def test_an_error_of_the_write_is_every_waiting_requests_error() -> None:
+async def test_an_error_of_the_write_is_every_waiting_requests_error(start: Start) -> None:
     store = Store()
     store.fail = DatabaseUnavailable("down")
-    commit = GroupCommit(store.write, store.publish)
+    commit = start(store)
     results = await asyncio.gather(
         *(commit.create(_new(f"n{i}")) for i in range(3)), return_exceptions=True
     )
@@ -113,9 +134,9 @@ async def test_an_error_of_the_write_is_every_waiting_requests_error() -> None:
     assert await commit.create(_new("later")) == {"name": "later"}, "the next write goes on"
 
 
-async def test_a_write_carries_at_most_its_limit() -> None:
+async def test_a_write_carries_at_most_its_limit(start: Start) -> None:
     store = Store()
-    commit = GroupCommit(store.write, store.publish, most=10)
+    commit = start(store, most=10)
     store.gate = asyncio.Event()
     store.gate.set()
     await asyncio.gather(*(commit.create(_new(f"n{i}")) for i in range(25)))
@@ -123,9 +144,9 @@ async def test_a_write_carries_at_most_its_limit() -> None:
 
 
 @pytest.mark.parametrize("n", [200])
-async def test_concurrent_creates_of_one_name_give_exactly_one_row(n: int) -> None:
+async def test_concurrent_creates_of_one_name_give_exactly_one_row(start: Start, n: int) -> None:
     store = Store()
-    commit = GroupCommit(store.write, store.publish)
+    commit = start(store)
     results = await asyncio.gather(
         *(commit.create(_new("same")) for _ in range(n)), return_exceptions=True
     )

@@ -1,8 +1,9 @@
 """One statement for many requests: a micro-batcher.
 
 Requests that arrive while a flush is running wait and go together in the next one. An idle
-service writes each request at once; a busy one (a burst of redelivered starts after a crash,
-a thousand observers checkpointing) makes one round trip for many.
+process writes each request at once; a busy one makes one round trip for many: a service's
+takes and checkpoints (a burst of redelivered starts after a crash, a thousand observers
+checkpointing), the manager's single creates (``manager.intake``).
 """
 
 from __future__ import annotations
