@@ -255,26 +255,15 @@ async def list_services(conn: AsyncConnection, *, include_deleted: bool) -> list
 
 
 async def drain_service(
-    conn: AsyncConnection, service_id: uuid.UUID
+    conn: AsyncConnection, service_id: uuid.UUID, *, draining: bool = True
 ) -> tuple[dict[str, Any], list[outbox.Pending]]:
-    """Mark a live service draining and tell it; it hands its observers over and takes none."""
-    done = (await conn.execute(text(q.DRAIN), {"id": service_id})).one_or_none()
-    if done is None:
+    """Mark a live service draining and tell it: it hands its observers over and takes none.
+    With ``draining=False``, undo that: it takes work again (undraining one that does not drain
+    changes nothing)."""
+    found = await conn.execute(text(q.DRAIN if draining else q.UNDRAIN), {"id": service_id})
+    if found.one_or_none() is None:
         raise NotFound(f"no live service with id {service_id}")
-    pending = await outbox.add_many(conn, [(BROADCAST, DrainMessage(service_id=service_id))])
-    row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one()
-    return _row(row), pending
-
-
-async def undrain_service(
-    conn: AsyncConnection, service_id: uuid.UUID
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
-    """A live service takes work again (no longer draining) and is told so. Undraining one that
-    does not drain changes nothing."""
-    done = (await conn.execute(text(q.UNDRAIN), {"id": service_id})).one_or_none()
-    if done is None:
-        raise NotFound(f"no live service with id {service_id}")
-    message = UndrainMessage(service_id=service_id)
+    message = (DrainMessage if draining else UndrainMessage)(service_id=service_id)
     pending = await outbox.add_many(conn, [(BROADCAST, message)])
     row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one()
     return _row(row), pending

@@ -62,7 +62,7 @@ async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str,
     """Undo a drain: the service takes work again (new observers, and moves to it from busier
     services). Undraining a service that does not drain changes nothing."""
     async with transaction(state.engine) as conn:
-        row, pending = await repo.undrain_service(conn, service_id)
+        row, pending = await repo.drain_service(conn, service_id, draining=False)
     await state.outbox.publish_now(pending)
     return row
 
