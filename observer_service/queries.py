@@ -91,35 +91,44 @@ COMPLETE_STOP = with_events(
 )
 
 # -------------------------------------------------------------------- writes of a running copy
-# The rows of a batch ($1 ids), held by me ($2): found by primary key, whatever the statistics
-# say. In bulk intake the table grows faster than ANALYZE runs: with stale statistics the
-# planner took "service_id = me AND status IN (…)" for one row, and read every row this service
-# holds for every batch (a 40-row checkpoint cost 25-130 ms at 10,000 held). Written as IS TRUE,
-# those conditions are filters only, and ``id = ANY($1)`` is the one way in.
+# The rows of a batch ($1 ids), held by me ($2), each for one copy: $3 is a JSON object keyed
+# "<id>:<epoch>" (``copy_key``), looked up per row by binary search. Found by primary key
+# and never joined, whatever the statistics say. In bulk intake the table grows faster than
+# ANALYZE runs; on stale statistics the planner took "service_id = me AND status IN (…)" for one
+# row and read every row this service held for each batch (a 40-row checkpoint cost 25-130 ms
+# at 10,000 held), and a join with the batch's arrays became a nested loop over both (a
+# 1,000-row batch: a million comparisons, 0.2-2 s). Written as IS TRUE, those conditions are
+# filters only; ``id = ANY($1)`` is the one way in (``store.SERVER_SETTINGS``).
+_COPY = "(o.id::text || ':' || o.epoch::text)"
 _MY_BATCH = (
     f"o.id = ANY($1::uuid[]) AND (o.service_id = $2) IS TRUE "
-    f"AND ({sql_in('o.status', HELD)}) IS TRUE"
+    f"AND ({sql_in('o.status', HELD)}) IS TRUE AND $3::jsonb ? {_COPY}"
 )
 
-# $1 ids, $2 me, $3 epochs, $4 JSON states
+# $1 ids, $2 me, $3 {"<id>:<epoch>": state}
 CHECKPOINT = f"""
 UPDATE observers AS o
-   SET checkpoint = v.cp::jsonb, checkpointed_at = clock_timestamp(), modified_at = now()
-  FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS v(id, epoch, cp)
- WHERE o.id = v.id AND o.epoch = v.epoch AND {_MY_BATCH}
+   SET checkpoint = $3::jsonb -> {_COPY}, checkpointed_at = clock_timestamp(),
+       modified_at = now()
+ WHERE {_MY_BATCH}
 RETURNING o.id, o.epoch
 """
 
-# $1 ids, $2 me, $3 epochs, $4 detail: the copy has stopped; the row is released, or becomes
-# what its holder's stop makes of it (deleted), whichever way it was asked to stop.
+# $1 ids, $2 me, $3 {"<id>:<epoch>": true}, $4 detail: the copy has stopped; the row is
+# released, or becomes what its holder's stop makes of it (deleted), whichever way it was asked
+# to stop.
 LET_GO = with_events(
     f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
-    "modified_at = now() FROM unnest($1::uuid[], $3::bigint[]) AS v(id, epoch) "
-    f"WHERE o.id = v.id AND o.epoch = v.epoch AND {_MY_BATCH} "
-    "RETURNING o.id, o.epoch, o.status",
+    f"modified_at = now() WHERE {_MY_BATCH} RETURNING o.id, o.epoch, o.status",
     _let_go_event("u.status"),
     "$4::text",
 )
+
+
+def copy_key(observer_id: object, epoch: int) -> str:
+    """How $3 of CHECKPOINT and LET_GO names one copy."""
+    return f"{observer_id}:{epoch}"
+
 
 # $1 id, $2 me, $3 epoch, $4 error, $5 reset_after (s), $6 max_restarts. Restarts are counted
 # in a window that heals: after reset_after seconds without one, the count starts again.

@@ -147,13 +147,16 @@ class PgStore:
         """One statement for every checkpoint; one row per copy (observer and epoch), the
         newest state of each copy winning, so a stale copy's write never hides the current's."""
         newest = {(c.observer_id, c.epoch): c for c in items}
+        # The states are JSON already: the object is written around them, not parsed again.
+        states = ",".join(
+            f'"{q.copy_key(c.observer_id, c.epoch)}":{c.state_json}' for c in newest.values()
+        )
         with database_errors():
             rows = await self.pool.fetch(
                 q.CHECKPOINT,
-                [c.observer_id for c in newest.values()],
+                list({c.observer_id for c in newest.values()}),
                 self.me,
-                [c.epoch for c in newest.values()],
-                [c.state_json for c in newest.values()],
+                "{" + states + "}",
             )
         accepted = {(r["id"], r["epoch"]) for r in rows}
         return [(c.observer_id, c.epoch) in accepted for c in items]
@@ -162,7 +165,11 @@ class PgStore:
         """Release stopped copies (or complete their delete); None where the copy was fenced."""
         with database_errors():
             rows = await self.pool.fetch(
-                q.LET_GO, [c[0] for c in copies], self.me, [c[1] for c in copies], detail
+                q.LET_GO,
+                list({c[0] for c in copies}),
+                self.me,
+                json.dumps({q.copy_key(*c): True for c in copies}),
+                detail,
             )
         done = {(r["id"], r["epoch"]): ObserverStatus(r["status"]) for r in rows}
         return [done.get(c) for c in copies]
@@ -245,8 +252,8 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
     await conn.fetch(q.FACTS, [], nobody)
     for cas in (q.TAKE, q.COMPLETE_STOP):
         await conn.fetch(cas, [], nobody, [], [], [], [], [], [])
-    await conn.fetch(q.CHECKPOINT, [], nobody, [], [])
-    await conn.fetch(q.LET_GO, [], nobody, [], "")
+    await conn.fetch(q.CHECKPOINT, [], nobody, "{}")
+    await conn.fetch(q.LET_GO, [], nobody, "{}", "")
 
 
 def _taken(row: asyncpg.Record, epoch: int, req: StartRequest) -> Taken:

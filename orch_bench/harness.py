@@ -177,11 +177,11 @@ class BenchCluster(LocalCluster):
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return ids
 
-    async def grow_to(self, level: int, *, tag: str) -> None:
-        """Idle tickers until ``level`` of them run (counting those made before), created in
-        bulk."""
+    async def grow_to(self, level: int, *, tag: str, interval: float = 3600) -> None:
+        """Idle tickers (one tick every ``interval`` seconds) until ``level`` of them run
+        (counting those made before), created in bulk."""
         have = await self.running_count()
-        await self.create_batches(level - have, "ticker", {"interval": 3600}, tag=tag)
+        await self.create_batches(level - have, "ticker", {"interval": interval}, tag=tag)
         await self.wait_running(level, timeout=300)
 
     async def create_batches(

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from orch.cluster import quiet, wait_for
 from orch_bench import rabbit_cluster
 from orch_bench.floor import measure_floor
@@ -58,7 +60,7 @@ FULL = Size(
     200,
     (10, 20, 100, 1000),
     20_000,
-    (1000, 5000, 10000),
+    (10_000, 25_000, 50_000),
     (1000, 5000, 10000),
     (1, 3, 10),
     31,  # one period of the services' held-rows check (ORCH_CHECK_EVERY, 30 s)
@@ -617,29 +619,99 @@ async def join_rebalance(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
     ]
 
 
+#: The density scenario's observers: a tick (and a checkpoint) a minute each.
+DENSITY_INTERVAL = 60.0
+#: Seconds each density level is watched (a whole tick period and a little): its CPU, its
+#: renewals and its checkpoint flushes.
+DENSITY_WINDOW = 65.0
+
+
+async def _histograms(port: int) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts of a service's histograms, by metric name and upper bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=10)).text
+    out: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                buckets = out.setdefault(sample.name.removesuffix("_bucket"), {})
+                buckets[float(sample.labels["le"])] = sample.value
+            elif sample.name.endswith("_total"):
+                out.setdefault(sample.name, {})[0.0] = sample.value
+    return out
+
+
+def _slowest(before: dict[float, float], after: dict[float, float]) -> tuple[int, float]:
+    """(observations, the bucket bound the slowest of them fell under) between two scrapes."""
+    deltas = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = deltas.get(float("inf"), 0.0)
+    bound = next((le for le, n in deltas.items() if n >= total), float("inf"))
+    return int(total), bound
+
+
 async def density(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """One service hosting idle tickers (one tick a minute each) at each level: memory and
+    idle CPU per observer, and whether its lease renewals and checkpoint flushes stay on time
+    (from its own metrics)."""
+    from orch.cluster import free_port
+
     figures: list[Figure] = []
     top = max(size.density_levels)
+    port = free_port()
     async with bench.cluster("density") as c:
-        await c.start(services=1, worker_count=top)
+        await c.start(services=1, worker_count=top, ORCH_METRICS_PORT=port)
         pid = c.procs[-1].pid
         await asyncio.sleep(2.0)
         base = rss_bytes(pid)
+        renew_every = bench.lease_ttl / 5  # ORCH_RENEW_INTERVAL's default
         for level in size.density_levels:
-            await c.grow_to(level, tag=f"d{level}")
+            await c.grow_to(level, tag=f"d{level}", interval=DENSITY_INTERVAL)
             await asyncio.sleep(3.0)
             rss = rss_bytes(pid)
+            before = await _histograms(port)
             cpu0, t0 = cpu_seconds(pid), time.monotonic()
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(DENSITY_WINDOW)
             idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) * 100
+            after = await _histograms(port)
+            renewals, renew_max = _slowest(
+                before.get("orch_lease_renewal_seconds", {}), after["orch_lease_renewal_seconds"]
+            )
+            flushes, flush_max = _slowest(
+                before.get("orch_checkpoint_flush_seconds", {}),
+                after["orch_checkpoint_flush_seconds"],
+            )
+            lost = sum(
+                v.get(0.0, 0.0) for k, v in after.items() if k.startswith("orch_lease_lost")
+            ) - sum(v.get(0.0, 0.0) for k, v in before.items() if k.startswith("orch_lease_lost"))
+            on_time = renewals >= DENSITY_WINDOW / renew_every - 2 and renew_max <= renew_every
+            figures += [
+                Figure(
+                    "density",
+                    f"lease renewals at {level}: slowest under",
+                    round(renew_max * 1000, 1),
+                    "ms",
+                    f"≤ {renew_every * 1000:g} and every {renew_every:g} s",
+                    on_time and lost == 0,
+                    f"{renewals} renewals in {DENSITY_WINDOW:g} s, {lost:g} leases lost",
+                ),
+                Figure(
+                    "density",
+                    f"checkpoint flushes at {level}: slowest under",
+                    round(flush_max * 1000, 1),
+                    "ms",
+                    note=f"{flushes} flushes in {DENSITY_WINDOW:g} s, a tick a minute each",
+                ),
+            ]
             figures += [
                 Figure(
                     "density",
                     f"{level} observers hosted by one process",
                     float(level),
                     "",
-                    "≥ 10000" if level == top else "",
-                    None if level != top else level >= 10000,
+                    "≥ 50000" if level == top else "",
+                    None if level != top else level >= 50000,
                 ),
                 Figure("density", f"RSS at {level}", round(rss / 2**20, 1), "MiB"),
                 Figure(
@@ -767,7 +839,7 @@ def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
 
 SCENARIOS["observability"] = _observability()
 #: Left out of --quick (ask for them with --only): the observability cost's paired samples
-#: take minutes, and density's target (10,000 in one process) only a full run can show.
+#: take minutes, and density's target (50,000 in one process) only a full run can show.
 #: The broker restart needs rights on the broker and stops it for every user of it; the node
 #: loss starts a three-node cluster of its own (about 16 s and 450 MiB).
 FULL_ONLY = frozenset({"observability", "density", "broker", "nodeloss"})
