@@ -17,6 +17,7 @@ from contracts.messages import StartMessage
 from contracts.settings import asyncpg_dsn
 from contracts.statuses import ObserverStatus as S
 from observer_service.fakes import FakeService, InMemoryStore
+from observer_service.intake import checkpoint_json
 from observer_service.ports import Checkpoint, Copy, StartRequest, Store, TakeResult
 from observer_service.store import PgStore
 from observer_service.take import Decision, Departed
@@ -247,3 +248,32 @@ async def test_blame_fails_whoever_holds_it_but_never_a_stop(world: World) -> No
     deleting = await world.observer(status=S.ON_DELETING, holder=other, epoch=1)
     assert not await world.store.blame(deleting.observer_id, "blocked")
     assert (await world.row(deleting.observer_id))[0] is S.ON_DELETING
+
+
+async def test_what_a_checkpoint_may_hold_is_stored_and_the_rest_is_refused_first(
+    world: World,
+) -> None:
+    # Whatever checkpoint_json lets through, the store takes, in one batch with others.
+    a, b = await _held(world), await _held(world)
+    odd = {"text": "é \\u0000 \u202e", "big": 2**70, "nested": [None, True, 1.5]}
+    items = [Checkpoint(*a, checkpoint_json(odd)), Checkpoint(*b, checkpoint_json({"n": 1}))]
+    assert await world.store.checkpoint_many(items) == [True, True]
+    # What PostgreSQL's jsonb would refuse never reaches a batch: in one, it would fail the
+    # checkpoints of every observer written with it.
+    for bad in (float("nan"), {"x": float("inf")}, "nul \x00 inside"):
+        with pytest.raises(ValueError, match="a checkpoint cannot hold"):
+            checkpoint_json(bad)
+
+
+async def test_a_state_postgresql_refuses_fails_its_whole_batch(database_url: str) -> None:
+    """Why checkpoint_json refuses NaN and NUL before the write: the store cannot."""
+    pool = await asyncpg.create_pool(asyncpg_dsn(database_url), min_size=1, max_size=2)
+    world = await PgWorld(pool).start()
+    try:
+        a, b = await _held(world), await _held(world)
+        items = [Checkpoint(*a, json.dumps({"n": float("nan")})), Checkpoint(*b, '{"n": 1}')]
+        with pytest.raises(Exception):  # noqa: B017, PT011 (asyncpg's own data error)
+            await world.store.checkpoint_many(items)
+    finally:
+        await world.close()
+        await pool.close()
