@@ -200,8 +200,9 @@ class GuardedHttpTools(HttpToolsProtocol):
     - More than ``max_headers`` header fields is 431. Chunked trailers count with the head.
     - Between body bytes, no more than ``max_header_bytes`` may arrive that are not body (chunk
       framing, trailers: httptools buffers a trailer of any size too).
-    - A request whose response is complete before its body is (a GET the app never reads the
-      body of, one refused with 413 or 408) ends its connection: it is not read on for ever.
+    - A request answered before its body was all read (a GET the app never reads the body of,
+      one refused with 413) has the header timeout to send the rest, then its connection is
+      closed: it is not read on for ever.
 
     Configure a subclass with :func:`guarded_http` and pass it as ``http=`` to uvicorn.Config."""
 
@@ -273,11 +274,13 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head = True
         self._head_received = 0
+        self._disarm()  # the rest of a body that came after its answer: it is all here
 
     def on_response_complete(self) -> None:
-        if not self._in_head:  # answered before its body was read: read no further
-            self.transport.close()
-            return
+        if not self._in_head:
+            # Answered before its body was all read (a GET with a body, a 413): the rest may
+            # still come, on a connection the client may reuse, but within the header timeout.
+            self._arm()
         super().on_response_complete()
 
     def _check(self) -> None:
@@ -300,7 +303,11 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self._refused or not self._in_head:
+        if self.transport.is_closing() or self._refused:
+            return
+        if not self._in_head:
+            if self.cycle is not None and self.cycle.response_complete:
+                self.transport.close()  # the body of an answered request never ended
             return
         if self.cycle is not None and not self.cycle.response_complete:
             self._arm()  # a head pipelined behind a response on its way: judged after it

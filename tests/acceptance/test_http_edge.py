@@ -112,6 +112,54 @@ async def test_endless_chunked_trailers_end_the_connection(cluster: Cluster) -> 
     assert took < 3, f"the connection was kept {took:.1f} s"
 
 
+async def _answer(reader: asyncio.StreamReader) -> int | None:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    await reader.readexactly(length)
+    return _status(head)
+
+
+async def test_a_body_sent_after_its_answer_keeps_the_connection(cluster: Cluster) -> None:
+    # A GET with a body (httpx sends json={} so), the body in a packet of its own that arrives
+    # after the answer: the client reuses the connection, which must still be there.
+    await cluster.start_manager()
+    assert cluster.api_port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.api_port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n")
+        assert await _answer(reader) == 200
+        writer.write(b"{}")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert await _answer(reader) == 200
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_never_ends_after_its_answer_ends_the_connection(
+    cluster: Cluster,
+) -> None:
+    await cluster.start_manager(header_timeout="2")
+    assert cluster.api_port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.api_port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\nab")
+        assert await _answer(reader) == 200
+        started = time.monotonic()
+        for _ in range(12):  # a byte a second, never the whole body
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.write(b"x")
+                await writer.drain()
+            try:
+                if await asyncio.wait_for(reader.read(1), 1) == b"":
+                    break
+            except TimeoutError:
+                continue
+        took = time.monotonic() - started
+    finally:
+        writer.close()
+    assert took < 3.5, f"the connection was kept {took:.1f} s"
+
+
 async def test_a_refused_pipelined_head_does_not_cut_into_the_answer_before_it(
     cluster: Cluster,
 ) -> None:
