@@ -14,7 +14,7 @@ from tests.conftest import Servers
 
 EXPECTED = {
     "start latency": 3,
-    "create throughput": 6,
+    "create throughput": 7,
     "bulk intake": 4,
     "cancel latency": 3,
     "crash failover, 20 moved": 6,
