@@ -186,9 +186,12 @@ def mask_params(params: dict[str, Any], spec: KindSpec | None) -> dict[str, Any]
     return _masked(params, model, extra, names)  # type: ignore[no-any-return]
 
 
-def secret_values(params: dict[str, Any], spec: KindSpec | None) -> list[str]:
+def secret_values(
+    params: dict[str, Any], spec: KindSpec | None, masked: dict[str, Any] | None = None
+) -> list[str]:
     """The values ``mask_params`` hides as a whole (a secret param's value, as text), longest
-    first: what an error message that quotes one must not show either."""
+    first: what an error message that quotes one must not show either. ``masked``: what
+    ``mask_params`` made of ``params`` already, if the caller has it."""
     found: set[str] = set()
 
     def walk(given: Any, shown: Any) -> None:
@@ -202,7 +205,7 @@ def secret_values(params: dict[str, Any], spec: KindSpec | None) -> list[str]:
             for a, b in zip(given, shown, strict=False):
                 walk(a, b)
 
-    walk(params, mask_params(params, spec))
+    walk(params, masked if masked is not None else mask_params(params, spec))
     # Short values (a PIN of 3 digits) would mask every number in a message: left to the rest.
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
 

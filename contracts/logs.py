@@ -133,10 +133,7 @@ def mask_url(url: str, *, keep_user: bool = True, names: Iterable[str] = ()) -> 
     if "@" in authority:
         userinfo, host = authority.rsplit("@", 1)
         user, colon, _password = userinfo.partition(":")
-        if not keep_user or not colon:
-            userinfo = SECRET
-        elif colon:
-            userinfo = f"{user}:{SECRET}"
+        userinfo = f"{user}:{SECRET}" if keep_user and colon else SECRET
         authority = f"{userinfo}@{host}"
     before, hash_, fragment = tail.partition("#")
     path, question, query = before.partition("?")

@@ -61,11 +61,12 @@ def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, An
         return row
     masked = dict(row)
     spec = state.kinds.get(row["kind"])
-    values: list[str] = []
-    if "params" in row:  # a console view row carries none
-        masked["params"] = mask_params(row["params"] or {}, spec)
-        values = secret_values(row["params"] or {}, spec)
+    params = (row["params"] or {}) if "params" in row else None  # a console view row has none
+    if params is not None:
+        masked["params"] = mask_params(params, spec)
     if row.get("last_error"):
+        # The secret values are looked for only where an error could quote them.
+        values = secret_values(params, spec, masked["params"]) if params is not None else []
         masked["last_error"] = hide_values(mask_urls(row["last_error"], keep_user=False), values)
     return masked
 
