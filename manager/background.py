@@ -10,20 +10,15 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-
 from contracts.errors import BrokerUnavailable, Transient
-from contracts.messages import DirectedStart, Message, StartMessage
+from contracts.messages import DirectedStart, Message
 from contracts.routing import WORK, Destination
-from contracts.statuses import STOPPING, Event, ObserverStatus
-from manager import outbox
-from manager import queries as q
-from manager.db import transaction
+from contracts.statuses import STOPPING, ObserverStatus
+from manager import repository as repo
 from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox
+from manager.outbox import Outbox, Pending
 from manager.publisher import Publisher
-from manager.repository import record_events
+from manager.store import ManagerStore, Tx
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +56,9 @@ async def on_broker(publisher: Publisher, services: Collection[uuid.UUID]) -> se
     return {sid for sid, yes in zip(ids, found, strict=True) if yes}
 
 
-async def _free_slots(
-    conn: AsyncConnection, publisher: Publisher, margin: float
-) -> dict[uuid.UUID, int]:
+async def _free_slots(tx: Tx, publisher: Publisher, margin: float) -> dict[uuid.UUID, int]:
     """Free slots of the services a directed start reaches now: a lease and a control queue."""
-    rows = (await conn.execute(text(q.FREE_SLOTS), {"m": margin})).all()
-    free = {r.id: int(r.free) for r in rows if r.free > 0}
+    free = await repo.free_slots(tx, margin)
     present = await on_broker(publisher, free)
     return {sid: n for sid, n in free.items() if sid in present}
 
@@ -87,29 +79,27 @@ def place(free: dict[uuid.UUID, int], count: int) -> list[uuid.UUID | None]:
 
 
 async def redispatch(
-    conn: AsyncConnection,
+    tx: Tx,
     ids: list[uuid.UUID],
     why: str,
     *,
     publisher: Publisher,
     margin: float,
-) -> list[outbox.Pending]:
+) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
     live service with room, chosen here from the leases and the control queues, not by the
     broker."""
-    if not ids:
+    starts = await repo.new_dispatches(tx, ids, why)
+    if not starts:
         return []
-    rows = (await conn.execute(text(q.REDISPATCH), {"ids": ids})).all()
-    await record_events(conn, [r.id for r in rows], Event.REDISPATCHED, why)
-    targets = place(await _free_slots(conn, publisher, margin), len(rows))
+    targets = place(await _free_slots(tx, publisher, margin), len(starts))
     messages: list[tuple[Destination, Message]] = []
-    for r, target in zip(rows, targets, strict=True):
-        start = StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id)
+    for start, target in zip(starts, targets, strict=True):
         if target is None:
             messages.append((WORK, start))
         else:
             messages.append((Destination.service(target), DirectedStart.of(start)))
-    return await outbox.add_many(conn, messages)
+    return await repo.add_outbox(tx, messages)
 
 
 @dataclass
@@ -119,7 +109,7 @@ class Sweeper:
     lets observers that came by directed start (no broker delivery to be requeued) move fast
     too. Their processing observers are re-dispatched, their on_deleting ones deleted."""
 
-    engine: AsyncEngine
+    store: ManagerStore
     box: Outbox
     publisher: Publisher
     #: Directed starts go only to services whose lease outlives this many seconds.
@@ -129,28 +119,22 @@ class Sweeper:
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
 
     async def once(self) -> int:
-        async with transaction(self.engine) as conn:
-            dead = (await conn.execute(text(q.SWEEP_EXPIRED))).all()
-            for d in dead:
+        async with self.store.transaction() as tx:
+            for d in await repo.sweep_expired(tx):
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
                 self.metrics.swept.labels("lease_expired").inc()
-            gone = await self._gone(conn)
-            declared = (
-                (await conn.execute(text(q.DECLARE_GONE), {"ids": gone})).all() if gone else []
-            )
-            for d in declared:
+            for d in await repo.declare_gone(tx, await self._gone(tx)):
                 log.warning(
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
                 self.metrics.swept.labels("process_gone").inc()
-            dead = list((await conn.execute(text(q.DEAD_SERVICES))).scalars().all())
-            orphans = (await conn.execute(text(q.ORPHANS), {"dead": dead})).all() if dead else []
-            await complete_stops(
-                conn, [o.id for o in orphans if o.status in STOPPING], "holder gone"
+            orphans = await repo.orphans(tx)
+            await repo.complete_stops(
+                tx, [o.id for o in orphans if o.status in STOPPING], "holder gone"
             )
             moving = [o.id for o in orphans if o.status == ObserverStatus.PROCESSING]
             pending = await redispatch(
-                conn, moving, "holder gone", publisher=self.publisher, margin=self.margin
+                tx, moving, "holder gone", publisher=self.publisher, margin=self.margin
             )
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
@@ -158,9 +142,9 @@ class Sweeper:
         await self.box.publish_now(pending)
         return len(orphans)
 
-    async def _gone(self, conn: AsyncConnection) -> list[uuid.UUID]:
+    async def _gone(self, tx: Tx) -> list[uuid.UUID]:
         """Services live by their lease whose process is provably gone, twice in a row."""
-        ended = (await conn.execute(text(q.SESSION_ENDED))).scalars().all()
+        ended = await repo.sessions_ended(tx)
         now = time.monotonic()
         seen, self.suspects = self.suspects, {}
         gone: list[uuid.UUID] = []
@@ -175,16 +159,6 @@ class Sweeper:
             else:
                 self.suspects[sid] = now
         return gone
-
-
-async def complete_stops(conn: AsyncConnection, ids: list[uuid.UUID], why: str) -> None:
-    """Deletes and pauses whose copy nobody runs any more: deleted, paused."""
-    if not ids:
-        return
-    rows = (await conn.execute(text(q.COMPLETE_STOPS), {"ids": ids})).all()
-    for status in {r.status for r in rows}:
-        done = [r.id for r in rows if r.status == status]
-        await record_events(conn, done, Event(status), why)
 
 
 @dataclass
@@ -202,7 +176,7 @@ class Audit:
     starts would otherwise see each burst made stale by the next, for ever.
     """
 
-    engine: AsyncEngine
+    store: ManagerStore
     box: Outbox
     publisher: Publisher
     grace: float
@@ -219,17 +193,17 @@ class Audit:
             return 0
         now = time.monotonic()
         self._forget(now)
-        async with transaction(self.engine) as conn:
+        async with self.store.transaction() as tx:
             # A service working through a large prefetch backlog also leaves nothing ready
             # while observers wait unowned; it takes observers all the while. Act only when
             # nothing was taken lately: then the waiting ones really are stuck at a silent
             # consumer.
-            if (await conn.execute(text(q.TAKEN_LATELY), {"g": self.grace})).scalar_one():
+            if await repo.taken_lately(tx, self.grace):
                 return 0
-            stuck = (await conn.execute(text(q.UNHELD_STUCK), {"g": self.grace})).scalars().all()
+            stuck = await repo.unheld_stuck(tx, self.grace)
             ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
             pending = await redispatch(
-                conn,
+                tx,
                 ids,
                 "audit: start message stuck or lost",
                 publisher=self.publisher,
@@ -258,7 +232,7 @@ class Pruner:
     ``keep_services``, and no observer keeps more than ``max_events`` history rows. Live
     observers are never touched: only ``deleted`` rows and unreferenced dead services go."""
 
-    engine: AsyncEngine
+    store: ManagerStore
     keep: float
     keep_services: float
     max_events: int
@@ -266,37 +240,22 @@ class Pruner:
     #: History rows up to this id have been looked at (0: look at all once).
     seen_events: int = 0
 
-    async def once(self) -> tuple[int, int, int]:
-        async with transaction(self.engine) as conn:
-            observers = (
-                await conn.execute(text(q.PRUNE_OBSERVERS), {"keep": self.keep, "n": self.batch})
-            ).all()
-            services = (
-                await conn.execute(
-                    text(q.PRUNE_SERVICES), {"keep": self.keep_services, "n": self.batch}
-                )
-            ).all()
-            newest = (await conn.execute(text(q.NEWEST_EVENT))).scalar_one()
-            heavy = (
-                (
-                    await conn.execute(
-                        text(q.HEAVY_HISTORIES),
-                        {"after": self.seen_events, "newest": newest, "cap": self.max_events},
-                    )
-                ).all()
-                if newest > self.seen_events  # an idle cluster writes no history
-                else []
+    async def once(self) -> repo.Pruned:
+        async with self.store.transaction() as tx:
+            pruned = await repo.prune(
+                tx,
+                keep=self.keep,
+                keep_services=self.keep_services,
+                max_events=self.max_events,
+                batch=self.batch,
+                seen_events=self.seen_events,
             )
-            for row in heavy:
-                await conn.execute(
-                    text(q.TRIM_HISTORY), {"o": row.observer_id, "cap": self.max_events}
-                )
-        self.seen_events = newest
-        if observers or services or heavy:
+        self.seen_events = pruned.newest_event
+        if pruned.observers or pruned.services or pruned.trimmed:
             log.info(
                 "retention: pruned %d deleted observers, %d dead services, trimmed %d histories",
-                len(observers),
-                len(services),
-                len(heavy),
+                pruned.observers,
+                pruned.services,
+                pruned.trimmed,
             )
-        return len(observers), len(services), len(heavy)
+        return pruned

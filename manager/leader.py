@@ -15,16 +15,13 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from contracts.backoff import Backoff
 from contracts.clock import Clock
 from contracts.deadline import LeaseDeadline, LeaseTimings
 from contracts.errors import OrchError, Transient
 from contracts.settings import default_host
-from manager import queries as q
-from manager.db import transaction
+from manager import repository as repo
+from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ def new_holder_id() -> str:
 class Leadership:
     def __init__(
         self,
-        engine: AsyncEngine,
+        store: ManagerStore,
         *,
         loops: dict[str, Loop],
         timings: LeaseTimings,
@@ -50,7 +47,7 @@ class Leadership:
         name: str = "manager",
         holder: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.store = store
         self.loops = loops
         self.timings = timings
         self.deadline = LeaseDeadline(clock, timings)
@@ -59,18 +56,18 @@ class Leadership:
         self.holder = holder or new_holder_id()
         self.is_leader = False
 
-    async def _exec(self, sql: str) -> bool:
-        params = {"name": self.name, "holder": self.holder, "ttl": self.timings.ttl}
-        async with transaction(self.engine) as conn:
-            row = (await conn.execute(text(sql), params)).one_or_none()
-        return row is not None
+    async def _claim(self, *, renew: bool) -> bool:
+        async with self.store.transaction() as tx:
+            return await repo.leader_claim(
+                tx, renew=renew, name=self.name, holder=self.holder, ttl=self.timings.ttl
+            )
 
     async def run(self) -> None:
         """Stand for election for ever; lead while elected. Raises LoopDied."""
         while True:
             sent = self.clock.now()
             try:
-                won = await asyncio.wait_for(self._exec(q.LEADER_ACQUIRE), self.timings.ttl / 2)
+                won = await asyncio.wait_for(self._claim(renew=False), self.timings.ttl / 2)
             except (Transient, TimeoutError) as exc:
                 log.warning("leader election failed: %s", exc)
                 won = False
@@ -105,7 +102,7 @@ class Leadership:
             sent = self.clock.now()
             try:
                 ok = await asyncio.wait_for(
-                    self._exec(q.LEADER_RENEW), max(0.05, self.deadline.remaining())
+                    self._claim(renew=True), max(0.05, self.deadline.remaining())
                 )
             except (Transient, TimeoutError) as exc:
                 log.warning("leader renewal failed (%s); retrying", exc)
@@ -119,15 +116,12 @@ class Leadership:
 
     async def release(self) -> None:
         try:
-            async with transaction(self.engine) as conn:
-                await conn.execute(
-                    text(q.LEADER_RELEASE), {"name": self.name, "holder": self.holder}
-                )
+            async with self.store.transaction() as tx:
+                await repo.leader_release(tx, name=self.name, holder=self.holder)
         except Transient as exc:
             log.warning("could not release the leadership: %s", exc)
 
 
-async def current_leader(engine: AsyncEngine, name: str = "manager") -> dict[str, object] | None:
-    async with transaction(engine) as conn:
-        row = (await conn.execute(text(q.LEADER), {"name": name})).one_or_none()
-    return None if row is None else dict(row._mapping)
+async def current_leader(store: ManagerStore, name: str = "manager") -> dict[str, Any] | None:
+    async with store.autocommit() as tx:
+        return await repo.current_leader(tx, name)

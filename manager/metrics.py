@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 
 from prometheus_client import Info, generate_latest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts import __version__
 from contracts.metrics import Metrics
-from manager import queries as q
-from manager.db import autocommit
+from manager import repository as repo
+from manager.store import ManagerStore
 
 
 class ManagerMetrics(Metrics):
@@ -74,21 +72,20 @@ class ManagerMetrics(Metrics):
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
         self.http.labels(route, method, str(code)).observe(seconds)
 
-    async def refresh(self, engine: AsyncEngine, *, leads: bool) -> None:
+    async def refresh(self, store: ManagerStore, *, leads: bool) -> None:
         """Read the cluster's state from the database, unless it was read lately."""
         self.leader.set(1 if leads else 0)
         now = time.monotonic()
         if now - self._refreshed < self.refresh_every:
             return
         self._refreshed = now
-        async with autocommit(engine) as conn:
-            observers = (await conn.execute(text(q.METRICS_OBSERVERS))).all()
-            services = (await conn.execute(text(q.METRICS_SERVICES))).all()
-            backlog, oldest = (await conn.execute(text(q.METRICS_OUTBOX))).one()
+        async with store.autocommit() as tx:
+            state = await repo.cluster_state(tx)
         self.observers.clear()
-        for row in observers:
+        for row in state.observers:
             self.observers.labels(row.status, row.kind).set(row.n)
         self.services.clear()
+        services = state.services
         self.services.labels("taking_work").set(sum(1 for s in services if not s.draining))
         self.services.labels("draining").set(sum(1 for s in services if s.draining))
         for gauge in (self.capacity, self.running, self.lease_age):
@@ -98,8 +95,8 @@ class ManagerMetrics(Metrics):
             self.capacity.labels(*labels).set(s.worker_count)
             self.running.labels(*labels).set(s.running)
             self.lease_age.labels(*labels).set(s.heartbeat_age)
-        self.outbox_backlog.set(backlog)
-        self.outbox_age.set(oldest or 0.0)
+        self.outbox_backlog.set(state.outbox_backlog)
+        self.outbox_age.set(state.outbox_age or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

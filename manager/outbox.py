@@ -10,72 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from pydantic import TypeAdapter
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from contracts.errors import Transient
-from contracts.messages import CONTROL_MESSAGE, Message, StartMessage
-from contracts.routing import Destination, Route
-from manager import queries as q
-from manager.db import to_json, transaction
+from manager import repository as repo
 from manager.publisher import Publisher
+from manager.repository import Pending
+from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 
-_START: TypeAdapter[StartMessage] = TypeAdapter(StartMessage)
-
-
-@dataclass(frozen=True)
-class Pending:
-    """An outbox record committed and not yet confirmed by the broker."""
-
-    id: int
-    to: Destination
-    message: Message
-
-
-def parse(route: str, service_id: uuid.UUID | None, body: dict[str, Any]) -> Pending:
-    to = Destination(Route(route), service_id)
-    message: Message = (
-        _START.validate_python(body)
-        if to.route in (Route.WORK, Route.ERRORS)
-        else CONTROL_MESSAGE.validate_python(body)
-    )
-    return Pending(0, to, message)
-
-
-async def add_many(
-    conn: AsyncConnection, messages: Sequence[tuple[Destination, Message]]
-) -> list[Pending]:
-    """Outbox records, each with its own destination, in one statement: the one way in."""
-    if not messages:
-        return []
-    ids = (
-        (
-            await conn.execute(
-                text(q.OUTBOX_ADD),
-                {
-                    "routes": [to.route.value for to, _ in messages],
-                    "services": [to.service_id for to, _ in messages],
-                    "bodies": [to_json(m.to_json()) for _, m in messages],
-                },
-            )
-        )
-        .scalars()
-        .all()
-    )
-    return [Pending(i, to, m) for i, (to, m) in zip(ids, messages, strict=True)]
+__all__ = ["Outbox", "Pending"]
 
 
 class Outbox:
-    def __init__(self, engine: AsyncEngine, publisher: Publisher) -> None:
-        self.engine = engine
+    def __init__(self, store: ManagerStore, publisher: Publisher) -> None:
+        self.store = store
         self.publisher = publisher
         self._published: list[int] = []  # confirmed, to be deleted by delete_published
         self._in_flight: set[int] = set()  # being published here, not yet confirmed
@@ -118,28 +68,19 @@ class Outbox:
         """Delete confirmed rows; they stay in the relay's skip list until the delete commits."""
         ids = list(self._published)
         if ids:
-            async with transaction(self.engine) as conn:
-                await conn.execute(text(q.OUTBOX_DELETE), {"ids": ids})
+            async with self.store.transaction() as tx:
+                await repo.delete_outbox(tx, ids)
             done = set(ids)
             self._published = [i for i in self._published if i not in done]
         return len(ids)
 
     async def relay_once(self, *, grace: float, limit: int = 500) -> int:
         """Publish rows older than ``grace`` seconds; returns how many were published."""
-        async with transaction(self.engine) as conn:
-            rows = (
-                await conn.execute(
-                    text(q.OUTBOX_DUE),
-                    {"g": grace, "n": limit, "skip": [*self._published, *self._in_flight]},
-                )
-            ).all()
-            if not rows:
+        async with self.store.transaction() as tx:
+            skip = [*self._published, *self._in_flight]
+            pending = await repo.outbox_due(tx, grace=grace, limit=limit, skip=skip)
+            if not pending:
                 return 0
-            pending = [
-                Pending(r.id, p.to, p.message)
-                for r in rows
-                for p in (parse(r.route, r.service_id, r.body),)
-            ]
             done = await self._publish(pending)
-            await conn.execute(text(q.OUTBOX_DELETE), {"ids": done})
+            await repo.delete_outbox(tx, done)
             return len(done)

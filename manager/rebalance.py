@@ -21,20 +21,15 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from contracts.messages import HandoffMessage
 from contracts.routing import Destination
 from contracts.statuses import Event
-from manager import outbox
-from manager import queries as q
+from manager import repository as repo
 from manager.background import on_broker
-from manager.db import transaction
 from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.publisher import Publisher
-from manager.repository import record_events
+from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +154,7 @@ class Sightings:
 
 @dataclass
 class Rebalancer:
-    engine: AsyncEngine
+    store: ManagerStore
     box: Outbox
     publisher: Publisher
     #: Fraction of the running observers that may be in motion at once.
@@ -178,15 +173,16 @@ class Rebalancer:
 
     async def once(self) -> int:
         now = time.monotonic()
-        async with transaction(self.engine) as conn:
+        async with self.store.transaction() as tx:
             seen: list[Seen] = []
             if self.ledger.sent:
-                where = await conn.execute(text(q.WHERE_MOVED), {"ids": list(self.ledger.sent)})
+                where = await repo.where_moved(tx, list(self.ledger.sent))
                 seen = [Seen(r.id, r.service_id, r.in_motion) for r in where]
             if self.ledger.update(seen, now):
                 return 0  # the previous round is still landing
-            rows = (await conn.execute(text(q.LOADS), {"age": self.min_age})).all()
-            loads = [Load(r.id, r.worker_count, r.running) for r in rows]
+            loads = [
+                Load(r.id, r.worker_count, r.running) for r in await repo.loads(tx, self.min_age)
+            ]
             present = await on_broker(self.publisher, [s.service_id for s in loads])
             loads = self.sightings.steady(loads, present, now)
             total = sum(x.running for x in loads)
@@ -195,26 +191,17 @@ class Rebalancer:
             handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]] = []  # observer, from, to
             for donor in {d for d, _ in moves}:
                 to = [t for d, t in moves if d == donor]
-                picked = (
-                    (
-                        await conn.execute(
-                            text(q.PICK_TO_MOVE),
-                            {"s": donor, "recent": recent, "n": len(to)},
-                        )
-                    )
-                    .scalars()
-                    .all()
-                )
+                picked = await repo.pick_to_move(tx, donor, recent=recent, n=len(to))
                 handoffs += [(o, donor, t) for o, t in zip(picked, to, strict=False)]
-            pending = await outbox.add_many(
-                conn,
+            pending = await repo.add_outbox(
+                tx,
                 [
                     (Destination.service(d), HandoffMessage(observer_id=o, to=t))
                     for o, d, t in handoffs
                 ],
             )
-            await record_events(
-                conn,
+            await repo.record_events(
+                tx,
                 [o for o, _, _ in handoffs],
                 Event.HANDOFF_REQUESTED,
                 [f"from {d} to {t}" for _, d, t in handoffs],

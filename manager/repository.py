@@ -1,18 +1,23 @@
-"""The manager's reads and writes for the API. Every state change writes its broker message to
-the outbox in the same transaction. Callers convert driver errors (``manager.db``)."""
+"""Every unit of work the manager does in its database, each on a ``store.Tx``: the API's reads
+and writes, the outbox, and what the leader's loops read and change. Every state change writes
+its broker message to the outbox in the same transaction. The statements are in
+``manager.queries``; nothing outside this module runs them."""
 
 from __future__ import annotations
 
+import functools
+import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
+from pydantic import TypeAdapter
 
-from contracts.errors import Conflict, NameTaken, NotFound, database_errors
+from contracts.errors import Conflict, NameTaken, NotFound
 from contracts.messages import (
+    CONTROL_MESSAGE,
     CancelMessage,
     DrainMessage,
     Message,
@@ -21,9 +26,32 @@ from contracts.messages import (
 )
 from contracts.routing import BROADCAST, WORK, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
-from manager import outbox
 from manager import queries as q
-from manager.db import to_json
+from manager.store import Row, Tx
+
+#: The one way the manager turns data into JSON for the database.
+to_json = functools.partial(json.dumps, separators=(",", ":"), default=str)
+
+_START: TypeAdapter[StartMessage] = TypeAdapter(StartMessage)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An outbox record committed and not yet confirmed by the broker (``manager.outbox``)."""
+
+    id: int
+    to: Destination
+    message: Message
+
+
+def parse(route: str, service_id: uuid.UUID | None, body: dict[str, Any]) -> Pending:
+    to = Destination(Route(route), service_id)
+    message: Message = (
+        _START.validate_python(body)
+        if to.route in (Route.WORK, Route.ERRORS)
+        else CONTROL_MESSAGE.validate_python(body)
+    )
+    return Pending(0, to, message)
 
 
 def _like(text_: str) -> str:
@@ -31,12 +59,12 @@ def _like(text_: str) -> str:
     return text_.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _row(row: Any) -> dict[str, Any]:
-    return dict(row._mapping)
+def _row(row: Row) -> dict[str, Any]:
+    return dict(row)
 
 
 async def record_events(
-    conn: AsyncConnection,
+    tx: Tx,
     ids: Sequence[uuid.UUID],
     event: Event,
     detail: str | Sequence[str] | None = None,
@@ -46,16 +74,41 @@ async def record_events(
     if not ids:
         return
     if detail is None or isinstance(detail, str):
-        await conn.execute(
-            text(q.EVENTS), {"ids": list(ids), "event": event.value, "detail": detail}
-        )
+        await tx.rows(q.EVENTS, ids=list(ids), event=event.value, detail=detail)
     else:
-        await conn.execute(
-            text(q.EVENTS_EACH),
-            {"ids": list(ids), "event": event.value, "details": list(detail)},
-        )
+        await tx.rows(q.EVENTS_EACH, ids=list(ids), event=event.value, details=list(detail))
 
 
+# ----------------------------------------------------------------------------------- outbox
+async def add_outbox(tx: Tx, messages: Sequence[tuple[Destination, Message]]) -> list[Pending]:
+    """Outbox records, each with its own destination, in one statement: the one way in."""
+    if not messages:
+        return []
+    ids = await tx.values(
+        q.OUTBOX_ADD,
+        routes=[to.route.value for to, _ in messages],
+        services=[to.service_id for to, _ in messages],
+        bodies=[to_json(m.to_json()) for _, m in messages],
+    )
+    return [Pending(i, to, m) for i, (to, m) in zip(ids, messages, strict=True)]
+
+
+async def outbox_due(tx: Tx, *, grace: float, limit: int, skip: list[int]) -> list[Pending]:
+    """Records older than ``grace`` seconds, oldest first, but those in ``skip``; locked (and
+    skipped by another relay) until the transaction ends."""
+    rows = await tx.rows(q.OUTBOX_DUE, g=grace, n=limit, skip=skip)
+    return [
+        Pending(r.id, p.to, p.message)
+        for r in rows
+        for p in (parse(r.route, r.service_id, r.body),)
+    ]
+
+
+async def delete_outbox(tx: Tx, ids: list[int]) -> None:
+    await tx.rows(q.OUTBOX_DELETE, ids=ids)
+
+
+# -------------------------------------------------------------------------------- observers
 @dataclass(frozen=True)
 class NewObserver:
     name: str
@@ -65,54 +118,47 @@ class NewObserver:
 
 
 async def create_observers(
-    conn: AsyncConnection, new: Sequence[NewObserver]
-) -> tuple[list[dict[str, Any] | None], list[outbox.Pending]]:
+    tx: Tx, new: Sequence[NewObserver]
+) -> tuple[list[dict[str, Any] | None], list[Pending]]:
     """Rows, history and outbox records in one statement (one round trip). Each row, in the
     order asked for, or None where a live observer already has that name."""
     starts = [StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4()) for _ in new]
-    with database_errors():
-        rows = (
-            await conn.execute(
-                text(q.CREATE_MANY),
-                {
-                    "ids": [s.observer_id for s in starts],
-                    "names": [n.name for n in new],
-                    "kinds": [n.kind for n in new],
-                    "params": [to_json(n.params) for n in new],
-                    "ds": [s.dispatch_id for s in starts],
-                    "rps": [to_json(n.restart_policy) if n.restart_policy else None for n in new],
-                    "route": Route.WORK.value,
-                    "bodies": [to_json(s.to_json()) for s in starts],
-                },
-            )
-        ).all()
+    rows = await tx.rows(
+        q.CREATE_MANY,
+        ids=[s.observer_id for s in starts],
+        names=[n.name for n in new],
+        kinds=[n.kind for n in new],
+        params=[to_json(n.params) for n in new],
+        ds=[s.dispatch_id for s in starts],
+        rps=[to_json(n.restart_policy) if n.restart_policy else None for n in new],
+        route=Route.WORK.value,
+        bodies=[to_json(s.to_json()) for s in starts],
+    )
     made = {r.id: _row(r) for r in rows}
     pending = [
-        outbox.Pending(made[s.observer_id].pop("outbox_id"), WORK, s)
+        Pending(made[s.observer_id].pop("outbox_id"), WORK, s)
         for s in starts
         if s.observer_id in made
     ]
     return [made.get(s.observer_id) for s in starts], pending
 
 
-async def create_observer(
-    conn: AsyncConnection, new: NewObserver
-) -> tuple[dict[str, Any], outbox.Pending]:
-    (row,), pending = await create_observers(conn, [new])
+async def create_observer(tx: Tx, new: NewObserver) -> tuple[dict[str, Any], Pending]:
+    (row,), pending = await create_observers(tx, [new])
     if row is None:
         raise NameTaken(new.name)
     return row, pending[0]
 
 
-async def get_observer(conn: AsyncConnection, observer_id: uuid.UUID) -> dict[str, Any]:
-    row = (await conn.execute(text(q.GET), {"id": observer_id})).one_or_none()
+async def get_observer(tx: Tx, observer_id: uuid.UUID) -> dict[str, Any]:
+    row = await tx.row(q.GET, id=observer_id)
     if row is None:
         raise NotFound(f"no observer with id {observer_id}")
     return _row(row)
 
 
 async def list_observers(
-    conn: AsyncConnection,
+    tx: Tx,
     *,
     status: ObserverStatus | None,
     kind: str | None,
@@ -122,48 +168,44 @@ async def list_observers(
     offset: int,
 ) -> list[dict[str, Any]]:
     """A page of observers, oldest first; ``name`` matches any part of the name."""
-    rows = (
-        await conn.execute(
-            text(q.LIST),
-            {
-                "status": status.value if status else None,
-                "kind": kind,
-                "sid": service_id,
-                "name": _like(name) if name else None,
-                "limit": limit,
-                "offset": offset,
-            },
-        )
-    ).all()
+    rows = await tx.rows(
+        q.LIST,
+        status=status.value if status else None,
+        kind=kind,
+        sid=service_id,
+        name=_like(name) if name else None,
+        limit=limit,
+        offset=offset,
+    )
     return [_row(r) for r in rows]
 
 
 async def list_events(
-    conn: AsyncConnection, observer_id: uuid.UUID
+    tx: Tx, observer_id: uuid.UUID
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The observer (NotFound if there is none) and its history."""
-    observer = await get_observer(conn, observer_id)
-    rows = (await conn.execute(text(q.LIST_EVENTS), {"id": observer_id})).all()
+    observer = await get_observer(tx, observer_id)
+    rows = await tx.rows(q.LIST_EVENTS, id=observer_id)
     return observer, [_row(r) for r in rows]
 
 
-async def _lock(conn: AsyncConnection, observer_id: uuid.UUID) -> Any:
-    row = (await conn.execute(text(q.LOCK_WITH_HOLDER), {"id": observer_id})).one_or_none()
+async def _lock(tx: Tx, observer_id: uuid.UUID) -> Row:
+    row = await tx.row(q.LOCK_WITH_HOLDER, id=observer_id)
     if row is None:
         raise NotFound(f"no observer with id {observer_id}")
     return row
 
 
 async def _stop(
-    conn: AsyncConnection,
+    tx: Tx,
     observer_id: uuid.UUID,
     stopping: ObserverStatus,
     refuse: frozenset[ObserverStatus] = frozenset(),
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+) -> tuple[dict[str, Any], list[Pending]]:
     """Delete or pause: at once when nothing runs it, else ``stopping`` plus a cancel broadcast
     (its holder stops the copy, and the row becomes what its stop makes of it). Repeating it is
     harmless: the broadcast goes again."""
-    row = await _lock(conn, observer_id)
+    row = await _lock(tx, observer_id)
     final = STOPPED[stopping]
     messages: list[tuple[Destination, Message]] = []
     if row.status in refuse:
@@ -172,16 +214,19 @@ async def _stop(
         pass
     elif row.status not in STOPPING and not row.live:
         # Nothing runs it (created, paused, failed, or a holder that is gone).
-        await conn.execute(text(q.STOP_NOW), {"id": observer_id, "status": final.value})
-        await record_events(conn, [observer_id], Event(final.value), "was not running")
+        await tx.rows(q.STOP_NOW, id=observer_id, status=final.value)
+        await record_events(tx, [observer_id], Event(final.value), "was not running")
     else:
         if row.status != stopping:
-            await conn.execute(text(q.SET_STATUS), {"id": observer_id, "status": stopping.value})
-            await record_events(conn, [observer_id], _ASKED[stopping])
+            await tx.rows(q.SET_STATUS, id=observer_id, status=stopping.value)
+            await record_events(tx, [observer_id], _ASKED[stopping])
         messages.append((BROADCAST, CancelMessage(observer_id=observer_id)))
-    pending = await outbox.add_many(conn, messages)
-    return await get_observer(conn, observer_id), pending
+    pending = await add_outbox(tx, messages)
+    return await get_observer(tx, observer_id), pending
 
+
+#: One observer's state change: its row, and the outbox records to publish once committed.
+Change = Callable[[Tx, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
 
 _ASKED = {ObserverStatus.ON_DELETING: Event.DELETING, ObserverStatus.PAUSING: Event.PAUSING}
 _NOT_PAUSABLE = frozenset(
@@ -189,20 +234,16 @@ _NOT_PAUSABLE = frozenset(
 )
 
 
-async def delete_observer(
-    conn: AsyncConnection, observer_id: uuid.UUID
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+async def delete_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
     """Deleted at once when nothing runs it; on_deleting plus a cancel broadcast otherwise. A
     delete wins over a pause under way."""
-    return await _stop(conn, observer_id, ObserverStatus.ON_DELETING)
+    return await _stop(tx, observer_id, ObserverStatus.ON_DELETING)
 
 
-async def pause_observer(
-    conn: AsyncConnection, observer_id: uuid.UUID
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+async def pause_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
     """Paused at once when nothing runs it; pausing plus a cancel broadcast otherwise (its
     holder stops it and its checkpoint stays)."""
-    return await _stop(conn, observer_id, ObserverStatus.PAUSING, _NOT_PAUSABLE)
+    return await _stop(tx, observer_id, ObserverStatus.PAUSING, _NOT_PAUSABLE)
 
 
 @dataclass(frozen=True)
@@ -218,52 +259,219 @@ _RESUME = _Revival(ObserverStatus.PAUSED, "resumed", q.RESUME, Event.RESUMED)
 
 
 async def _start_anew(
-    conn: AsyncConnection, observer_id: uuid.UUID, how: _Revival
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    tx: Tx, observer_id: uuid.UUID, how: _Revival
+) -> tuple[dict[str, Any], list[Pending]]:
     """Created again with a new dispatch id (older start messages become stale), published."""
-    row = await _lock(conn, observer_id)
+    row = await _lock(tx, observer_id)
     if row.status != how.only:
         later = " (try again once it is paused)" if row.status == ObserverStatus.PAUSING else ""
         raise Conflict(
             f"only a {how.only} observer can be {how.verb}; this one is {row.status}{later}"
         )
     dispatch_id = uuid.uuid4()
-    await conn.execute(text(how.sql), {"id": observer_id, "d": dispatch_id})
-    await record_events(conn, [observer_id], how.event)
+    await tx.rows(how.sql, id=observer_id, d=dispatch_id)
+    await record_events(tx, [observer_id], how.event)
     start = StartMessage(observer_id=observer_id, dispatch_id=dispatch_id)
-    pending = await outbox.add_many(conn, [(WORK, start)])
-    return await get_observer(conn, observer_id), pending
+    pending = await add_outbox(tx, [(WORK, start)])
+    return await get_observer(tx, observer_id), pending
 
 
-async def restart_observer(
-    conn: AsyncConnection, observer_id: uuid.UUID
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
     """Revive a failed observer with a fresh restart budget and a new dispatch."""
-    return await _start_anew(conn, observer_id, _RESTART)
+    return await _start_anew(tx, observer_id, _RESTART)
 
 
-async def resume_observer(
-    conn: AsyncConnection, observer_id: uuid.UUID
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+async def resume_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
     """A paused observer starts again, from its last checkpoint, on some service."""
-    return await _start_anew(conn, observer_id, _RESUME)
+    return await _start_anew(tx, observer_id, _RESUME)
 
 
-async def list_services(conn: AsyncConnection, *, include_deleted: bool) -> list[dict[str, Any]]:
-    rows = (await conn.execute(text(q.LIST_SERVICES), {"all": include_deleted})).all()
+async def list_services(tx: Tx, *, include_deleted: bool) -> list[dict[str, Any]]:
+    rows = await tx.rows(q.LIST_SERVICES, all=include_deleted)
     return [_row(r) for r in rows]
 
 
 async def drain_service(
-    conn: AsyncConnection, service_id: uuid.UUID, *, draining: bool = True
-) -> tuple[dict[str, Any], list[outbox.Pending]]:
+    tx: Tx, service_id: uuid.UUID, *, draining: bool = True
+) -> tuple[dict[str, Any], list[Pending]]:
     """Mark a live service draining and tell it: it hands its observers over and takes none.
     With ``draining=False``, undo that: it takes work again (undraining one that does not drain
     changes nothing)."""
-    found = await conn.execute(text(q.DRAIN if draining else q.UNDRAIN), {"id": service_id})
-    if found.one_or_none() is None:
+    if await tx.row(q.DRAIN if draining else q.UNDRAIN, id=service_id) is None:
         raise NotFound(f"no live service with id {service_id}")
     message = (DrainMessage if draining else UndrainMessage)(service_id=service_id)
-    pending = await outbox.add_many(conn, [(BROADCAST, message)])
-    row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one()
-    return _row(row), pending
+    pending = await add_outbox(tx, [(BROADCAST, message)])
+    row = await get_service(tx, service_id)
+    assert row is not None  # drained above, in this transaction
+    return row, pending
+
+
+async def get_service(tx: Tx, service_id: uuid.UUID) -> dict[str, Any] | None:
+    """One service, live or not."""
+    row = await tx.row(q.GET_SERVICE, id=service_id)
+    return None if row is None else _row(row)
+
+
+# ------------------------------------------------------------------- leader election, health
+async def leader_claim(tx: Tx, *, renew: bool, name: str, holder: str, ttl: float) -> bool:
+    """Take the lease when it has expired (or is ours), or, with ``renew``, extend it while it
+    is still ours; whether we hold it now."""
+    sql = q.LEADER_RENEW if renew else q.LEADER_ACQUIRE
+    return await tx.row(sql, name=name, holder=holder, ttl=ttl) is not None
+
+
+async def leader_release(tx: Tx, *, name: str, holder: str) -> None:
+    await tx.rows(q.LEADER_RELEASE, name=name, holder=holder)
+
+
+async def current_leader(tx: Tx, name: str) -> dict[str, Any] | None:
+    row = await tx.row(q.LEADER, name=name)
+    return None if row is None else _row(row)
+
+
+async def ping(tx: Tx) -> None:
+    await tx.value(q.PING)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What the metrics show of the cluster (``manager.metrics``)."""
+
+    observers: list[Row]
+    services: list[Row]
+    outbox_backlog: int
+    outbox_age: float | None
+
+
+async def cluster_state(tx: Tx) -> ClusterState:
+    observers = await tx.rows(q.METRICS_OBSERVERS)
+    services = await tx.rows(q.METRICS_SERVICES)
+    outbox = await tx.row(q.METRICS_OUTBOX)
+    assert outbox is not None  # an aggregate: always one row
+    return ClusterState(observers, services, outbox[0], outbox[1])
+
+
+# --------------------------------------------------------------------- leader: the sweeper
+async def sweep_expired(tx: Tx) -> list[Row]:
+    """Live services whose lease expired, marked deleted: their id and name."""
+    return await tx.rows(q.SWEEP_EXPIRED)
+
+
+async def sessions_ended(tx: Tx) -> list[uuid.UUID]:
+    """Services live by their lease whose lease session has ended."""
+    return await tx.values(q.SESSION_ENDED)
+
+
+async def declare_gone(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
+    """These services, marked deleted (their process is gone): their id and name."""
+    return await tx.rows(q.DECLARE_GONE, ids=ids) if ids else []
+
+
+async def orphans(tx: Tx) -> list[Row]:
+    """Observers held by a dead service: their id and status, locked."""
+    dead = await tx.values(q.DEAD_SERVICES)
+    return await tx.rows(q.ORPHANS, dead=dead) if dead else []
+
+
+async def complete_stops(tx: Tx, ids: list[uuid.UUID], why: str) -> None:
+    """Deletes and pauses whose copy nobody runs any more: deleted, paused."""
+    if not ids:
+        return
+    rows = await tx.rows(q.COMPLETE_STOPS, ids=ids)
+    for status in {r.status for r in rows}:
+        done = [r.id for r in rows if r.status == status]
+        await record_events(tx, done, Event(status), why)
+
+
+async def new_dispatches(tx: Tx, ids: list[uuid.UUID], why: str) -> list[StartMessage]:
+    """New dispatch ids for these observers (their old messages become stale), recorded; the
+    start message of each that is still live."""
+    if not ids:
+        return []
+    rows = await tx.rows(q.REDISPATCH, ids=ids)
+    await record_events(tx, [r.id for r in rows], Event.REDISPATCHED, why)
+    return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
+
+
+async def free_slots(tx: Tx, margin: float) -> dict[uuid.UUID, int]:
+    """Free slots of the services whose lease outlives ``margin`` seconds and that take work."""
+    rows = await tx.rows(q.FREE_SLOTS, m=margin)
+    return {r.id: int(r.free) for r in rows if r.free > 0}
+
+
+# ----------------------------------------------------------------------- leader: the audit
+async def taken_lately(tx: Tx, grace: float) -> bool:
+    """Whether some observer was taken in the last ``grace`` seconds."""
+    return bool(await tx.value(q.TAKEN_LATELY, g=grace))
+
+
+async def unheld_stuck(tx: Tx, grace: float) -> list[uuid.UUID]:
+    """Live observers nobody holds, dispatched more than ``grace`` seconds ago."""
+    return await tx.values(q.UNHELD_STUCK, g=grace)
+
+
+# ------------------------------------------------------------------- leader: the rebalance
+async def where_moved(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
+    """Where these observers are: id, service_id, in_motion."""
+    return await tx.rows(q.WHERE_MOVED, ids=ids)
+
+
+async def loads(tx: Tx, min_age: float) -> list[Row]:
+    """Services taking work, at least ``min_age`` seconds old: id, worker_count, running."""
+    return await tx.rows(q.LOADS, age=min_age)
+
+
+async def pick_to_move(
+    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int
+) -> list[uuid.UUID]:
+    """Up to ``n`` observers running on ``donor``, none of ``recent``."""
+    return await tx.values(q.PICK_TO_MOVE, s=donor, recent=recent, n=n)
+
+
+# ---------------------------------------------------------------------- leader: retention
+@dataclass(frozen=True)
+class Pruned:
+    observers: int
+    services: int
+    trimmed: int
+    #: The newest history row when it ran.
+    newest_event: int
+
+
+async def prune(
+    tx: Tx, *, keep: float, keep_services: float, max_events: int, batch: int, seen_events: int
+) -> Pruned:
+    """Deleted observers older than ``keep`` seconds, dead services older than
+    ``keep_services``, and history beyond ``max_events`` per observer among those written
+    since history row ``seen_events``; at most ``batch`` of each."""
+    observers = await tx.rows(q.PRUNE_OBSERVERS, keep=keep, n=batch)
+    services = await tx.rows(q.PRUNE_SERVICES, keep=keep_services, n=batch)
+    newest: int = await tx.value(q.NEWEST_EVENT)
+    heavy = (
+        await tx.rows(q.HEAVY_HISTORIES, after=seen_events, newest=newest, cap=max_events)
+        if newest > seen_events  # an idle cluster writes no history
+        else []
+    )
+    for row in heavy:
+        await tx.rows(q.TRIM_HISTORY, o=row.observer_id, cap=max_events)
+    return Pruned(len(observers), len(services), len(heavy), newest)
+
+
+# -------------------------------------------------------------------------- console views
+async def view_observers(
+    tx: Tx, *, order: str, filters: dict[str, Any], **page: Any
+) -> tuple[list[Row], dict[str, int]]:
+    """A page of the console's table (sorted by ``order``, an SQL ORDER BY list), and how many
+    observers match ``filters`` in each status."""
+    rows = await tx.rows(q.VIEW_OBSERVERS.replace("{order}", order), **filters, **page)
+    totals = {r.status: int(r.n) for r in await tx.rows(q.VIEW_TOTALS, **filters)}
+    return rows, totals
+
+
+async def activity(
+    tx: Tx, *, minutes: int, service_id: uuid.UUID | None
+) -> tuple[datetime, list[Row]]:
+    """Events per minute of the last ``minutes`` (from the history): the first minute, and
+    its rows (minute, event, n)."""
+    since: datetime = await tx.value(q.ACTIVITY_SINCE, m=minutes)
+    return since, await tx.rows(q.ACTIVITY, since=since, sid=service_id)

@@ -15,7 +15,6 @@ from contracts.errors import Transient
 from contracts.kinds import KindSpec, load_kinds
 from manager import background
 from manager import repository as repo
-from manager.db import autocommit, make_engine
 from manager.intake import GroupCommit
 from manager.leader import Leadership, Loop
 from manager.metrics import ManagerMetrics
@@ -23,6 +22,7 @@ from manager.outbox import Outbox, Pending
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
 from manager.settings import ManagerSettings
+from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,13 @@ class ManagerRuntime:
         self.settings = settings
         self.metrics = metrics or ManagerMetrics(refresh=settings.metrics_refresh)
         self.kinds = kinds if kinds is not None else load_kinds(settings.kind_module_list)
-        self.engine = make_engine(settings)
+        self.store = ManagerStore(settings)
         self.publisher = Publisher(settings)
-        self.outbox = Outbox(self.engine, self.publisher)
+        self.outbox = Outbox(self.store, self.publisher)
         #: Single creates of this process, written and published together (``manager.intake``).
         self.creates = GroupCommit(self._create_rows, self.outbox.publish_now)
         self.leadership = Leadership(
-            self.engine,
+            self.store,
             loops=self._leader_loops(),
             timings=settings.lease_timings,
             clock=Clock(settings.clock_hook),
@@ -59,18 +59,18 @@ class ManagerRuntime:
     async def _create_rows(
         self, new: Sequence[repo.NewObserver]
     ) -> tuple[list[dict[str, Any] | None], list[Pending]]:
-        async with autocommit(self.engine) as conn:  # one statement: rows, history, outbox
-            return await repo.create_observers(conn, new)
+        async with self.store.autocommit() as tx:  # one statement: rows, history, outbox
+            return await repo.create_observers(tx, new)
 
     def _leader_loops(self) -> dict[str, Loop]:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
         sweeper = background.Sweeper(
-            self.engine, self.outbox, self.publisher, margin, metrics=self.metrics
+            self.store, self.outbox, self.publisher, margin, metrics=self.metrics
         )
         audit = background.Audit(
-            self.engine,
+            self.store,
             self.outbox,
             self.publisher,
             grace=s.audit_grace,
@@ -86,7 +86,7 @@ class ManagerRuntime:
             "audit": background.every(s.audit_interval, audit.once, "audit"),
         }
         pruner = background.Pruner(
-            self.engine,
+            self.store,
             keep=s.retention,
             keep_services=s.service_retention,
             max_events=s.max_events_per_observer,
@@ -94,7 +94,7 @@ class ManagerRuntime:
         loops["retention"] = background.every(s.prune_interval, pruner.once, "retention")
         if s.rebalance:
             rebalancer = Rebalancer(
-                self.engine,
+                self.store,
                 self.outbox,
                 self.publisher,
                 pace=s.rebalance_pace,
@@ -111,6 +111,7 @@ class ManagerRuntime:
         return loops
 
     async def start(self) -> None:
+        await self.store.open()
         await self.publisher.start()
         self._spawn(self.creates.run(), "group-commit")
         self._spawn(
@@ -143,4 +144,4 @@ class ManagerRuntime:
             await self.outbox.delete_published()
         with contextlib.suppress(Transient):
             await self.publisher.close()
-        await self.engine.dispose()
+        await self.store.close()

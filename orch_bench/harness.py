@@ -140,6 +140,51 @@ class BenchCluster(LocalCluster):
         for i in range(services):
             await self.start_service(f"s{i + 1}", worker_count, **env)
 
+    async def reset_statements(self) -> str | None:
+        """Clear ``pg_stat_statements`` for this cluster's database, creating the extension
+        there first; why not, when the server cannot (it is not preloaded, and loading it means
+        restarting the server)."""
+        db = await self.connect()
+        preload = await db.fetchval("SELECT current_setting('shared_preload_libraries')")
+        if "pg_stat_statements" not in preload.replace(" ", "").split(","):
+            return (
+                "pg_stat_statements is not in this server's shared_preload_libraries "
+                f"({preload or 'empty'}); loading it needs a server restart"
+            )
+        try:
+            await db.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            await db.execute(
+                "SELECT pg_stat_statements_reset(0, "
+                "(SELECT oid FROM pg_database WHERE datname = current_database()), 0)"
+            )
+        except asyncpg.PostgresError as exc:
+            return f"pg_stat_statements is not usable here: {exc}"
+        return None
+
+    async def top_statements(self, scenario: str, why_not: str | None, n: int = 5) -> list[Figure]:
+        """The ``n`` statements of this cluster's database with the most execution time since
+        ``reset_statements``; one figure saying why not when that could not be read."""
+        if why_not is not None:
+            return [Figure(scenario, "top statements by total time", None, "", note=why_not)]
+        db = await self.connect()
+        rows = await db.fetch(
+            "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
+            "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND query NOT ILIKE '%pg_stat_statements%' "
+            "ORDER BY total_exec_time DESC LIMIT $1",
+            n,
+        )
+        return [
+            Figure(
+                scenario,
+                f"statement #{i} by total time",
+                round(r["total_exec_time"], 1),
+                "ms",
+                note=f"{r['calls']} calls, {r['rows']} rows: " + " ".join(r["query"].split())[:160],
+            )
+            for i, r in enumerate(rows, 1)
+        ]
+
     def api(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
         return httpx.AsyncClient(

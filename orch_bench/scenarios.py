@@ -152,6 +152,7 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
         def body(client: int, i: int) -> dict[str, Any]:
             return {"name": f"tp-{client}-{i}", "kind": "ticker", "params": IDLE_TICKER}
 
+        why_not = await c.reset_statements()
         before = cpu_by_role(c)
         created, elapsed, latencies = await create_for(
             c.api_port,
@@ -165,6 +166,7 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
         all_running = await c.wait_running(created, timeout=300)
         # Until every create is running: the takes and first checkpoints count too.
         seconds = cpu_by_role(c, since=before)
+        statements = await c.top_statements("create throughput", why_not)
         tick()
     rate = created / elapsed
     ms = [x * 1000 for x in latencies]
@@ -216,6 +218,7 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
                 f"{role} {v / created * 1000:.2f}" for role, v in sorted(seconds.items()) if v > 0
             ),
         ),
+        *statements,
     ]
 
 
@@ -252,6 +255,7 @@ async def bulk_intake(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
                 posts.append((time.perf_counter() - t) * 1000)
                 tick(advance=0)
 
+        why_not = await c.reset_statements()
         before = cpu_by_role(c)
         began = time.monotonic()
         await asyncio.gather(sender(0), sender(1))
@@ -259,6 +263,7 @@ async def bulk_intake(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
         await c.wait_running(n, timeout=300)
         took = time.monotonic() - began
         cpu = cpu_by_role(c, since=before)
+        statements = await c.top_statements("bulk intake", why_not)
         tick()
     rate = n / took
     per = ", ".join(
@@ -283,6 +288,7 @@ async def bulk_intake(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
             "ms",
             note=f"by role, ms: {per}",
         ),
+        *statements,
     ]
 
 

@@ -7,12 +7,10 @@ import logging
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from sqlalchemy import text
 
 from contracts.errors import NotFound, Transient
-from manager import queries as q
+from manager import repository as repo
 from manager.api.deps import RuntimeDep
-from manager.db import autocommit
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
@@ -31,7 +29,7 @@ async def metrics(state: RuntimeDep) -> Response:
     if not state.settings.metrics:
         raise NotFound("metrics are off (ORCH_METRICS=false)")
     try:
-        await state.metrics.refresh(state.engine, leads=state.leadership.is_leader)
+        await state.metrics.refresh(state.store, leads=state.leadership.is_leader)
     except Transient as exc:
         log.warning("metrics: cluster state not refreshed: %s", exc)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -42,8 +40,8 @@ async def readyz(state: RuntimeDep) -> JSONResponse:
     """Ready when both the database and the broker answer."""
     checks: dict[str, str] = {}
     try:
-        async with autocommit(state.engine) as conn:
-            await conn.execute(text(q.PING))
+        async with state.store.autocommit() as tx:
+            await repo.ping(tx)
         checks["database"] = "ok"
     except Transient as exc:
         checks["database"] = f"unreachable: {exc}"

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from contracts.errors import NameTaken, OrchError, TooLarge
 from contracts.kinds import get_kind, hide_values, mask_params, secret_values
@@ -18,7 +16,6 @@ from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ, Authenticator, Credentials, Role
-from manager.db import autocommit, transaction
 from manager.outbox import Pending
 from manager.problems import field_errors, problem_of, responses, status_of
 from manager.runtime import ManagerRuntime
@@ -124,8 +121,8 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
             items.append(_failed(i, status_of(exc), str(exc)))
     pending: list[Pending] = []
     if todo:
-        async with autocommit(state.engine) as conn:  # one statement for all of them
-            rows, pending = await repo.create_observers(conn, [new for _, new in todo])
+        async with state.store.autocommit() as tx:  # one statement for all of them
+            rows, pending = await repo.create_observers(tx, [new for _, new in todo])
         for (i, new), row in zip(todo, rows, strict=True):
             if row is None:
                 items.append(_failed(i, 409, str(NameTaken(new.name))))
@@ -169,9 +166,9 @@ async def list_observers(
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
 ) -> dict[str, Any]:
     """A page of observers, oldest first; `next_offset` is null on the last page."""
-    async with autocommit(state.engine) as conn:
+    async with state.store.autocommit() as tx:
         items = await repo.list_observers(
-            conn,
+            tx,
             status=status_,
             kind=kind,
             service_id=service_id,
@@ -199,8 +196,8 @@ async def get_observer(
 ) -> dict[str, Any]:
     """One observer: where it runs (service, epoch), its checkpoint, its last error. Secret
     params are `***` unless the token is an admin's."""
-    async with autocommit(state.engine) as conn:
-        return shown(state, await repo.get_observer(conn, observer_id), raw)
+    async with state.store.autocommit() as tx:
+        return shown(state, await repo.get_observer(tx, observer_id), raw)
 
 
 @router.get(
@@ -214,8 +211,8 @@ async def observer_events(
     observer_id: uuid.UUID, state: RuntimeDep, raw: SeesSecrets
 ) -> list[dict[str, Any]]:
     """History: every take (with its service and epoch), release, restart, pause, deletion."""
-    async with autocommit(state.engine) as conn:
-        row, events = await repo.list_events(conn, observer_id)
+    async with state.store.autocommit() as tx:
+        row, events = await repo.list_events(tx, observer_id)
     if raw:
         return events
     values = secret_values(row["params"] or {}, state.kinds.get(row["kind"]))
@@ -230,18 +227,15 @@ async def observer_events(
     ]
 
 
-Change = Callable[[AsyncConnection, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
-
-
-async def _change(state: RuntimeDep, change: Change, observer_id: uuid.UUID) -> dict[str, Any]:
+async def _change(state: RuntimeDep, change: repo.Change, observer_id: uuid.UUID) -> dict[str, Any]:
     """One state change: the row and its outbox records in one transaction, then published."""
-    async with transaction(state.engine) as conn:
-        row, pending = await change(conn, observer_id)
+    async with state.store.transaction() as tx:
+        row, pending = await change(tx, observer_id)
     await state.outbox.publish_now(pending)
     return row
 
 
-def _route(method: str, suffix: str, change: Change, code: int, op: str, doc: str) -> None:
+def _route(method: str, suffix: str, change: repo.Change, code: int, op: str, doc: str) -> None:
     """One state-change route (admin only)."""
 
     async def route(observer_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from fastapi import APIRouter
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ
-from manager.db import autocommit, transaction
 from manager.leader import current_leader
 from manager.problems import responses
 from manager.schemas import KindOut, LeaderOut, ServiceOut
@@ -28,8 +27,8 @@ AUTH = (401, 403)
 )
 async def list_services(state: RuntimeDep, include_deleted: bool = False) -> list[dict[str, Any]]:
     """Live services (all of them with `include_deleted`), with what each holds."""
-    async with autocommit(state.engine) as conn:
-        return await repo.list_services(conn, include_deleted=include_deleted)
+    async with state.store.autocommit() as tx:
+        return await repo.list_services(tx, include_deleted=include_deleted)
 
 
 @router.post(
@@ -43,8 +42,8 @@ async def list_services(state: RuntimeDep, include_deleted: bool = False) -> lis
 async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
     """Stop a service taking work and move every observer off it (each resumes elsewhere from
     its checkpoint); afterwards it can be stopped with nothing moving again."""
-    async with transaction(state.engine) as conn:
-        row, pending = await repo.drain_service(conn, service_id)
+    async with state.store.transaction() as tx:
+        row, pending = await repo.drain_service(tx, service_id)
     await state.outbox.publish_now(pending)
     state.metrics.moves.labels("drain").inc(int(row["running"]))
     return row
@@ -61,8 +60,8 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, A
 async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
     """Undo a drain: the service takes work again (new observers, and moves to it from busier
     services). Undraining a service that does not drain changes nothing."""
-    async with transaction(state.engine) as conn:
-        row, pending = await repo.drain_service(conn, service_id, draining=False)
+    async with state.store.transaction() as tx:
+        row, pending = await repo.drain_service(tx, service_id, draining=False)
     await state.outbox.publish_now(pending)
     return row
 
@@ -96,7 +95,7 @@ async def list_kinds(state: RuntimeDep) -> list[dict[str, Any]]:
 )
 async def leader(state: RuntimeDep) -> dict[str, Any]:
     """Which manager replica runs the background loops, and whether it is this one."""
-    row = await current_leader(state.engine) or {"holder": None}
+    row = await current_leader(state.store) or {"holder": None}
     return {
         **row,
         "this_replica": state.leadership.holder,

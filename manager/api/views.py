@@ -12,14 +12,11 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from contracts.errors import NotFound, OrchError
 from contracts.kinds import KindSpec, RestartPolicy
@@ -29,7 +26,6 @@ from manager import repository as repo
 from manager.api.deps import RuntimeDep
 from manager.api.observers import KindFilter, SeesSecrets, StatusFilter, shown
 from manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
-from manager.db import autocommit, transaction
 from manager.outbox import Pending
 from manager.problems import Problem, problem_of, responses, status_of
 from manager.schemas import SafeText, ServiceOut
@@ -217,26 +213,16 @@ async def view_observers(
     status. Deleted observers are left out unless asked for (or filtered on)."""
     started = time.perf_counter()
     direction = "DESC" if order == "desc" else "ASC"
-    sql = q.VIEW_OBSERVERS.replace(
-        "{order}", f"{q.VIEW_SORTS[sort]} {direction} NULLS LAST, o.id {direction}"
-    )
-    common = {"kind": kind, "sid": service_id, **_lookup(q_)}
-    async with autocommit(state.engine) as conn:
-        rows = (
-            await conn.execute(
-                text(sql),
-                {
-                    **common,
-                    "status": status_.value if status_ else None,
-                    "deleted": include_deleted,
-                    "limit": limit,
-                    "offset": offset,
-                },
-            )
-        ).all()
-        totals = {
-            r.status: int(r.n) for r in (await conn.execute(text(q.VIEW_TOTALS), common)).all()
-        }
+    async with state.store.autocommit() as tx:
+        rows, totals = await repo.view_observers(
+            tx,
+            order=f"{q.VIEW_SORTS[sort]} {direction} NULLS LAST, o.id {direction}",
+            filters={"kind": kind, "sid": service_id, **_lookup(q_)},
+            status=status_.value if status_ else None,
+            deleted=include_deleted,
+            limit=limit,
+            offset=offset,
+        )
     if status_ is not None:
         total = totals.get(status_.value, 0)
     else:
@@ -244,7 +230,7 @@ async def view_observers(
     items = []
     now = None
     for r in rows:
-        row = dict(r._mapping)
+        row = dict(r)
         now = row.pop("now")
         policy = _policy(state.kinds, row["kind"], row.pop("restart_policy"))
         waiting, left = backoff(row, policy, now)
@@ -285,12 +271,12 @@ async def view_service(
 ) -> dict[str, Any]:
     """One service, live or not (``GET /services`` lists the live ones)."""
     started = time.perf_counter()
-    async with autocommit(state.engine) as conn:
-        row = (await conn.execute(text(q.GET_SERVICE), {"id": service_id})).one_or_none()
+    async with state.store.autocommit() as tx:
+        row = await repo.get_service(tx, service_id)
     if row is None:
         raise NotFound(f"no service with id {service_id}")
     _timed(response, started)
-    return dict(row._mapping)
+    return row
 
 
 @router.get(
@@ -309,9 +295,8 @@ async def view_activity(
     """Takes, restarts and failures per minute (from the history), oldest minute first; on one
     service with ``service_id``."""
     started = time.perf_counter()
-    async with autocommit(state.engine) as conn:
-        since: datetime = (await conn.execute(text(q.ACTIVITY_SINCE), {"m": minutes})).scalar_one()
-        rows = (await conn.execute(text(q.ACTIVITY), {"since": since, "sid": service_id})).all()
+    async with state.store.autocommit() as tx:
+        since, rows = await repo.activity(tx, minutes=minutes, service_id=service_id)
     counts: dict[tuple[datetime, str], int] = {(r.minute, r.event): int(r.n) for r in rows}
     buckets = []
     for i in range(minutes):
@@ -328,20 +313,19 @@ async def view_activity(
     return {"since": since, "minutes": minutes, "buckets": buckets}
 
 
-Change = Callable[[AsyncConnection, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
-
-
-async def _bulk(state: RuntimeDep, change: Change, ids: list[uuid.UUID], ok: int) -> dict[str, Any]:
+async def _bulk(
+    state: RuntimeDep, change: repo.Change, ids: list[uuid.UUID], ok: int
+) -> dict[str, Any]:
     """One change for each observer, in one transaction, each under a savepoint of its own: one
     that cannot be changed (gone, or not in the state it needs) fails alone, with the problem
     the one-observer route would have given. Then every broker message in one publish."""
     items: list[dict[str, Any]] = []
     pending: list[Pending] = []
-    async with transaction(state.engine) as conn:
+    async with state.store.transaction() as tx:
         for oid in dict.fromkeys(ids):  # each once, in order
             try:
-                async with conn.begin_nested():
-                    row, more = await change(conn, oid)
+                async with tx.savepoint():
+                    row, more = await change(tx, oid)
             except OrchError as exc:
                 code = status_of(exc)
                 if code == 503:

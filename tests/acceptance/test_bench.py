@@ -42,9 +42,17 @@ def test_quick_bench_reports_every_figure(servers: Servers, tmp_path: Path) -> N
     assert report["quick"] is True
     assert {"cpus", "postgres", "rabbitmq"} <= set(report["machine"])
     counts: dict[str, int] = {}
+    statements: dict[str, list[dict[str, object]]] = {}
     for f in report["figures"]:
         assert f["name"] != "scenario failed", f
         assert {"scenario", "name", "value", "unit", "target", "passed"} <= set(f)
+        if f["name"].startswith(("statement #", "top statements")):
+            statements.setdefault(f["scenario"], []).append(f)
+            continue
         counts[f["scenario"]] = counts.get(f["scenario"], 0) + 1
     assert counts == EXPECTED
+    # The top statements, or why the server cannot give them (not preloaded), never nothing.
+    for scenario in ("create throughput", "bulk intake"):
+        found = statements[scenario]
+        assert found[0]["value"] is not None or "shared_preload_libraries" in str(found[0]["note"])
     assert "orch bench --quick" in proc.stdout

@@ -252,15 +252,16 @@ async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cl
 async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> None:
     """The manager dies right after its commit: the outbox record brings the observer up."""
     from manager import repository
-    from manager.db import make_engine
     from manager.settings import ManagerSettings
+    from manager.store import ManagerStore
 
-    engine = make_engine(ManagerSettings(database_url=cluster.database_url, auth="disabled"))
-    async with engine.begin() as conn:
+    store = ManagerStore(ManagerSettings(database_url=cluster.database_url, auth="disabled"))
+    await store.open()
+    async with store.transaction() as tx:
         row, _pending = await repository.create_observer(
-            conn, repository.NewObserver(name="orphan", kind="ticker", params={"interval": 0.05})
+            tx, repository.NewObserver(name="orphan", kind="ticker", params={"interval": 0.05})
         )
-    await engine.dispose()
+    await store.close()
     # No publish happened. Now the cluster comes up: the leader's relay publishes it.
     await cluster.start_manager()
     await cluster.start_service("a", worker_count=2)

@@ -6,18 +6,19 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from contracts.settings import asyncpg_dsn
+from contracts.settings import CommonSettings, asyncpg_dsn
+from manager.store import ManagerStore
 
 
 @pytest.fixture
-async def db(database_url: str) -> AsyncIterator[tuple[asyncpg.Connection, AsyncEngine]]:
-    """A plain connection to set rows up with, and the engine the manager's code runs on."""
+async def db(database_url: str) -> AsyncIterator[tuple[asyncpg.Connection, ManagerStore]]:
+    """A plain connection to set rows up with, and the store the manager's code runs on."""
     conn = await asyncpg.connect(asyncpg_dsn(database_url))
-    engine = create_async_engine(database_url)
+    store = ManagerStore(CommonSettings(database_url=database_url), pool_size=4)
+    await store.open()
     try:
-        yield conn, engine
+        yield conn, store
     finally:
-        await engine.dispose()
+        await store.close()
         await conn.close()

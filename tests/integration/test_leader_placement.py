@@ -15,7 +15,6 @@ import aio_pika
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractConnection, AbstractQueue
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts.messages import CONTROL_MESSAGE, AnyControl, DirectedStart, HandoffMessage
 from contracts.settings import CommonSettings
@@ -25,6 +24,7 @@ from manager.metrics import ManagerMetrics
 from manager.outbox import Outbox
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
+from manager.store import ManagerStore
 from tests.conftest import Servers
 
 
@@ -96,10 +96,10 @@ async def observers(conn: asyncpg.Connection, n: int, holder: uuid.UUID | None) 
     return out
 
 
-def audit(engine: AsyncEngine, publisher: Publisher, grace: float = 0.5) -> Audit:
+def audit(store: ManagerStore, publisher: Publisher, grace: float = 0.5) -> Audit:
     return Audit(
-        engine,
-        Outbox(engine, publisher),
+        store,
+        Outbox(store, publisher),
         publisher,
         grace=grace,
         margin=1.0,
@@ -109,15 +109,15 @@ def audit(engine: AsyncEngine, publisher: Publisher, grace: float = 0.5) -> Audi
 
 
 def rebalancer(
-    engine: AsyncEngine,
+    store: ManagerStore,
     publisher: Publisher,
     *,
     min_age: float = 0.0,
     landing: float = 10.0,
 ) -> Rebalancer:
     return Rebalancer(
-        engine,
-        Outbox(engine, publisher),
+        store,
+        Outbox(store, publisher),
         publisher,
         pace=1.0,
         min_age=min_age,
@@ -138,7 +138,7 @@ async def handoffs_to(conn: asyncpg.Connection, target: uuid.UUID) -> int:
 
 
 async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
@@ -146,12 +146,12 @@ async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
     """Both leases are live; the service with more room has no control queue (its broker link
     is cut). Its starts would bounce to the work queue: they go to the other one, and what the
     other has no room for goes to the work queue."""
-    conn, engine = db
+    conn, store = db
     on = await service(conn, worker_count=5)
     off = await service(conn, worker_count=20)
     queue = await join_broker(services_connection, prefix, on)
     stuck = await observers(conn, 6, holder=None)
-    assert await audit(engine, publisher).once() == 6
+    assert await audit(store, publisher).once() == 6
     routes = await conn.fetch("SELECT route, service_id FROM outbox")
     assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
         [("service", on)] * 5 + [("work", None)]
@@ -164,17 +164,17 @@ async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
 
 
 async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
 ) -> None:
-    conn, engine = db
+    conn, store = db
     donor = await service(conn, worker_count=10)
     cut = await service(conn, worker_count=10)
     await join_broker(services_connection, prefix, donor)
     await observers(conn, 6, holder=donor)
-    r = rebalancer(engine, publisher)
+    r = rebalancer(store, publisher)
     assert await r.once() == 0, "planned moves to a service the broker cannot reach"
     assert await handoffs_to(conn, cut) == 0
     await join_broker(services_connection, prefix, cut)
@@ -183,19 +183,19 @@ async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
 
 
 async def test_min_age_counts_from_the_control_queue_reappearing(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
 ) -> None:
     """An hour old by its row, but back on the broker for less than the minimum age: no moves
     yet (a service whose broker link flaps is a flapping service)."""
-    conn, engine = db
+    conn, store = db
     donor = await service(conn, worker_count=10)
     healed = await service(conn, worker_count=10)
     await join_broker(services_connection, prefix, donor)
     await observers(conn, 6, holder=donor)
-    r = rebalancer(engine, publisher, min_age=1.0)
+    r = rebalancer(store, publisher, min_age=1.0)
     assert await r.once() == 0
     await join_broker(services_connection, prefix, healed)
     assert await r.once() == 0, "moves to a service back on the broker a moment ago"
@@ -205,20 +205,20 @@ async def test_min_age_counts_from_the_control_queue_reappearing(
 
 
 async def test_rounds_go_on_after_moves_that_never_landed(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
 ) -> None:
     """The donor released the moved observers but their starts never reached the target (lost
     with a control queue that went away): the next round waits for them, not forever."""
-    conn, engine = db
+    conn, store = db
     donor = await service(conn, worker_count=10)
     target = await service(conn, worker_count=10)
     for sid in (donor, target):
         await join_broker(services_connection, prefix, sid)
     await observers(conn, 6, holder=donor)
-    r = rebalancer(engine, publisher, landing=0.5)
+    r = rebalancer(store, publisher, landing=0.5)
     assert await r.once() == 3
     await conn.execute(
         "UPDATE observers SET service_id = NULL WHERE id IN (SELECT observer_id FROM "
@@ -230,7 +230,7 @@ async def test_rounds_go_on_after_moves_that_never_landed(
 
 
 async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
@@ -239,13 +239,13 @@ async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
     taken by the donor again): the observer stays where it was. Were it under the cooldown
     anyway, the donor would soon have nothing left to give, and the target would get nothing
     for the whole cooldown (the partitioned service of the incident)."""
-    conn, engine = db
+    conn, store = db
     donor = await service(conn, worker_count=10)
     target = await service(conn, worker_count=10)
     queue = await join_broker(services_connection, prefix, donor)
     await join_broker(services_connection, prefix, target)
     await observers(conn, 2, holder=donor)
-    r = rebalancer(engine, publisher, landing=0.2)
+    r = rebalancer(store, publisher, landing=0.2)
     for round_ in range(3):
         assert await r.once() == 1, f"round {round_ + 1} moved nothing"
         await asyncio.sleep(0.2)
@@ -255,7 +255,7 @@ async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
 
 
 async def test_the_audit_waits_longer_each_time_it_re_dispatches_an_observer(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
@@ -263,12 +263,12 @@ async def test_the_audit_waits_longer_each_time_it_re_dispatches_an_observer(
     """A service slower than the grace to take a burst of directed starts must not see every
     burst made stale by the next (a thousand moved, re-dispatched every 0.8 s for 100 s). The
     same stuck observers are re-dispatched again only after twice the grace, then four times."""
-    conn, engine = db
+    conn, store = db
     sid = await service(conn, worker_count=10)
     await join_broker(services_connection, prefix, sid)
     stuck = await observers(conn, 3, holder=None)
     grace = 0.2
-    leader = audit(engine, publisher, grace=grace)
+    leader = audit(store, publisher, grace=grace)
 
     async def untaken_for_long() -> None:
         """As if the starts sent were never taken, however long ago they went."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import uuid
 
 import asyncpg
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts.statuses import ObserverStatus
 from manager.background import Pruner
+from manager.store import ManagerStore
 
 OLD = "interval '30 days'"
 
@@ -44,9 +44,9 @@ async def _service(conn: asyncpg.Connection, *, deleted: bool, old: bool) -> uui
 
 
 async def test_pruning_never_touches_a_live_observer(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
-    conn, engine = db
+    conn, store = db
     keep = {s: await _observer(conn, s.value, old=True) for s in ObserverStatus if s != "deleted"}
     recent_deleted = await _observer(conn, "deleted", old=False)
     old_deleted = await _observer(conn, "deleted", old=True)
@@ -59,8 +59,9 @@ async def test_pruning_never_touches_a_live_observer(
     )
     live_service = await _service(conn, deleted=False, old=True)
 
-    pruner = Pruner(engine, keep=7 * 86_400, keep_services=86_400, max_events=10)
-    assert (await pruner.once())[:2] == (1, 1)
+    pruner = Pruner(store, keep=7 * 86_400, keep_services=86_400, max_events=10)
+    pruned = await pruner.once()
+    assert (pruned.observers, pruned.services) == (1, 1)
 
     left = {r["id"] for r in await conn.fetch("SELECT id FROM observers")}
     assert left == {*keep.values(), recent_deleted}, "only the old deleted one went"
@@ -76,9 +77,9 @@ async def test_pruning_never_touches_a_live_observer(
 
 
 async def test_histories_are_capped_to_the_newest(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
-    conn, engine = db
+    conn, store = db
     oid = await _observer(conn, "processing", old=False)
     for i in range(25):
         await conn.execute(
@@ -86,10 +87,10 @@ async def test_histories_are_capped_to_the_newest(
             oid,
             str(i),
         )
-    pruner = Pruner(engine, keep=7 * 86_400, keep_services=86_400, max_events=10)
+    pruner = Pruner(store, keep=7 * 86_400, keep_services=86_400, max_events=10)
     await pruner.once()
     rows = await conn.fetch(
         "SELECT detail FROM observer_events WHERE observer_id = $1 ORDER BY id", oid
     )
     assert [r["detail"] for r in rows] == [str(i) for i in range(15, 25)]
-    assert (await pruner.once())[2] == 0, "nothing new to look at"
+    assert (await pruner.once()).trimmed == 0, "nothing new to look at"

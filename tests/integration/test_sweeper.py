@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from contracts.settings import asyncpg_dsn
 from manager.background import Sweeper
 from manager.metrics import ManagerMetrics
+from manager.store import ManagerStore
 
 
 class _Broker:
@@ -53,15 +53,15 @@ async def _held_by_a_live_service(conn: asyncpg.Connection) -> tuple[uuid.UUID, 
 
 
 async def test_a_service_back_on_a_new_session_is_not_declared_gone(
-    db: tuple[asyncpg.Connection, AsyncEngine], database_url: str
+    db: tuple[asyncpg.Connection, ManagerStore], database_url: str
 ) -> None:
     """Seen without its session and off the broker once; before the second look's verdict it
     rejoins on a new session (a new lock key, held) and runs its observer again. Declaring it
     gone then would hand that observer to another service while it still runs here."""
-    conn, engine = db
+    conn, store = db
     sid, oid = await _held_by_a_live_service(conn)
     broker = _Broker()
-    sweeper = Sweeper(engine, _Box(), broker, margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    sweeper = Sweeper(store, _Box(), broker, margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
     await sweeper.once()
     assert sid in sweeper.suspects, "first look: its lock is free and it is off the broker"
     rejoined = await asyncpg.connect(asyncpg_dsn(database_url))
@@ -89,11 +89,11 @@ async def test_a_service_back_on_a_new_session_is_not_declared_gone(
 
 
 async def test_a_service_gone_twice_in_a_row_is_declared_gone(
-    db: tuple[asyncpg.Connection, AsyncEngine],
+    db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
-    conn, engine = db
+    conn, store = db
     sid, oid = await _held_by_a_live_service(conn)
-    sweeper = Sweeper(engine, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    sweeper = Sweeper(store, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
     await sweeper.once()
     await sweeper.once()
     assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)

@@ -1,0 +1,156 @@
+"""The manager's data room: its connections to PostgreSQL and the one way a statement runs.
+
+Every statement is in ``manager.queries`` (named ``:params``); ``manager.repository`` holds the
+units of work made of them, and runs them here, on a ``Tx``. Nothing else in the manager talks to
+the database. Statements go straight to asyncpg as prepared statements (cached per connection):
+no ORM, no SQL compilation per request, no reset round trip when a connection goes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import orjson
+
+from contracts import pgconnect
+from contracts.errors import database_errors
+from contracts.settings import CommonSettings
+
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@functools.cache
+def positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with its ``:name`` params numbered as PostgreSQL takes them (one number per
+    name, however often it occurs), and the names in that order. ``::type`` casts stay."""
+    names: dict[str, int] = {}
+
+    def number(m: re.Match[str]) -> str:
+        return f"${names.setdefault(m.group(1), len(names) + 1)}"
+
+    return _NAMED.sub(number, sql), tuple(names)
+
+
+class Row(asyncpg.Record):  # type: ignore[misc]
+    """A result row: by name (``row["status"]``), as an attribute (``row.status``), or as a
+    dict (``dict(row)``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Tx:
+    """One connection of the store: in a transaction, or committing each statement alone."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    @staticmethod
+    def _args(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
+        text, names = positional(sql)
+        return text, [params[n] for n in names]
+
+    async def rows(self, sql: str, **params: Any) -> list[Row]:
+        text, args = self._args(sql, params)
+        with database_errors():
+            rows: list[Row] = await self._conn.fetch(text, *args)
+        return rows
+
+    async def row(self, sql: str, **params: Any) -> Row | None:
+        text, args = self._args(sql, params)
+        with database_errors():
+            row: Row | None = await self._conn.fetchrow(text, *args)
+        return row
+
+    async def value(self, sql: str, **params: Any) -> Any:
+        text, args = self._args(sql, params)
+        with database_errors():
+            return await self._conn.fetchval(text, *args)
+
+    async def values(self, sql: str, **params: Any) -> list[Any]:
+        """The first column of every row."""
+        return [r[0] for r in await self.rows(sql, **params)]
+
+    @contextlib.asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        """A nested transaction: what fails inside is undone alone."""
+        with database_errors():
+            async with self._conn.transaction():
+                yield
+
+
+def _json_text(value: str) -> str:
+    return value  # the manager writes JSON it has already encoded (``repository.to_json``)
+
+
+async def _prepare(conn: asyncpg.Connection) -> None:
+    for name in ("json", "jsonb"):
+        await conn.set_type_codec(
+            name, schema="pg_catalog", encoder=_json_text, decoder=orjson.loads, format="text"
+        )
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset, a no-op: the manager's statements leave no session state behind (no
+    LISTEN, cursor, session lock or setting; its advisory locks end with their transaction)."""
+
+
+class ManagerStore:
+    """The manager's pool of connections. ``open`` before use, ``close`` at the end."""
+
+    def __init__(self, settings: CommonSettings, *, pool_size: int = 20) -> None:
+        self._dsn = settings.asyncpg_dsn
+        self._size = pool_size
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        """Create the pool; connections open as they are needed. The database need not be up."""
+        self._pool = asyncpg.create_pool(
+            self._dsn,
+            connect=pgconnect.connect,  # several hosts: each in turn, as libpq tries them
+            min_size=0,
+            max_size=self._size,
+            max_inactive_connection_lifetime=3600,
+            init=_prepare,
+            reset=_keep_session,
+            record_class=Row,
+            timeout=5,
+            command_timeout=30,
+        )
+        await self._pool  # min_size 0: opens nothing
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.close()
+            self._pool = None
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        assert self._pool is not None, "the store is not open"
+        with database_errors():
+            async with self._pool.acquire(timeout=30) as conn:
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Tx]:
+        """A transaction: committed when the block ends, rolled back when it raises."""
+        async with self._connection() as conn:
+            with database_errors():
+                async with conn.transaction():
+                    yield Tx(conn)
+
+    @contextlib.asynccontextmanager
+    async def autocommit(self) -> AsyncIterator[Tx]:
+        """A connection without BEGIN/COMMIT round trips: for reads, and for work done in one
+        (atomic) statement."""
+        async with self._connection() as conn:
+            yield Tx(conn)
