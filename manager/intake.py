@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from contracts.batching import Batcher
+from contracts.batching import LINGER, Batcher
 from contracts.errors import NameTaken
 from manager import repository as repo
 from manager.outbox import Pending
@@ -37,7 +37,7 @@ class GroupCommit:
         self._write = write
         self._publish = publish
         self._batcher: Batcher[repo.NewObserver, dict[str, Any] | NameTaken] = Batcher(
-            self._one_write, max_batch=most
+            self._one_write, max_batch=most, linger=LINGER
         )
         #: Writes made and creates they carried (the mean batch size, for the benchmark).
         self.writes = 0

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from contracts.backoff import Backoff
-from contracts.batching import Batcher
+from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
 from contracts.errors import BrokerUnavailable, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
@@ -97,7 +97,9 @@ class Intake:
         self.metrics = metrics
         self.clock = clock
         self.stalls = stalls
-        self.takes: Batcher[StartRequest, TakeResult] = Batcher(self._take_batch, in_flight=2)
+        self.takes: Batcher[StartRequest, TakeResult] = Batcher(
+            self._take_batch, in_flight=2, linger=LINGER
+        )
         self.departed = Departed()
         self._probes: dict[int, asyncio.Future[bool]] = {}
 

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from contracts.backoff import Backoff
-from contracts.batching import Batcher
+from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
 from contracts.deadline import LeaseTimings
 from contracts.errors import BrokerUnavailable
@@ -105,7 +105,7 @@ class ObserverService:
         self._undrained_at: float | None = None
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
-        self.checkpoints = Batcher(self._checkpoint_batch)
+        self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
         self._let_go = Batcher(self._let_go_batch)
         self.stalls = StallWatch(
             config.loop_stall,

@@ -404,7 +404,11 @@ async def _stop_busiest(
 
 
 #: Crash failover targets by observers moved: (max gap below, times the floor at most).
-CRASH_TARGETS: dict[int, tuple[float, float | None]] = {20: (50, None), 100: (100, 2.0)}
+CRASH_TARGETS: dict[int, tuple[float, float | None]] = {
+    20: (50, None),
+    100: (100, 1.5),
+    1000: (0, 2.0),
+}
 
 
 async def crash_failover(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
