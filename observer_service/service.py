@@ -257,13 +257,14 @@ class ObserverService:
     # ----------------------------------------------------------------- runners
     def add_runner(self, runner: Runner) -> None:
         self.runners[runner.observer_id] = runner
-        self.spawn(self._supervise(runner))
-
-    async def _supervise(self, runner: Runner) -> None:
         task = runner.task
         assert task is not None
+        # Settled once its task has ended; no second task per observer waits for that end (a
+        # waiting task was about 1.8 KiB of the 11.5 KiB an idle observer took).
+        task.add_done_callback(lambda _: self.spawn(self._conclude(runner)))
+
+    async def _conclude(self, runner: Runner) -> None:
         try:
-            await asyncio.wait([task])
             await self.settler.conclude(runner)
         except Exception:  # a bug: the periodic check reconciles the row
             runner.ctx.logger.exception("settling failed")

@@ -73,7 +73,11 @@ def _settings(cls: type[S], **overrides: Any) -> S:
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
     """Run a server's main coroutine on uvloop where it is installed (it roughly halves the
-    event loop's own cost per request and per delivery), else on asyncio's loop."""
+    event loop's own cost per request and per delivery), else on asyncio's loop; with the
+    garbage collector at a server's pace (``contracts.heap``)."""
+    from contracts import heap
+
+    heap.settle()
     try:
         import uvloop
     except ImportError:

@@ -146,7 +146,7 @@ async def create_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure
     keep-alive connections, where the CPU goes meanwhile, and the latency of one client alone
     (what a request costs when it does not queue behind 31 others)."""
     async with bench.cluster("throughput", workers=INTAKE_WORKERS) as c:
-        await c.start(services=2, worker_count=20_000)
+        await c.start(services=2, worker_count=50_000)  # room for 30 s at 3,000/s
         alone = await measure_creates(c, 50, tag="solo")
 
         def body(client: int, i: int) -> dict[str, Any]:

@@ -32,11 +32,17 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        "checkpoint: no epoch predicate",
+        # Checkpoints, releases and deletes find their rows the same way (``_MY_BATCH``).
+        "batch writes (checkpoint, release, delete): no epoch predicate",
         "observer_service/queries.py",
-        " WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND {sql_in",
-        " WHERE o.id = v.id AND o.service_id = $2 AND {sql_in",
-        (f"{FENCES}::test_a_stale_checkpoint_is_refused",),
+        'IS TRUE AND $3::jsonb ? {_COPY}"',
+        "IS TRUE AND EXISTS (SELECT FROM jsonb_object_keys($3::jsonb) k "
+        "WHERE split_part(k, ':', 1) = o.id::text)\"",
+        (
+            f"{FENCES}::test_a_stale_checkpoint_is_refused",
+            f"{FENCES}::test_a_stale_release_is_refused",
+            f"{FENCES}::test_a_stale_delete_is_refused",
+        ),
     ),
     Mutant(
         "checkpoint batch: one entry per observer",
@@ -44,16 +50,6 @@ MUTANTS = [
         "newest = {(c.observer_id, c.epoch): c for c in items}",
         "newest = {c.observer_id: c for c in items}",
         (f"{FENCES}::test_a_stale_checkpoint_is_refused",),
-    ),
-    Mutant(
-        "release and mark deleted: no epoch predicate",
-        "observer_service/queries.py",
-        'f"WHERE o.id = v.id AND o.epoch = v.epoch AND o.service_id = $2 AND "',
-        'f"WHERE o.id = v.id AND o.service_id = $2 AND "',
-        (
-            f"{FENCES}::test_a_stale_release_is_refused",
-            f"{FENCES}::test_a_stale_delete_is_refused",
-        ),
     ),
     Mutant(
         "restart record: no epoch predicate",

@@ -61,7 +61,7 @@ async def test_a_steady_stream_lingers_and_batches_grow(running: list[asyncio.Ta
     a = asyncio.create_task(batcher.submit(3))
     await asyncio.sleep(0.05)
     b = asyncio.create_task(batcher.submit(4))
-    assert await asyncio.gather(a, b) == [3, 4]
+    assert list(await asyncio.gather(a, b)) == [3, 4]
     assert rec.batches[-1] == [3, 4]
     # That batch carried two, so the stream counts as going on; a request after a lone batch
     # goes at once again.
