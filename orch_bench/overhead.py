@@ -15,7 +15,7 @@ from typing import Any
 from orch.cluster import free_port
 from orch_bench.harness import Bench, BenchCluster, Figure
 from orch_bench.loadgen import create_for
-from orch_bench.scenarios import IDLE_TICKER, Size, Starter, Tick
+from orch_bench.scenarios import IDLE_TICKER, INTAKE_ROOM, Size, Starter, Tick
 
 ON: dict[str, Any] = {"metrics": "true", "access_log": "true", "log_format": "json"}
 OFF: dict[str, Any] = {"metrics": "false", "access_log": "false", "log_level": "WARNING"}
@@ -28,7 +28,7 @@ async def _start(c: BenchCluster, mode: str) -> None:
     c.api_port = manager.port
     for i in range(2):
         extra = {"metrics_port": free_port()} if mode == "on" else {}
-        await c.start_service(f"s{i + 1}", 20_000, **extra)
+        await c.start_service(f"s{i + 1}", INTAKE_ROOM, **extra)
 
 
 async def observability_cost(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
