@@ -9,6 +9,7 @@ to keep the screenshots (the README's come from ``docs/screenshots``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.async_api import Browser, Page, Request, async_playwright
+from playwright.async_api import Browser, Page, Request, Route, async_playwright
 
 from manager.auth import Role, new_token
 from tests.support.cluster import Cluster, wait_for
@@ -335,10 +336,22 @@ async def test_the_console_for_an_operator(
     await page.check("#f-observers thead input[type=checkbox]")
     await page.wait_for_selector("#f-selected:text('3 selected')")
     await _shot(page, shots, "failed")
+    # The console's own refresh (every 2 s) is held meanwhile: one landing between the delete
+    # and the click would rightly drop the deleted observer from the selection.
+    released = asyncio.Event()
+
+    async def hold(route: Route) -> None:
+        if route.request.method == "GET" and "/views/observers" in route.request.url:
+            await released.wait()
+        await route.continue_()
+
+    await page.route("**/views/observers*", hold)
     async with cluster.api() as c:
         assert (await c.delete(f"/observers/{failed[0]}")).status_code == 202
     await page.click("#f-restart")
     await _confirm(page, "Restart 3 failed observer(s)?")
+    released.set()
+    await page.unroute("**/views/observers*", hold)
     problem = page.locator("#problems .problem")
     await problem.wait_for()
     text = await problem.inner_text()
