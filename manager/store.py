@@ -48,7 +48,8 @@ class Row(asyncpg.Record):  # type: ignore[misc]
 
 
 class Tx:
-    """One connection of the store: in a transaction, or committing each statement alone."""
+    """One connection of the store: in a transaction, or committing each statement alone.
+    Driver errors are converted by the store's context that handed it out."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
@@ -60,20 +61,17 @@ class Tx:
 
     async def rows(self, sql: str, **params: Any) -> list[Row]:
         text, args = self._args(sql, params)
-        with database_errors():
-            rows: list[Row] = await self._conn.fetch(text, *args)
+        rows: list[Row] = await self._conn.fetch(text, *args)
         return rows
 
     async def row(self, sql: str, **params: Any) -> Row | None:
         text, args = self._args(sql, params)
-        with database_errors():
-            row: Row | None = await self._conn.fetchrow(text, *args)
+        row: Row | None = await self._conn.fetchrow(text, *args)
         return row
 
     async def value(self, sql: str, **params: Any) -> Any:
         text, args = self._args(sql, params)
-        with database_errors():
-            return await self._conn.fetchval(text, *args)
+        return await self._conn.fetchval(text, *args)
 
     async def values(self, sql: str, **params: Any) -> list[Any]:
         """The first column of every row."""
@@ -82,9 +80,8 @@ class Tx:
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
         """A nested transaction: what fails inside is undone alone."""
-        with database_errors():
-            async with self._conn.transaction():
-                yield
+        async with self._conn.transaction():
+            yield
 
 
 def _json_text(value: str) -> str:
@@ -143,10 +140,8 @@ class ManagerStore:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
         """A transaction: committed when the block ends, rolled back when it raises."""
-        async with self._connection() as conn:
-            with database_errors():
-                async with conn.transaction():
-                    yield Tx(conn)
+        async with self._connection() as conn, conn.transaction():
+            yield Tx(conn)
 
     @contextlib.asynccontextmanager
     async def autocommit(self) -> AsyncIterator[Tx]:
