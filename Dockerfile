@@ -16,6 +16,7 @@ COPY observer_service observer_service
 COPY migrations migrations
 COPY orch orch
 COPY orch_bench orch_bench
+COPY orch_verify orch_verify
 RUN pip install --no-deps .
 
 USER orch

@@ -54,6 +54,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    app.state.verify_report = settings.verify_report
     app.state.auth = Authenticator(parse_tokens(settings.api_tokens), enabled=settings.auth == "on")
     app.add_middleware(
         BodyLimit,

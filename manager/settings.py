@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import Field, model_validator
@@ -38,6 +39,9 @@ class ManagerSettings(CommonSettings):
     #: from a CDN (pinned versions with subresource integrity), which an offline site cannot
     #: reach. /openapi.json is served either way, with no token.
     api_docs: bool = False
+    #: The last ``orch verify`` report (its ``--report``), served at /verify-report and linked
+    #: from the console when the file exists. A path relative to the manager's directory.
+    verify_report: Path | None = Path("orch-verify-report.html")
     #: Largest ``params`` of one observer (as JSON), bytes.
     max_params_bytes: int = Field(default=64 << 10, ge=64)
     #: How often the leader looks for dead services, seconds.

@@ -29,6 +29,7 @@ class ObserverContext:
         save: Callable[[Any], Awaitable[None]],
         alive: Callable[[], bool],
         logger: logging.LoggerAdapter[logging.Logger] | None = None,
+        witness: Callable[[str], None] | None = None,
     ) -> None:
         self.observer_id = observer_id
         self.name = name
@@ -49,6 +50,15 @@ class ObserverContext:
         )
         self._save = save
         self._alive = alive
+        self._witness = witness
+
+    def witness(self, event: str) -> None:
+        """Say that a side effect follows (``event`` names it), from any thread. Under
+        ``orch verify`` it is recorded with this copy's identity, outside the fenced path, so a
+        side effect made by a copy that should no longer run shows as an overlap; elsewhere it
+        does nothing."""
+        if self._witness is not None:
+            self._witness(event)
 
     def ensure_alive(self) -> None:
         """Raise LeaseLost when this service can no longer be sure it still holds the observer.

@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from contracts.witness import STALL, Witness
 from observer_service.stalls import LoopBlocked, StallWatch, Step
 
 T = TypeVar("T")
@@ -44,6 +45,9 @@ class Timing:
     label: str
     stalled: Callable[[float], None]
     observer_id: uuid.UUID | None = None
+    epoch: int = 0
+    #: Verify mode: each resumption and each long step is recorded.
+    witness: Witness | None = None
 
 
 class _Guarded:
@@ -59,6 +63,10 @@ class _Guarded:
         coro, timing = self._coro, self._timing
         if timing is None:
             return coro.send(value) if error is None else coro.throw(error)
+        if error is None and timing.witness is not None and timing.observer_id is not None:
+            # Only what the gate let through: a LeaseLost or a cancellation thrown in is the
+            # guard stopping the copy, not the copy going on.
+            timing.witness.ran(timing.observer_id, timing.epoch)
         step = timing.watch.step = Step(timing.label, time.monotonic(), timing.observer_id)
         try:
             result = coro.send(value) if error is None else coro.throw(error)
@@ -78,13 +86,21 @@ class _Guarded:
 
     def _took(self, step: Step) -> float:
         """The step's length if it was a stall (told to ``stalled``), else 0."""
-        assert self._timing is not None
-        watch = self._timing.watch
+        timing = self._timing
+        assert timing is not None
+        watch = timing.watch
         took = time.monotonic() - step.started
         watch.step = None
-        if took <= watch.threshold or watch.process_paused(step.started):
-            return 0.0  # short, or the whole process was stopped meanwhile: not the kind's
-        self._timing.stalled(took)
+        witness = timing.witness
+        if took <= watch.threshold and (witness is None or took < STALL):
+            return 0.0
+        if watch.process_paused(step.started):
+            return 0.0  # the whole process was stopped meanwhile: not the kind's doing
+        if witness is not None and took >= STALL and timing.observer_id is not None:
+            witness.stall(timing.observer_id, timing.epoch, took)
+        if took <= watch.threshold:
+            return 0.0
+        timing.stalled(took)
         return took
 
     def __await__(self) -> Generator[Any, Any, Any]:

@@ -25,6 +25,7 @@ from contracts.errors import BrokerUnavailable, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.logs import observer_log
 from contracts.messages import StartMessage
+from contracts.witness import Witness
 from observer_service.admission import Admission, Slot
 from observer_service.context import ObserverContext
 from observer_service.guard import Timing
@@ -85,8 +86,10 @@ class Intake:
         metrics: ServiceMetrics,
         clock: Clock,
         stalls: StallWatch,
+        witness: Witness | None = None,
     ) -> None:
         self.host = host
+        self.witness = witness
         self.me = me
         self.name = name
         self.kinds = kinds
@@ -295,8 +298,9 @@ class Intake:
             last_checkpoint=taken.checkpoint,
             save=lambda state: self._save(copy, state),
             alive=self.lease.check_or_fence,
+            witness=self._effects(taken),
         )
-        runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin)
+        runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness)
 
         async def record_error(error: str) -> ErrorRecord:
             return await self._record_error(copy, taken.kind, error, policy)
@@ -306,6 +310,8 @@ class Intake:
             f"observer {taken.observer_id} ({taken.kind}, epoch {taken.epoch})",
             lambda seconds: self._stalled(runner, seconds),
             taken.observer_id,
+            taken.epoch,
+            self.witness,
         )
         runner.task = asyncio.create_task(
             run_observer(
@@ -313,12 +319,21 @@ class Intake:
             ),
             name=f"observer-{taken.observer_id}",
         )
+        if (witness := self.witness) is not None:
+            runner.task.add_done_callback(lambda _: witness.end(taken.observer_id, taken.epoch))
         self.host.add_runner(runner)
         self.metrics.takes.inc()
         if cancelled:
             self.host.cancel(taken.observer_id)
         ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
+
+    def _effects(self, taken: Taken) -> Callable[[str], None] | None:
+        """What ``ctx.witness`` does: record the side effect (verify mode only)."""
+        witness = self.witness
+        if witness is None:
+            return None
+        return lambda event: witness.effect(taken.observer_id, taken.epoch, event)
 
     def _stalled(self, runner: Runner, seconds: float) -> None:
         """A step of this copy blocked the loop: it ends as its own error (counted against its

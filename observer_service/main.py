@@ -15,6 +15,7 @@ from contracts.clock import Clock
 from contracts.errors import DatabaseUnavailable, StartupError
 from contracts.kinds import KindSpec
 from contracts.settings import default_host
+from contracts.witness import Witness
 from observer_service.broker import AmqpBroker
 from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
@@ -26,6 +27,7 @@ from observer_service.store import (
     keep_session,
     prepare_connection,
 )
+from observer_service.witnessing import start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     logs.configure(
         settings.log_level, settings.log_format, service=settings.name, service_id=service_id
     )
+    witness = None
+    if settings.witness_dir is not None:
+        start_tracing()
+        witness = Witness(settings.witness_dir, service_id)
     clock = Clock(settings.clock_hook)
     timings = settings.lease_timings
     # A query slower than a lease is useless: whatever it guarded has been fenced by then.
@@ -83,6 +89,7 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         timings=timings,
         clock=clock,
         blame_now=ThreadBlame(settings.asyncpg_dsn, service_id),
+        witness=witness,
     )
     if settings.metrics_port is not None:
         service.metrics.serve(settings.metrics_port)

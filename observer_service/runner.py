@@ -15,6 +15,7 @@ from enum import Enum
 from contracts.errors import Fenced
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.logs import mask
+from contracts.witness import Witness
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
 from observer_service.origin import Origin, Queued
@@ -54,6 +55,8 @@ class Runner:
     #: It blocked the event loop past the lease: fail it, whatever else stopped it.
     blame: str | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Verify mode: the stop asked for is recorded.
+    witness: Witness | None = None
 
     @property
     def observer_id(self) -> uuid.UUID:
@@ -85,6 +88,8 @@ class Runner:
         if self.stop_reason is None:
             self.stop_reason = reason
             self.handoff_to = to
+            if self.witness is not None:
+                self.witness.stop(self.observer_id, self.epoch, reason.value)
         self.ctx.stopping.set()
         if self.task is not None:
             self.task.cancel()

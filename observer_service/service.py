@@ -34,6 +34,7 @@ from contracts.messages import (
 )
 from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
+from contracts.witness import Witness
 from observer_service.admission import Admission
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
@@ -52,6 +53,7 @@ from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import BlameNow, StallWatch
+from observer_service.witnessing import MemoryWitness
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,10 @@ class ObserverService:
         clock: Clock,
         metrics: ServiceMetrics | None = None,
         blame_now: BlameNow | None = None,
+        witness: Witness | None = None,
     ) -> None:
         self.id = service_id
+        self.witness = witness
         self.metrics = metrics or ServiceMetrics()
         self.metrics.running_is(lambda: len(self.runners))
         self.config = config
@@ -128,6 +132,7 @@ class ObserverService:
             metrics=self.metrics,
             clock=clock,
             stalls=self.stalls,
+            witness=witness,
         )
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
@@ -159,6 +164,9 @@ class ObserverService:
                 ("recovery", self._recovery()),
             )
         ]
+        if self.witness is not None:
+            memory = MemoryWitness(self.witness, self.intake.kinds, self.runners.values)
+            side.append(asyncio.create_task(memory.run(), name="memory-witness"))
         stop = asyncio.create_task(self._stop.wait(), name="stop-signal")
         done, _ = await asyncio.wait([*side, stop], return_when=asyncio.FIRST_COMPLETED)
         code = 0
@@ -193,6 +201,9 @@ class ObserverService:
         hung = [r for r in runners if not r.finished.is_set()]
         if hung:
             self.clean = False
+            if self.witness is not None:
+                for r in hung:
+                    self.witness.hung(r.observer_id, r.epoch)
             log.error(
                 "%d observers did not stop within %.1fs; leaving without releasing them "
                 "(the process exit frees them)",

@@ -18,6 +18,8 @@ class ServiceSettings(CommonSettings):
     #: A step of kind code that blocks the event loop longer than this, seconds, is a stall: it
     #: counts against the copy's restart budget (one past the lease fails it at once).
     loop_stall: float = Field(default=2.0, gt=0)
+    #: Verify mode: record what kind code did in this directory (``contracts/witness.py``).
+    witness_dir: str | None = None
     #: Serve Prometheus metrics on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65_535)
     #: Warn at start when the broker is too old for the per-queue consumer timeout (``orch up``

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 from collections.abc import Callable, Coroutine
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from contracts import __version__
-from contracts.errors import StartupError
+from contracts.errors import OrchError, StartupError
 from contracts.preflight import check_servers
 from contracts.settings import CommonSettings
 from orch.api_commands import kinds, observers_app, services_app
@@ -344,6 +345,108 @@ def token_new(
         _fail("NAME must not contain ':' or ',' and --role must be read or admin", 2)
     token, entry = new_token(name.strip(), Role(role))
     typer.echo(f"token: {token}\nORCH_API_TOKENS entry: {entry}")
+
+
+@app.command()
+def verify(
+    kinds_: Annotated[
+        str | None,
+        typer.Option(
+            "--kinds",
+            help="modules that define your kinds, comma-separated (default: ORCH_KIND_MODULES)",
+        ),
+    ] = None,
+    observer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="observers to create: KIND[*COUNT][:PARAMS_JSON], repeatable "
+            "(default: --each of every kind the modules define)"
+        ),
+    ] = None,
+    params: Annotated[
+        Path | None,
+        typer.Option(help="a JSON file of {kind: params} for the kinds created by default"),
+    ] = None,
+    each: Annotated[int, typer.Option(min=1, max=1000, help="observers per kind by default")] = 3,
+    seconds: Annotated[float, typer.Option(min=1, help="length of the fault campaign")] = 60,
+    seed: Annotated[int | None, typer.Option(help="the schedule's seed (default: random)")] = None,
+    faults: Annotated[
+        str | None,
+        typer.Option(
+            help="faults and weights, e.g. kill,freeze=2 (default: all but broker restarts)"
+        ),
+    ] = None,
+    every: Annotated[float, typer.Option(min=0.05, help="mean seconds between faults")] = 0.9,
+    broker_restart: Annotated[
+        bool, typer.Option(help="also restart the broker (needs rabbitmqctl rights on it)")
+    ] = False,
+    services: Annotated[int, typer.Option(min=1, max=20, help="service processes")] = 3,
+    worker_count: Annotated[int, typer.Option(min=1, help="slots per service")] = 40,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write the verdict as JSON")
+    ] = None,
+    report: Annotated[Path, typer.Option(help="where the HTML report goes")] = Path(
+        "orch-verify-report.html"
+    ),
+    keep: Annotated[
+        Path | None, typer.Option(help="keep the processes' logs and witness files here")
+    ] = None,
+) -> None:
+    """Prove the promise on your own kinds: a throw-away cluster, a seeded fault campaign, a
+    verdict from what really ran. Exit 0 when no two copies ran at once, nothing was lost and
+    every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
+    from contracts.kinds import load_kinds
+    from contracts.settings import on_database
+    from observer_service.settings import ServiceSettings
+    from orch_verify.campaign import ObserverSpec, parse_faults
+    from orch_verify.run import Options, new_seed, parse_observer
+    from orch_verify.run import verify as run_verify
+
+    settings = _settings(ServiceSettings)
+    modules = [m.strip() for m in (kinds_ or settings.kind_modules).split(",") if m.strip()]
+    if not modules:
+        _fail("name the modules that define your kinds: --kinds module[,module]", 2)
+    try:
+        installed = load_kinds(modules)
+        weights = parse_faults(faults, broker_restart=broker_restart)
+        specs = [parse_observer(o) for o in observer or []]
+        if not specs:
+            given = json.loads(params.read_text()) if params is not None else {}
+            if not isinstance(given, dict):
+                raise ValueError(f"{params} must hold a JSON object of {{kind: params}}")
+            own = [k for k, s in installed.items() if s.origin.split(":")[0] in modules]
+            specs = [ObserverSpec(k, given.get(k, {}), each) for k in sorted(own)]
+        for spec in specs:
+            if spec.kind not in installed:
+                raise ValueError(f"unknown kind {spec.kind!r}; installed: {', '.join(installed)}")
+            installed[spec.kind].validate_params(spec.params)
+    except (OSError, ValueError, StartupError, OrchError) as exc:
+        _fail(str(exc), 2)
+    if not specs:
+        _fail(f"the modules {', '.join(modules)} define no kind", 2)
+    server = settings.model_copy(
+        update={"database_url": on_database(settings.database_url, "postgres")}
+    )
+    try:
+        asyncio.run(check_servers(server, need_schema=False))
+    except StartupError as exc:
+        _fail(str(exc))
+    options = Options(
+        kind_modules=modules,
+        observers=specs,
+        seconds=seconds,
+        seed=seed if seed is not None else new_seed(),
+        weights=weights,
+        every=every,
+        services=services,
+        worker_count=worker_count,
+        shutdown_timeout=settings.shutdown_timeout,
+        json_path=json_path,
+        report_path=report,
+        workdir=keep,
+    )
+    outcome = asyncio.run(run_verify(server, options, out))
+    raise typer.Exit(0 if outcome.verdict.passed else 1)
 
 
 @app.command()

@@ -230,3 +230,75 @@ class LocalCluster:
         if self.db is not None:
             await self.db.close()
             self.db = None
+
+
+class Scratch:
+    """Throw-away databases and broker prefixes for one run of a tool (``orch bench``, ``orch
+    verify``): a template database migrated once, copied for each cluster; ``cleanup`` drops
+    every database and deletes every prefix's queues and exchanges."""
+
+    def __init__(self, server_url: str, amqp_url: str, tool: str) -> None:
+        self.server_url = server_url
+        self.amqp_url = amqp_url
+        self.tool = tool
+        self.run_id = uuid.uuid4().hex[:8]
+        self.template = f"orch_{tool}_{self.run_id}_tpl"
+        self.databases: list[str] = []
+        self.prefixes: list[str] = []
+
+    async def _admin(self) -> asyncpg.Connection:
+        from contracts.settings import asyncpg_dsn, on_database
+
+        return await asyncpg.connect(asyncpg_dsn(on_database(self.server_url, "postgres")))
+
+    async def prepare(self) -> None:
+        from alembic import command
+
+        from contracts.settings import on_database
+        from migrations import alembic_config
+
+        await self._run(f'CREATE DATABASE "{self.template}"')
+        self.databases.append(self.template)
+        url = on_database(self.server_url, self.template)
+        await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
+
+    async def database(self, name: str) -> str:
+        """A fresh migrated database; its URL."""
+        from contracts.settings import on_database
+
+        db = f"orch_{self.tool}_{self.run_id}_{name}"
+        await self._run(f'CREATE DATABASE "{db}" TEMPLATE "{self.template}"')
+        self.databases.append(db)
+        return on_database(self.server_url, db)
+
+    def prefix(self, name: str) -> str:
+        prefix = f"{self.tool}-{self.run_id}-{name}"
+        self.prefixes.append(prefix)
+        return prefix
+
+    async def delete_prefix(self, prefix: str) -> None:
+        from contracts.topology import Topology, delete_topology
+
+        with contextlib.suppress(Exception):
+            await delete_topology(self.amqp_url, Topology(prefix))
+
+    async def cleanup(self) -> None:
+        """Every prefix and database, each on its own (one that fails leaves the others gone);
+        raises the first failure at the end."""
+        failed: Exception | None = None
+        for prefix in self.prefixes:
+            await self.delete_prefix(prefix)
+        for db in reversed(self.databases):
+            try:
+                await self._run(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+            except (OSError, asyncpg.PostgresError) as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    async def _run(self, sql: str) -> None:
+        admin = await self._admin()
+        try:
+            await admin.execute(sql)
+        finally:
+            await admin.close()

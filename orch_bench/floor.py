@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aio_pika
 
-from observer_service.kinds.recorder import tick_line
+from contracts.witness import tick_line
 from orch.cluster import LocalCluster, quiet, wait_for
 from orch_bench.ticklog import failover_gaps, read_ticks
 

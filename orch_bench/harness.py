@@ -20,9 +20,8 @@ from typing import Any
 import asyncpg
 import httpx
 
-from contracts.settings import CommonSettings, asyncpg_dsn, on_database
-from contracts.topology import Topology, delete_topology
-from orch.cluster import LocalCluster, wait_for
+from contracts.settings import CommonSettings
+from orch.cluster import LocalCluster, Scratch, wait_for
 from orch_bench.loadgen import RawClient
 
 
@@ -58,44 +57,22 @@ class Bench:
     def __init__(self, settings: CommonSettings, *, lease_ttl: float) -> None:
         self.settings = settings
         self.lease_ttl = lease_ttl
-        self.run_id = uuid.uuid4().hex[:8]
-        self.server_url = settings.database_url
-        self.template = f"orch_bench_{self.run_id}_tpl"
-        self.databases: list[str] = [self.template]
+        self.scratch = Scratch(settings.database_url, settings.amqp_url, "bench")
         self.workdir = Path(tempfile.mkdtemp(prefix="orch-bench-"))
 
-    async def _admin(self) -> asyncpg.Connection:
-        return await asyncpg.connect(asyncpg_dsn(on_database(self.server_url, "postgres")))
-
     async def prepare(self) -> None:
-        from alembic import command
-
-        from migrations import alembic_config
-
-        admin = await self._admin()
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.template}"')
-        finally:
-            await admin.close()
-        url = on_database(self.server_url, self.template)
-        await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
+        await self.scratch.prepare()
 
     @contextlib.asynccontextmanager
     async def cluster(self, name: str, **env: Any) -> AsyncIterator[BenchCluster]:
         """A fresh database (copy of the template), broker prefix and process cluster."""
-        db = f"orch_bench_{self.run_id}_{name}"
-        admin = await self._admin()
-        try:
-            await admin.execute(f'CREATE DATABASE "{db}" TEMPLATE "{self.template}"')
-        finally:
-            await admin.close()
-        self.databases.append(db)
-        prefix = f"bench-{self.run_id}-{name}"
+        url = await self.scratch.database(name)
+        prefix = self.scratch.prefix(name)
         workdir = self.workdir / name
         workdir.mkdir()
         cluster = BenchCluster(
             env={
-                "ORCH_DATABASE_URL": on_database(self.server_url, db),
+                "ORCH_DATABASE_URL": url,
                 "ORCH_AMQP_URL": self.settings.amqp_url,
                 "ORCH_PREFIX": prefix,
                 "ORCH_LEASE_TTL": str(self.lease_ttl),
@@ -112,16 +89,10 @@ class Bench:
             yield cluster
         finally:
             await cluster.stop()
-            with contextlib.suppress(Exception):
-                await delete_topology(self.settings.amqp_url, Topology(prefix))
+            await self.scratch.delete_prefix(prefix)
 
     async def cleanup(self) -> None:
-        admin = await self._admin()
-        try:
-            for db in reversed(self.databases):
-                await admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await self.scratch.cleanup()
 
 
 class BenchCluster(LocalCluster):

@@ -2,13 +2,22 @@
 should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not by
 ``scripts/test``: it takes a few minutes. Exit code 1 if any mutant survives.
 
-Usage: python scripts/mutants.py [NAME ...]    (no name: all of them)
+With ``--verify SECONDS``, each mutant is judged by ``orch verify`` instead: a campaign of that
+length over recorders (seed ``--seed``, default 7), caught when the verdict finds an overlap, a
+lost observer, a deleted one running on or a failed one. It prints when the first overlap began.
+
+The mutants are applied to the files of this checkout: run it from a checkout nobody edits
+meanwhile (``git worktree add``).
+
+Usage: python scripts/mutants.py [--verify SECONDS [--seed N]] [NAME ...]   (no name: all)
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,23 +250,27 @@ MUTANTS = [
 ]
 
 
-def run(mutant: Mutant) -> tuple[bool, str, float]:
+def applied(mutant: Mutant, command: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``command`` in this checkout with ``mutant`` applied (restored whatever happens)."""
     path = ROOT / mutant.path
     original = path.read_text()
     if original.count(mutant.old) != 1:
-        return False, f"the code to mutate is not found exactly once in {mutant.path}", 0.0
+        raise LookupError(f"the code to mutate is not found exactly once in {mutant.path}")
     started = time.monotonic()
     try:
         path.write_text(original.replace(mutant.old, mutant.new))
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     finally:
         path.write_text(original)
-    took = time.monotonic() - started
+    return result, time.monotonic() - started
+
+
+def run(mutant: Mutant) -> tuple[bool, str, float]:
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+    try:
+        result, took = applied(mutant, [*command, *mutant.tests])
+    except LookupError as exc:
+        return False, str(exc), 0.0
     if result.returncode == 0:
         return False, "survived: every test passed", took
     if result.returncode != 1:
@@ -266,13 +279,61 @@ def run(mutant: Mutant) -> tuple[bool, str, float]:
     return True, (failed[0] if failed else "failed").removeprefix("FAILED "), took
 
 
-def main(names: list[str]) -> int:
-    chosen = [m for m in MUTANTS if not names or m.name in names]
+def run_verify(mutant: Mutant, seconds: float, seed: int) -> tuple[bool, str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "verdict.json"
+        command = [
+            *(sys.executable, "-m", "orch", "verify", "--kinds", "tests.support.kinds"),
+            *("--observer", "recorder*20:" + json.dumps({"dir": tmp, "interval": 0.05})),
+            *("--seconds", str(seconds), "--seed", str(seed), "--json", str(out)),
+            *("--report", str(Path(tmp) / "report.html")),
+        ]
+        try:
+            result, took = applied(mutant, command)
+        except LookupError as exc:
+            return False, str(exc), 0.0
+        if not out.exists():
+            return False, f"orch verify exited {result.returncode}:\n{result.stdout[-2000:]}", took
+        doc = json.loads(out.read_text())
+    v = doc["verdict"]
+    found = [
+        f"{len(v['overlaps'])} overlaps" if v["overlaps"] else "",
+        f"{len(v['lost'])} lost" if v["lost"] else "",
+        f"{len(v['ran_after_delete'])} ran after delete" if v["ran_after_delete"] else "",
+        f"{len(v['failed'])} failed" if v["failed"] else "",
+        f"{len(v['own_error_restarts'])} restarts on our errors" if v["own_error_restarts"] else "",
+    ]
+    found = [f for f in found if f]
+    if not found:
+        return False, "survived: the verdict found nothing", took
+    first = doc.get("first_overlap_seconds")
+    when = f"; first overlap {first:.1f}s into the campaign" if first is not None else ""
+    return True, ", ".join(found) + when, took
+
+
+def main(args: list[str]) -> int:
+    seconds: float | None = None
+    seed = 7
+    if "--seed" in args:
+        i = args.index("--seed")
+        seed = int(args[i + 1])
+        del args[i : i + 2]
+    if "--verify" in args:
+        i = args.index("--verify")
+        seconds = float(args[i + 1])
+        del args[i : i + 2]
+    chosen = [m for m in MUTANTS if not args or m.name in args]
     survivors = 0
     for m in chosen:
-        killed, why, took = run(m)
+        if seconds is None:
+            killed, why, took = run(m)
+        else:
+            killed, why, took = run_verify(m, seconds, seed)
         survivors += not killed
-        print(f"{'killed  ' if killed else 'ALIVE   '} {m.name}  ({took:.0f} s)\n         {why}")
+        print(
+            f"{'killed  ' if killed else 'ALIVE   '} {m.name}  ({took:.0f} s)\n         {why}",
+            flush=True,
+        )
     print(f"\n{len(chosen) - survivors} of {len(chosen)} mutants killed")
     return 1 if survivors else 0
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contracts.errors import NotFound
 
 HERE = Path(__file__).resolve().parent.parent / "console"
 #: The page may load only its own script and style, and talk only to this API; no page may
@@ -27,6 +29,28 @@ _RAW = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in HEADERS.i
 _NAMES = {k for k, _ in _RAW}
 
 router = APIRouter(include_in_schema=False)
+
+#: The ``orch verify`` report is one self-contained page: its own inline style and SVG, nothing
+#: else (no script, no request anywhere), never framed.
+REPORT_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'; "
+        "base-uri 'none'; form-action 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@router.get("/verify-report")
+def verify_report(request: Request) -> FileResponse:
+    """The last ``orch verify`` report (ORCH_VERIFY_REPORT), open like the console's files: it
+    holds what a throw-away cluster did, nothing of this one."""
+    path: Path | None = request.app.state.verify_report
+    if path is None or not path.is_file():
+        raise NotFound("no orch verify report here (ORCH_VERIFY_REPORT)")
+    return FileResponse(path, media_type="text/html", headers=REPORT_HEADERS)
 
 
 @router.get("/console")

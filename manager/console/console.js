@@ -244,6 +244,10 @@ async function signedIn(who) {
   $("#who-role").className = `role role-${who.role}`;
   for (const e of $$("[data-admin]")) e.hidden = !admin();
   for (const list of Object.values(state.lists)) { list.all = null; list.selected.clear(); list.head(); }
+  // The last `orch verify` report, when this manager has one (ORCH_VERIFY_REPORT).
+  fetch("/verify-report", { method: "HEAD" })
+    .then((r) => { $("#verify-report").hidden = !r.ok; })
+    .catch(() => {});
   // Kinds once signed in (before, the API would refuse them).
   try {
     state.kinds = await api("GET", "/kinds");

@@ -16,9 +16,9 @@ import pytest
 from contracts.settings import CommonSettings
 from contracts.topology import service_present
 from orch_bench.ticklog import largest_gaps, read_ticks
+from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import LEASE_BACKEND, assert_no_overlap, queue_counts, rabbitmqctl, via
-from tests.support.proxy import Proxy
 
 #: The largest tick gap a running observer may show through a broker fault, seconds.
 MAX_GAP = 1.0

@@ -1,5 +1,6 @@
-"""The randomized fault run: a seeded schedule of process, database, broker and operator faults
-over two managers and three services, judged from the observers' own tick logs.
+"""The randomized fault run: ``orch verify``'s engine over two managers and three services running
+recorders, judged from the witness the services write and, as a second witness, from the
+recorders' own tick logs.
 
 ``scripts/test`` runs one fixed seed; ``scripts/chaos`` runs a campaign of seeds by hand.
 Replay a failure with ``ORCH_CHAOS_SEED=<seed> pytest tests/acceptance/test_chaos.py -s``.
@@ -11,8 +12,10 @@ import os
 
 import pytest
 
-from tests.support.chaos import Chaos
+from orch_verify.campaign import ObserverSpec, parse_faults
+from orch_verify.run import Options, campaign_on
 from tests.support.cluster import Cluster
+from tests.support.faults import assert_no_overlap
 
 
 @pytest.mark.slow
@@ -20,12 +23,24 @@ from tests.support.cluster import Cluster
 async def test_random_faults_keep_the_promise(cluster: Cluster) -> None:
     seed = int(os.environ.get("ORCH_CHAOS_SEED", "20261130"))
     seconds = float(os.environ.get("ORCH_CHAOS_SECONDS", "60"))
-    chaos = Chaos(cluster, seed)
-    chaos.note(f"seed {seed}, {seconds:.0f}s of faults")
-    try:
-        await chaos.start()
-        await chaos.run(seconds)
-        await chaos.heal()
-    finally:
-        await chaos.start_broker()
-    await chaos.verify()
+    witness_dir = cluster.workdir / "witness"
+    cluster.env["ORCH_WITNESS_DIR"] = str(witness_dir)
+    cluster.env["ORCH_SHUTDOWN_TIMEOUT"] = "2"
+    ticks = str(cluster.tick_dir)
+    options = Options(
+        kind_modules=["tests.support.kinds"],
+        observers=[
+            ObserverSpec("recorder", {"dir": ticks, "interval": 0.05, "checkpoint_every": 5}, 15),
+            ObserverSpec("recorder", {"dir": ticks, "interval": 0.1, "checkpoint_every": 1}, 15),
+        ],
+        seconds=seconds,
+        seed=seed,
+        weights=parse_faults(None, broker_restart=True),
+        shutdown_timeout=2,
+    )
+    outcome = await campaign_on(cluster, options, witness_dir, lambda line: print(line, flush=True))
+    lines = outcome.verdict.lines()
+    print("\n".join(lines), flush=True)
+    assert outcome.verdict.passed, f"seed {seed}:\n" + "\n".join(lines)
+    assert outcome.verdict.failed == {}, f"seed {seed}: failed observers"
+    assert_no_overlap(cluster.tick_dir)  # what the recorders themselves wrote agrees

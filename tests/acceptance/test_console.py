@@ -13,57 +13,24 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
-from playwright.async_api import Browser, Page, Request, Route, async_playwright
+from playwright.async_api import Browser, Page, Request, Route
 
 from manager.auth import Role, new_token
+from tests.support.browser import browser, screenshot_dir, shot
 from tests.support.cluster import Cluster, wait_for
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+__all__ = ["browser"]  # the fixture
+
 TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+$")
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    if not os.path.exists(CHROMIUM):  # noqa: ASYNC240 - once, before the browser starts
-        pytest.fail("chromium is not installed: scripts/test installs Debian's chromium")
-    async with async_playwright() as p:
-        b = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield b
-        finally:
-            await b.close()
-
-
-def _shots(tmp_path: Path) -> Path:
-    where = Path(os.environ.get("ORCH_SCREENSHOTS") or tmp_path)
-    where.mkdir(parents=True, exist_ok=True)
-    return where
-
-
-async def _shot(page: Page, where: Path, name: str) -> None:
-    path = where / f"{name}.png"
-    await page.screenshot(path=str(path), full_page=False)
-    assert os.path.getsize(path) > 10_000  # noqa: ASYNC240
 
 
 async def _open(browser: Browser, cluster: Cluster, errors: list[str]) -> Page:
@@ -214,7 +181,7 @@ async def test_the_console_for_an_operator(
 ) -> None:
     """Totals, sorting, lookup, activity, backoff, hostile names, the service page with drain
     and undrain, the failed view's bulk actions, problems that stay, and the read role."""
-    shots = _shots(tmp_path)
+    shots = screenshot_dir(tmp_path)
     read, read_entry = new_token("viewer", Role.READ)
     await cluster.start_manager(api_tokens=f"{cluster.env['ORCH_API_TOKENS']},{read_entry}")
     await cluster.start_service("alpha", worker_count=20)
@@ -283,7 +250,7 @@ async def test_the_console_for_an_operator(
     await page.wait_for_selector(f'#observers tr[data-id="{gone}"]')
     await page.uncheck("#filters input[name=include_deleted]")
     await page.wait_for_selector(f'#observers tr[data-id="{gone}"]', state="detached")
-    await _shot(page, shots, "overview")
+    await shot(page, shots, "overview")
 
     # Sorting by a column, both ways, by the server.
     await page.click("#observers th[data-col=name] button")
@@ -321,7 +288,7 @@ async def test_the_console_for_an_operator(
     await _confirm(page, f"Drain {holder}?")
     await page.wait_for_selector("#s-state:text('draining')")
     await page.wait_for_selector("#s-actions button[data-action=undrain]")
-    await _shot(page, shots, "service")
+    await shot(page, shots, "service")
     await page.click("#s-actions button[data-action=undrain]")
     if undrain:
         await page.wait_for_selector("#s-state:text('taking work')")
@@ -335,7 +302,7 @@ async def test_the_console_for_an_operator(
     assert await page.inner_text("#f-total") == "(3)"
     await page.check("#f-observers thead input[type=checkbox]")
     await page.wait_for_selector("#f-selected:text('3 selected')")
-    await _shot(page, shots, "failed")
+    await shot(page, shots, "failed")
     # The console's own refresh (every 2 s) is held meanwhile: one landing between the delete
     # and the click would rightly drop the deleted observer from the selection.
     released = asyncio.Event()
@@ -363,7 +330,7 @@ async def test_the_console_for_an_operator(
     assert sorted(r["observer_id"] for r in restarted) == sorted(failed[1:])
     await page.wait_for_timeout(4500)  # two refreshes and more: the problem stays
     assert await problem.count() == 1
-    await _shot(page, shots, "problem")
+    await shot(page, shots, "problem")
     await page.click("#problems .problem button.dismiss")
     assert await problem.count() == 0
 
@@ -520,7 +487,7 @@ async def test_the_console_stays_fast_with_10000_observers(
     await page.click("#nav a[data-nav=overview]")
     await page.wait_for_selector("#activity .spark-taken rect")
     await page.wait_for_timeout(2500)
-    await _shot(page, _shots(tmp_path), "many")
+    await shot(page, screenshot_dir(tmp_path), "many")
 
     data = list(timings)
     report = _summary(data)

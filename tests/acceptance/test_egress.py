@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, wait_for
-from tests.support.proxy import Proxy
 
 REFUSED = "refused by the egress policy"
 SECRET = "K-s3cret"

@@ -10,6 +10,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -274,6 +275,27 @@ async def test_every_console_file_carries_the_csp_and_frame_headers(cluster: Clu
                 assert r.headers.get("x-content-type-options") == "nosniff", (method, path)
                 assert r.headers.get("referrer-policy") == "no-referrer", (method, path)
                 assert len(r.headers.get_list("content-security-policy")) == 1, path
+
+
+async def test_the_last_verify_report_is_served_as_a_page_without_scripts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    report = tmp_path / "report.html"
+    manager = await cluster.start_manager(verify_report=str(report))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{manager.port}") as c:
+        missing = await c.get("/verify-report")  # open like the console: no token
+        assert missing.status_code == 404
+        assert "ORCH_VERIFY_REPORT" in missing.json()["detail"]
+        report.write_text("<!doctype html><style>p{}</style><p>verdict</p>")
+        r = await c.get("/verify-report")
+        assert r.status_code == 200
+        assert r.text.endswith("<p>verdict</p>")
+        assert r.headers["content-type"].startswith("text/html")
+        csp = r.headers["content-security-policy"]
+        assert "default-src 'none'" in csp
+        assert "script-src" not in csp  # no script may run in it
+        assert "frame-ancestors 'none'" in csp
+        assert (await c.head("/verify-report")).status_code == 200  # how the console asks
 
 
 async def test_the_api_docs_are_off_by_default_and_pinned_when_on(cluster: Cluster) -> None:

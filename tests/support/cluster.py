@@ -9,20 +9,19 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
 
-from orch.cluster import LocalCluster, Proc, quiet, wait_for
-from tests.support.proxy import Proxy
+from orch.cluster import Proc, quiet, wait_for
+from orch_verify.cluster import FaultCluster
 
 __all__ = ["Cluster", "Proc", "quiet", "wait_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Cluster(LocalCluster):
+class Cluster(FaultCluster):
     def __init__(
         self,
         *,
@@ -38,7 +37,6 @@ class Cluster(LocalCluster):
         self.workdir = workdir
         self.lease_ttl = lease_ttl
         self.api_port: int | None = None
-        self.proxies: list[Proxy] = []
         super().__init__(
             env={
                 "PYTHONPATH": str(ROOT),
@@ -68,19 +66,6 @@ class Cluster(LocalCluster):
             before_waking()
             proc.signal(signal.SIGCONT)
 
-    async def proxy(self, url: str) -> Proxy:
-        """A proxy in front of the server at ``url``, closed after the processes stopped."""
-        parts = urlsplit(url)
-        proxy = await Proxy(parts.hostname or "127.0.0.1", parts.port or 0).start()
-        self.proxies.append(proxy)
-        return proxy
-
-    async def stop(self, timeout: float = 20) -> None:
-        await super().stop(timeout)
-        for proxy in self.proxies:
-            await proxy.close()
-        self.proxies.clear()
-
     @property
     def tick_dir(self) -> Path:
         return self.workdir / "ticks"
@@ -100,10 +85,6 @@ class Cluster(LocalCluster):
         return httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{self.api_port}", timeout=30, headers=self.auth_headers
         )
-
-    async def q(self, sql: str, *args: Any, one: bool = False) -> Any:
-        db = await self.connect()
-        return await (db.fetchval(sql, *args) if one else db.fetch(sql, *args))
 
     async def create(self, name: str, kind: str = "ticker", **params: Any) -> dict[str, Any]:
         async with self.api() as c:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from orch_bench.ticklog import overlap_seconds, read_ticks
-from tests.support.proxy import Proxy
+from orch_verify.campaign import LEASE_BACKEND, rabbitmqctl
+from orch_verify.proxy import via
+
+__all__ = ["LEASE_BACKEND", "rabbitmqctl", "via"]
 
 
 def assert_no_overlap(tick_dir: Path) -> None:
@@ -23,20 +24,6 @@ def ticks_of(tick_dir: Path, pid: int, after: float) -> int:
     return sum(1 for t in read_ticks(tick_dir) if t.pid == pid and t.at > after)
 
 
-def via(url: str, proxy: Proxy) -> str:
-    """``url`` with its host and port replaced by the proxy's."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")
-    creds = netloc[0] + "@" if netloc[1] else ""
-    return urlunsplit(parts._replace(netloc=f"{creds}127.0.0.1:{proxy.port}"))
-
-
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(
-        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
-
-
 def queue_counts(prefix: str) -> tuple[int, int]:
     """(ready, unacked) of the work queue, from the broker itself."""
     out = rabbitmqctl("-q", "list_queues", "name", "messages_ready", "messages_unacknowledged")
@@ -45,13 +32,6 @@ def queue_counts(prefix: str) -> tuple[int, int]:
         if parts and parts[0] == f"{prefix}.work":
             return int(parts[1]), int(parts[2])
     raise AssertionError(f"no work queue for {prefix} in {out!r}")
-
-
-LEASE_BACKEND = """
-SELECT l.pid FROM pg_locks l JOIN services s ON s.id = $1
- WHERE l.locktype = 'advisory' AND l.granted
-   AND ((l.classid::bigint << 32) | l.objid::bigint) = s.lock_key
-"""
 
 
 def service_uuid(value: object) -> uuid.UUID:

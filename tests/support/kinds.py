@@ -14,6 +14,12 @@ from observer_service import ObserverContext, RestartPolicy, observer_kind
 from observer_service.kinds.recorder import write_tick
 
 
+def _tick(directory: str | None, ctx: ObserverContext, count: int) -> None:
+    ctx.witness("tick")
+    if directory is not None:
+        write_tick(directory, ctx, count)
+
+
 class FlakyParams(BaseModel):
     fail_after: float = 0.0
 
@@ -30,7 +36,8 @@ async def always_fails(ctx: ObserverContext) -> None:
 class SlowStopParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dir: str
+    #: Where it writes its tick log (none: it only ticks).
+    dir: str | None = None
     interval: float = 0.05
     #: Seconds it goes on ticking after it was cancelled.
     stop_after: float = 1.0
@@ -47,7 +54,7 @@ async def slow_stop(ctx: ObserverContext) -> None:
     try:
         while True:
             count += 1
-            write_tick(p.dir, ctx, count)
+            _tick(p.dir, ctx, count)
             if count == 1 or count % 10 == 0:
                 await ctx.checkpoint({"count": count})
             await ctx.sleep(p.interval)
@@ -55,7 +62,7 @@ async def slow_stop(ctx: ObserverContext) -> None:
         until = time.monotonic() + p.stop_after
         while p.swallow or time.monotonic() < until:
             count += 1
-            write_tick(p.dir, ctx, count)
+            _tick(p.dir, ctx, count)
             try:
                 await asyncio.sleep(p.interval)
             except BaseException:
@@ -66,7 +73,8 @@ async def slow_stop(ctx: ObserverContext) -> None:
 class LateWriterParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dir: str
+    #: Where it writes its tick log (none: it only ticks).
+    dir: str | None = None
     interval: float = 0.05
     #: Seconds between ``ensure_alive()`` and the side effect (a pool acquire, a connect).
     gap: float = 0.05
@@ -82,7 +90,7 @@ async def late_writer(ctx: ObserverContext) -> None:
         ctx.ensure_alive()
         await asyncio.sleep(p.gap)
         count += 1
-        write_tick(p.dir, ctx, count)
+        _tick(p.dir, ctx, count)
         if count == 1 or count % 20 == 0:
             await ctx.checkpoint({"count": count})
         await ctx.sleep(p.interval)

@@ -1,4 +1,5 @@
-"""A TCP proxy the tests control, to put one process's link to one server through a fault.
+"""A TCP proxy that ``orch verify`` (and the tests) put between one process and one server, to
+put that link through a fault.
 
 - ``cut()`` blackholes every connection (bytes stop flowing both ways, sockets stay open), the
   way a network partition looks to both ends; ``heal()`` lets bytes flow again.
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from urllib.parse import urlsplit, urlunsplit
 
 
 class Proxy:
@@ -111,3 +113,11 @@ def _abort(writer: asyncio.StreamWriter) -> None:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
+
+
+def via(url: str, proxy: Proxy) -> str:
+    """``url`` with its host and port replaced by the proxy's."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")
+    creds = netloc[0] + "@" if netloc[1] else ""
+    return urlunsplit(parts._replace(netloc=f"{creds}127.0.0.1:{proxy.port}"))

@@ -1,0 +1,509 @@
+"""The fault engine: a schedule drawn from a seed, applied to a cluster of managers and services.
+
+The schedule is drawn before anything runs (``plan``): the same seed, faults, rates and length
+give the same faults at the same offsets, aimed at the same slots. Each service slot holds one
+process at a time; a fault aimed at a slot whose process is frozen, restarting or gone is noted
+as skipped, so a replay may differ only in what the cluster's own timing made impossible.
+
+Faults (``FAULTS``, with their default weights):
+
+- ``kill``: SIGKILL a service; a new process takes its slot.
+- ``freeze``: SIGSTOP a service for 0.2-4 s (a paused VM, a long GC, swapping).
+- ``term``: SIGTERM a service (a graceful stop; its copies are released); replaced.
+- ``leader``: SIGKILL the manager that leads (its loops move to the other); replaced.
+- ``drain``: drain a service through the API, then SIGTERM it after 1-3 s; replaced.
+- ``db_blip``: the service's database link resets and refuses for 0.2-1.5 s (proxy).
+- ``db_reset``: every open database connection of the service is reset (proxy).
+- ``broker_close``: the service's broker connection is reset (proxy).
+- ``amqp_partition``: the service's broker link is blackholed for 1-12 s (proxy: bytes stop,
+  sockets stay open, as in a network partition).
+- ``lease_kill``: the service's lease session is ended from the database side while the
+  process lives (``pg_terminate_backend``; needs the right to do that).
+- ``churn``: 1-3 observers deleted and 1-3 created.
+- ``broker_restart``: the broker application stopped for 2-10 s (``rabbitmqctl stop_app``;
+  needs rights on the broker, so only with ``--broker-restart``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from orch.cluster import Proc, wait_for
+from orch_verify.cluster import FaultCluster
+from orch_verify.proxy import Proxy
+
+#: Every fault and its default weight (how often it is drawn relative to the others).
+FAULTS: dict[str, float] = {
+    "kill": 2,
+    "freeze": 3,
+    "term": 1,
+    "leader": 1,
+    "drain": 1,
+    "db_blip": 2,
+    "db_reset": 2,
+    "broker_close": 2,
+    "amqp_partition": 2,
+    "lease_kill": 2,
+    "churn": 3,
+    "broker_restart": 1,
+}
+#: Faults aimed at one service slot.
+SERVICE_FAULTS = frozenset(FAULTS) - {"leader", "churn", "broker_restart"}
+#: What needs rights beyond the cluster's own: chosen explicitly.
+OPT_IN = frozenset({"broker_restart"})
+
+#: Lengths drawn for the faults that last, seconds.
+LENGTHS = {
+    "freeze": (0.2, 4.0),
+    "db_blip": (0.2, 1.5),
+    "amqp_partition": (1.0, 12.0),
+    "broker_restart": (2.0, 10.0),
+    "drain": (1.0, 3.0),
+}
+
+LEASE_BACKEND = """
+SELECT l.pid FROM pg_locks l JOIN services s ON s.id = $1
+ WHERE l.locktype = 'advisory' AND l.granted
+   AND ((l.classid::bigint << 32) | l.objid::bigint) = s.lock_key
+"""
+
+
+def rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+
+
+def parse_faults(text: str | None, *, broker_restart: bool = False) -> dict[str, float]:
+    """``kill,freeze`` or ``kill=2,freeze=0.5`` (names with weights) into weights; None or ""
+    means every fault at its default weight, ``broker_restart`` only when asked for; ``none``
+    means no fault at all (a run that only measures the kinds)."""
+    if text == "none":
+        return {"broker_restart": FAULTS["broker_restart"]} if broker_restart else {}
+    if not text:
+        weights = {k: w for k, w in FAULTS.items() if k not in OPT_IN}
+    else:
+        weights = {}
+        for part in text.split(","):
+            name, _, weight = part.strip().partition("=")
+            if name not in FAULTS:
+                raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+            try:
+                weights[name] = float(weight) if weight else FAULTS[name]
+            except ValueError:
+                raise ValueError(f"the weight of {name} must be a number, not {weight!r}") from None
+            if weights[name] < 0:
+                raise ValueError(f"the weight of {name} must not be negative")
+    if broker_restart:
+        weights.setdefault("broker_restart", FAULTS["broker_restart"])
+    if not any(weights.values()):
+        raise ValueError("no fault has a weight above zero")
+    return weights
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One fault of the schedule: when (seconds from the start), what, aimed where."""
+
+    at: float
+    fault: str
+    #: The service slot for service faults.
+    slot: int = 0
+    #: Seconds, for faults that last.
+    length: float = 0.0
+    #: Churn: a number in [0, 1) per observer to delete (which one, among those live then), and
+    #: how many to create.
+    picks: tuple[float, ...] = ()
+    creates: int = 0
+
+    def describe(self, slots: list[str] | None = None) -> str:
+        where = f" {slots[self.slot] if slots else f's{self.slot + 1}'}" if self.slot_fault else ""
+        what = f"{self.fault}{where}"
+        if self.length:
+            what += f" for {self.length}s"
+        if self.fault == "churn":
+            what += f" (delete {len(self.picks)}, create {self.creates})"
+        return what
+
+    @property
+    def slot_fault(self) -> bool:
+        return self.fault in SERVICE_FAULTS
+
+
+def plan(
+    seed: int, seconds: float, weights: dict[str, float], *, every: float = 0.9, slots: int = 3
+) -> list[Planned]:
+    """The schedule: faults drawn by weight, ``every`` seconds apart on average (uniformly
+    between a third of it and five thirds), until ``seconds``."""
+    rng = random.Random(seed)
+    names = sorted(weights)
+    out: list[Planned] = []
+    if not names:
+        return out
+    at = rng.uniform(every / 3, every * 5 / 3)
+    while at < seconds:
+        fault = rng.choices(names, weights=[weights[n] for n in names])[0]
+        lo_hi = LENGTHS.get(fault)
+        length = round(rng.uniform(*lo_hi), 2) if lo_hi else 0.0
+        picks: tuple[float, ...] = ()
+        creates = 0
+        if fault == "churn":
+            picks = tuple(rng.random() for _ in range(rng.randint(1, 3)))
+            creates = rng.randint(1, 3)
+        out.append(Planned(round(at, 2), fault, rng.randrange(slots), length, picks, creates))
+        at += rng.uniform(every / 3, every * 5 / 3)
+    return out
+
+
+@dataclass(frozen=True)
+class ObserverSpec:
+    """Observers to create: ``count`` of ``kind`` with ``params``."""
+
+    kind: str
+    params: dict[str, Any]
+    count: int = 1
+
+
+@dataclass
+class Slot:
+    """A service slot: the process in it now, behind its own proxies."""
+
+    name: str
+    proc: Proc | None = None
+    db: Proxy | None = None
+    mq: Proxy | None = None
+    #: Why a fault cannot be aimed at it now (frozen, restarting, draining), or None.
+    busy: str | None = None
+
+
+@dataclass
+class FaultEvent:
+    """A fault as applied: its offset in the run, its description, whether it was skipped."""
+
+    at: float
+    what: str
+    skipped: str | None = None
+
+
+@dataclass
+class Campaign:
+    """Runs ``schedule`` against ``cluster``. ``say`` prints a line as it happens."""
+
+    cluster: FaultCluster
+    seed: int
+    schedule: list[Planned]
+    observers: list[ObserverSpec]
+    services: int = 3
+    worker_count: int = 40
+    say: Callable[[str], None] = print
+    slots: list[Slot] = field(default_factory=list)
+    managers: list[Proc] = field(default_factory=list)
+    #: Every observer created, with its kind.
+    kinds: dict[uuid.UUID, str] = field(default_factory=dict)
+    #: Observers created and not deleted, in creation order, with their kind.
+    live: dict[uuid.UUID, str] = field(default_factory=dict)
+    #: Deleted observers, with the epoch their row had when the delete was accepted: a copy of
+    #: a later epoch was taken after it.
+    deleted: dict[uuid.UUID, int] = field(default_factory=dict)
+    events: list[FaultEvent] = field(default_factory=list)
+    #: How many of each fault were applied (not skipped).
+    done: Counter[str] = field(default_factory=Counter)
+    broker_down: bool = False
+    _created: int = 0
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        #: A separate stream for what the schedule leaves open (which manager answers).
+        self.rng = random.Random(self.seed ^ 0x5EED)
+        self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        #: When the schedule began, seconds after ``t0``: planned offsets count from here.
+        self.began = 0.0
+        #: Every service process ever started: pid -> slot name.
+        self.processes: dict[int, str] = {}
+        #: Per process, when it was stopped by ``freeze`` (wall time): it could not run then.
+        self.paused: dict[int, list[tuple[float, float]]] = {}
+
+    def note(self, what: str, *, skipped: str | None = None) -> None:
+        at = time.monotonic() - self.t0
+        self.events.append(FaultEvent(round(at, 2), what, skipped))
+        self.say(f"{at:7.2f}s {what}" + (f" (skipped: {skipped})" if skipped else ""))
+
+    # ------------------------------------------------------------------ the cluster
+    async def start(self) -> None:
+        self.t0, self.wall0 = time.monotonic(), time.time()
+        # A process started while the broker or the database is away waits for it at start.
+        self.cluster.env.setdefault("ORCH_WAIT", "60")
+        for _ in range(2):
+            self.managers.append(await self.cluster.start_manager())
+        for i in range(self.services):
+            slot = Slot(f"s{i + 1}")
+            self.slots.append(slot)
+            await self._fill(slot)
+        for spec in self.observers:
+            for _ in range(spec.count):
+                await self._create(spec)
+
+    async def _fill(self, slot: Slot) -> None:
+        """Start a new process in ``slot``, behind new proxies."""
+        slot.busy = "starting"
+        slot.db = await self.cluster.proxy(self.cluster.env["ORCH_DATABASE_URL"])
+        slot.mq = await self.cluster.proxy(self.cluster.env["ORCH_AMQP_URL"])
+        known = len(self.cluster.procs)
+        try:
+            slot.proc = await self.cluster.start_behind(
+                slot.name, self.worker_count, slot.db, slot.mq
+            )
+        except Exception as exc:
+            # Seeing it start can fail (the broker is being restarted) while the process goes
+            # on: it is the slot's process all the same.
+            spawned = [p for p in self.cluster.procs[known:] if p.name == slot.name and p.alive]
+            if not spawned:
+                raise
+            slot.proc = spawned[-1]
+            self.note(f"{slot.name} (pid {slot.proc.pid}) started, not seen ready: {exc!r:.200}")
+        self.processes[slot.proc.pid] = slot.name
+        slot.busy = None
+
+    async def _api(self) -> httpx.AsyncClient:
+        """A client of a live manager (waiting while the leader's replacement starts)."""
+
+        async def alive() -> list[Proc]:
+            return [m for m in self.managers if m.alive]
+
+        managers = await wait_for(alive, timeout=60, what="a live manager", every=0.1)
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{self.rng.choice(managers).port}",
+            timeout=30,
+            headers=self.cluster.auth_headers,
+        )
+
+    async def _create(self, spec: ObserverSpec) -> None:
+        self._created += 1
+        body = {"name": f"verify-{self._created}", "kind": spec.kind, "params": spec.params}
+        async with await self._api() as api:
+            r = await api.post("/observers", json=body)
+        if r.status_code != 201:
+            raise RuntimeError(f"creating {spec.kind} failed: {r.status_code} {r.text[:300]}")
+        oid = uuid.UUID(r.json()["id"])
+        self.live[oid] = self.kinds[oid] = spec.kind
+
+    async def _delete(self, oid: uuid.UUID) -> None:
+        async with await self._api() as api:
+            r = await api.delete(f"/observers/{oid}")
+        if r.status_code != 202:
+            raise RuntimeError(f"deleting {oid} failed: {r.status_code} {r.text[:300]}")
+        self.live.pop(oid)
+        self.deleted[oid] = int(r.json()["epoch"])
+
+    def _later(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.note(f"a fault's follow-up failed: {exc!r}")
+
+    # ------------------------------------------------------------------ the faults
+    async def run(self, seconds: float) -> None:
+        """Apply the schedule over ``seconds``, its offsets counted from now (the cluster is
+        up)."""
+        self.began = time.monotonic() - self.t0
+        for planned in self.schedule:
+            await self._until(planned.at)
+            await self.apply(planned)
+        await self._until(seconds)
+
+    async def _until(self, offset: float) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + self.began + offset - time.monotonic()))
+
+    async def apply(self, p: Planned) -> None:
+        before = len(self.events)
+        await self._apply(p)
+        if any(e.skipped is None for e in self.events[before:]):
+            self.done[p.fault] += 1
+
+    async def _apply(self, p: Planned) -> None:
+        if p.fault == "leader":
+            await self._kill_leader()
+        elif p.fault == "churn":
+            await self._churn(p)
+        elif p.fault == "broker_restart":
+            if self.broker_down:
+                self.note(p.describe(), skipped="the broker is down already")
+                return
+            self.note(p.describe())
+            self.broker_down = True
+            await asyncio.to_thread(rabbitmqctl, "stop_app")
+            self._later(self._restart_broker(p.length))
+        else:
+            slot = self.slots[p.slot]
+            if slot.busy or slot.proc is None or not slot.proc.alive:
+                self.note(p.describe(), skipped=slot.busy or "no process")
+                return
+            await self._service_fault(p, slot)
+
+    async def _service_fault(self, p: Planned, slot: Slot) -> None:
+        proc, db, mq = slot.proc, slot.db, slot.mq
+        assert proc is not None
+        assert db is not None
+        assert mq is not None
+        what = f"{p.describe([s.name for s in self.slots])} (pid {proc.pid})"
+        if p.fault == "lease_kill":
+            sid = await self.cluster.service_id(proc)
+            backend = await self.cluster.q(LEASE_BACKEND, sid, one=True)
+            if backend is None:
+                self.note(what, skipped="no lease session found")
+                return
+            self.note(what)
+            await self.cluster.q("SELECT pg_terminate_backend($1)", backend)
+            return
+        self.note(what)
+        if p.fault == "kill":
+            proc.signal(signal.SIGKILL)
+            self._later(self._refill(slot))
+        elif p.fault == "term":
+            proc.signal(signal.SIGTERM)
+            self._later(self._refill(slot))
+        elif p.fault == "freeze":
+            proc.signal(signal.SIGSTOP)
+            slot.busy = "frozen"
+            self._later(self._thaw(slot, p.length, time.time()))
+        elif p.fault == "drain":
+            sid = await self.cluster.service_id(proc)
+            async with await self._api() as api:
+                await api.post(f"/services/{sid}/drain")
+            slot.busy = "draining"
+            self._later(self._retire(slot, p.length))
+        elif p.fault == "db_blip":
+            self._later(db.blip(p.length))
+        elif p.fault == "db_reset":
+            db.reset()
+        elif p.fault == "broker_close":
+            mq.reset()
+        elif p.fault == "amqp_partition":
+            mq.cut()
+            self._later(self._heal_link(mq, p.length))
+        else:
+            raise AssertionError(f"unknown fault {p.fault}")
+
+    async def _refill(self, slot: Slot) -> None:
+        slot.busy = "restarting"
+        proc = slot.proc
+        if proc is not None:
+            await asyncio.to_thread(proc.popen.wait)
+        await self._fill(slot)
+
+    async def _thaw(self, slot: Slot, after: float, since: float) -> None:
+        await asyncio.sleep(after)
+        if slot.proc is not None:
+            slot.proc.signal(signal.SIGCONT)
+            self.paused.setdefault(slot.proc.pid, []).append((since, time.time()))
+        slot.busy = None
+
+    async def _retire(self, slot: Slot, after: float) -> None:
+        await asyncio.sleep(after)
+        if slot.proc is not None:
+            self.note(f"SIGTERM drained {slot.name} (pid {slot.proc.pid})")
+            slot.proc.signal(signal.SIGTERM)
+        await self._refill(slot)
+
+    async def _heal_link(self, proxy: Proxy, after: float) -> None:
+        await asyncio.sleep(after)
+        proxy.heal()
+
+    async def _restart_broker(self, after: float) -> None:
+        await asyncio.sleep(after)
+        await self.start_broker()
+
+    async def start_broker(self) -> None:
+        """Start the broker if this run stopped it (also when the run fails)."""
+        if self.broker_down:
+            await asyncio.to_thread(rabbitmqctl, "start_app")
+            self.broker_down = False
+            self.note("broker started")
+
+    async def _kill_leader(self) -> None:
+        for m in self.managers:
+            if not m.alive:
+                continue
+            async with httpx.AsyncClient(timeout=5, headers=self.cluster.auth_headers) as c:
+                try:
+                    leads = (await c.get(f"http://127.0.0.1:{m.port}/leader")).json()
+                except httpx.HTTPError:
+                    continue
+            if leads.get("this_replica_leads"):
+                self.note(f"leader: SIGKILL the leading manager (pid {m.pid})")
+                m.signal(signal.SIGKILL)
+                self.managers.remove(m)
+                self._later(self._new_manager())
+                return
+        self.note("leader", skipped="no manager leads now")
+
+    async def _new_manager(self) -> None:
+        self.managers.append(await self.cluster.start_manager())
+
+    async def _churn(self, p: Planned) -> None:
+        order = list(self.live)
+        doomed = []
+        for pick in p.picks:
+            if order:
+                doomed.append(order.pop(int(pick * len(order))))
+        for oid in doomed:
+            await self._delete(oid)
+        first = self._created
+        for i in range(p.creates):  # the specs in turn
+            await self._create(self.observers[(first + i) % len(self.observers)])
+        self.note(
+            f"{p.describe()}: deleted {', '.join(str(o)[:8] for o in doomed) or 'none'}; "
+            f"{len(self.live)} live"
+        )
+
+    # ------------------------------------------------------------------ healing
+    async def heal(self) -> None:
+        """Let every lasting fault end and every slot hold a running process."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.start_broker()
+        for slot in self.slots:
+            if slot.proc is not None:
+                slot.proc.signal(signal.SIGCONT)
+            for proxy in (slot.db, slot.mq):
+                if proxy is not None:
+                    proxy.heal()
+                    proxy.accept()
+        self.note(f"healed; faults: {dict(self.done)}")
+
+    async def close(self) -> None:
+        """Whatever happened: every lasting fault's task ended, frozen processes resumed (the
+        cluster's stop needs them), the broker started again (loudly when it cannot be)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for slot in self.slots:
+            if slot.proc is not None:
+                slot.proc.signal(signal.SIGCONT)
+        try:
+            await self.start_broker()
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.say(f"THE BROKER COULD NOT BE STARTED AGAIN: {exc!r}; run rabbitmqctl start_app")
+            raise
+
+    def alive_pids(self) -> set[int]:
+        """Every service process alive now (a slot's, or one whose start was not seen)."""
+        names = {s.name for s in self.slots}
+        return {p.pid for p in self.cluster.procs if p.name in names and p.alive}

@@ -1,0 +1,346 @@
+"""The verdict, from the witness the services wrote (``contracts/witness.py``), not from the
+orchestrator's tables: those show what the orchestrator believes, the witness what ran.
+
+A *copy* is one run of an observer: its epoch and its process. It spans from its first record
+(a resumption of its coroutine, or a side effect it declared) to its last. The promise holds when:
+
+- no two copies of an observer span the same moment (an *overlap*);
+- every live observer has a copy running at the end (else it is *lost*), unless it failed;
+- no copy of a deleted observer was taken after its delete was accepted, none runs at the end;
+- no restart was spent on the orchestrator's own errors.
+
+Per kind it also tells how long copies took to stop once asked, which ignored it (ran on past
+the shutdown timeout), the longest event loop stall and memory growth per observer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from contracts.errors import Transient
+from contracts.witness import Record
+
+
+def _own_errors() -> frozenset[str]:
+    """The class names of the orchestrator's own server errors (a restart records ``Name:
+    message``). Driver errors are converted to these where they enter its code, so one that
+    reached kind code arrives as one of these; a kind's own use of a driver stays its own."""
+    found: set[str] = set()
+    todo: list[type[BaseException]] = [Transient]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(found)
+
+
+OWN_ERRORS = _own_errors()
+#: Memory growth per observer above which a kind is flagged, bytes per minute.
+GROWTH_FLAG = 64 * 1024
+#: Memory samples taken in a copy's first seconds are left out (imports, first buffers).
+WARM_UP = 10.0
+
+
+@dataclass
+class Copy:
+    observer: str
+    epoch: int
+    pid: int
+    service: str
+    first: float
+    last: float
+    stop_at: float | None = None
+    stop_why: str = ""
+    end_at: float | None = None
+    #: A graceful stop gave up waiting for it.
+    hung: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"epoch {self.epoch} in process {self.pid}"
+
+
+@dataclass
+class Overlap:
+    observer: str
+    kind: str
+    a: Copy
+    b: Copy
+    seconds: float
+
+
+@dataclass
+class KindFigures:
+    kind: str
+    observers: int = 0
+    stops: list[float] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    stalls: int = 0
+    longest_stall: float = 0.0
+    stalled_observer: str = ""
+    #: Bytes per observer per minute (None: too few samples).
+    growth: float | None = None
+    failed: int = 0
+
+    def stop_percentiles(self) -> tuple[float, float, float] | None:
+        if not self.stops:
+            return None
+        s = sorted(self.stops)
+        p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+        return statistics.median(s), p99, s[-1]
+
+
+@dataclass
+class Verdict:
+    overlaps: list[Overlap]
+    lost: list[str]
+    ran_after_delete: list[str]
+    failed: dict[str, str]
+    own_error_restarts: list[str]
+    kinds: dict[str, KindFigures]
+    shutdown_timeout: float
+    copies: dict[tuple[str, int, int], Copy]
+    #: Processes whose witness could not be written: nothing can be concluded.
+    broken: list[str] = field(default_factory=list)
+
+    @property
+    def promise_held(self) -> bool:
+        return not (
+            self.overlaps
+            or self.lost
+            or self.ran_after_delete
+            or self.own_error_restarts
+            or self.broken
+        )
+
+    @property
+    def stopped_in_time(self) -> bool:
+        return all(
+            not k.ignored and all(s <= self.shutdown_timeout for s in k.stops)
+            for k in self.kinds.values()
+        )
+
+    @property
+    def passed(self) -> bool:
+        return self.promise_held and self.stopped_in_time
+
+    def lines(self) -> list[str]:
+        """The verdict as lines of text, one finding each."""
+        out = [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
+        for o in self.overlaps:
+            out.append(
+                f"OVERLAP {o.kind} {o.observer}: {o.a.label} and {o.b.label} ran at once "
+                f"for {o.seconds:.3f}s"
+            )
+        out += [f"LOST {oid}: live, but no copy runs at the end" for oid in self.lost]
+        out += [f"RAN AFTER DELETE {oid}" for oid in self.ran_after_delete]
+        out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
+        for kind, k in sorted(self.kinds.items()):
+            for what in k.ignored:
+                out.append(f"IGNORED CANCELLATION {kind}: {what}")
+            if k.longest_stall:
+                out.append(
+                    f"STALL {kind}: blocked the event loop {k.stalls} time(s), longest "
+                    f"{k.longest_stall:.2f}s by observer {k.stalled_observer}"
+                )
+            if k.growth is not None and k.growth > GROWTH_FLAG:
+                out.append(
+                    f"MEMORY GROWTH {kind}: {k.growth / 1024:.0f} KiB per observer per minute"
+                )
+            if k.failed:
+                out.append(f"FAILED {kind}: {k.failed} observer(s) failed on their own errors")
+        held = "held" if self.promise_held else "BROKEN"
+        timely = "every kind stopped in time" if self.stopped_in_time else "a kind did not stop"
+        out.append(f"verdict: the promise {held}; {timely}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "promise_held": self.promise_held,
+            "stopped_in_time": self.stopped_in_time,
+            "overlaps": [
+                {
+                    "observer": o.observer,
+                    "kind": o.kind,
+                    "seconds": round(o.seconds, 4),
+                    "copies": [asdict(o.a), asdict(o.b)],
+                }
+                for o in self.overlaps
+            ],
+            "lost": self.lost,
+            "ran_after_delete": self.ran_after_delete,
+            "failed": self.failed,
+            "own_error_restarts": self.own_error_restarts,
+            "witness_broken": self.broken,
+            "kinds": {
+                name: {
+                    "observers": k.observers,
+                    "stop_seconds_p50_p99_max": k.stop_percentiles(),
+                    "stops": len(k.stops),
+                    "ignored_cancellation": k.ignored,
+                    "stalls": k.stalls,
+                    "longest_stall_seconds": round(k.longest_stall, 3),
+                    "stalled_observer": k.stalled_observer,
+                    "memory_growth_bytes_per_observer_per_minute": k.growth,
+                    "failed": k.failed,
+                }
+                for name, k in sorted(self.kinds.items())
+            },
+        }
+
+
+def copies_of(records: list[Record]) -> dict[tuple[str, int, int], Copy]:
+    """Every copy the records show, with its span, its stop request and its end."""
+    copies: dict[tuple[str, int, int], Copy] = {}
+    for rec in records:
+        if rec.observer is None:
+            continue
+        copy = copies.get(rec.copy)
+        if rec.r in ("run", "fx", "stall"):  # a stall is stamped when its step ended
+            if copy is None:
+                copy = copies[rec.copy] = Copy(
+                    rec.observer, rec.epoch, rec.pid, rec.service, rec.at, rec.at
+                )
+            copy.last = max(copy.last, rec.at)
+        elif copy is None:
+            continue
+        elif rec.r == "stop" and copy.stop_at is None:
+            copy.stop_at, copy.stop_why = rec.at, str(rec.detail.get("x", ""))
+        elif rec.r == "end":
+            copy.end_at = rec.at
+        elif rec.r == "hung":
+            copy.hung = True
+    return copies
+
+
+def overlaps(copies: dict[tuple[str, int, int], Copy], kinds: dict[str, str]) -> list[Overlap]:
+    by_observer: dict[str, list[Copy]] = defaultdict(list)
+    for c in copies.values():
+        by_observer[c.observer].append(c)
+    found = []
+    for observer, cs in by_observer.items():
+        cs.sort(key=lambda c: c.first)
+        for i, a in enumerate(cs):
+            for b in cs[i + 1 :]:
+                if b.first > a.last:
+                    break
+                seconds = min(a.last, b.last) - b.first
+                found.append(Overlap(observer, kinds.get(observer, "?"), a, b, seconds))
+    return found
+
+
+def running_at_end(copies: dict[tuple[str, int, int], Copy], alive: set[int]) -> set[str]:
+    """Observers with a copy that has not ended, in a process still alive."""
+    return {c.observer for c in copies.values() if c.end_at is None and c.pid in alive}
+
+
+def judge(
+    records: list[Record],
+    *,
+    kinds: dict[str, str],
+    live: set[str],
+    deleted: dict[str, int],
+    failed: dict[str, str],
+    restarts: list[tuple[str, str]],
+    alive: set[int],
+    shutdown_timeout: float,
+    paused: dict[int, list[tuple[float, float]]] | None = None,
+) -> Verdict:
+    """``kinds``: observer -> kind, for every observer created. ``live``: observers created and
+    not deleted. ``deleted``: observer -> its epoch when its delete was accepted. ``failed``:
+    observer -> its last error. ``restarts``: (observer, error) of every restart. ``alive``: the
+    service processes alive at the end. ``paused``: per process, when it was stopped (SIGSTOP):
+    a stop request's time excludes them, the copy could not run then."""
+    copies = copies_of(records)
+    running = running_at_end(copies, alive)
+    lost = sorted(o for o in live if o not in running and o not in failed)
+    after = sorted(
+        {
+            c.observer
+            for c in copies.values()
+            if c.observer in deleted
+            and (c.epoch > deleted[c.observer] or (c.end_at is None and c.pid in alive))
+        }
+    )
+    own = [f"{o}: {e[:200]}" for o, e in restarts if e.partition(":")[0].strip() in OWN_ERRORS]
+    figures: dict[str, KindFigures] = {}
+    for kind in kinds.values():
+        figures.setdefault(kind, KindFigures(kind)).observers += 1
+    for observer in failed:
+        if observer in kinds:
+            figures[kinds[observer]].failed += 1
+    for c in copies.values():
+        k = figures.setdefault(kinds.get(c.observer, "?"), KindFigures(kinds.get(c.observer, "?")))
+        if c.stop_at is None:
+            continue
+        windows = (paused or {}).get(c.pid, [])
+        if c.end_at is not None:
+            took = _running(c.stop_at, c.end_at, windows)
+            k.stops.append(took)
+            if took > shutdown_timeout:
+                k.ignored.append(
+                    f"{c.observer} ({c.label}) stopped {took:.1f}s after it was asked "
+                    f"({c.stop_why})"
+                )
+        elif c.hung:
+            k.ignored.append(
+                f"{c.observer} ({c.label}) had not stopped when its service gave up waiting, "
+                f"{shutdown_timeout:.0f}s after it was asked ({c.stop_why})"
+            )
+        elif (took := _running(c.stop_at, c.last, windows)) > shutdown_timeout:
+            k.ignored.append(
+                f"{c.observer} ({c.label}) ran {took:.1f}s after it was asked to stop "
+                f"({c.stop_why}) and never ended"
+            )
+    for rec in records:
+        if rec.r == "stall" and rec.observer is not None:
+            kind = kinds.get(rec.observer, "?")
+            k = figures.setdefault(kind, KindFigures(kind))
+            k.stalls += 1
+            d = float(rec.detail.get("d", 0.0))
+            if d > k.longest_stall:
+                k.longest_stall, k.stalled_observer = d, rec.observer
+    for kind, growth in memory_growth(records).items():
+        figures.setdefault(kind, KindFigures(kind)).growth = growth
+    return Verdict(
+        overlaps(copies, kinds), lost, after, failed, own, figures, shutdown_timeout, copies
+    )
+
+
+def _running(start: float, end: float, paused: list[tuple[float, float]]) -> float:
+    """Seconds from ``start`` to ``end`` less the time the process was stopped in between."""
+    stopped = sum(max(0.0, min(end, b) - max(start, a)) for a, b in paused)
+    return max(0.0, end - start - stopped)
+
+
+def memory_growth(records: list[Record]) -> dict[str, float]:
+    """Per kind: the steepest growth of its bytes per observer in any one process, bytes per
+    minute (least squares over that process's samples after ``WARM_UP``), where at least three
+    samples span 15 s or more."""
+    series: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    first_seen: dict[int, float] = {}
+    for rec in records:
+        first_seen.setdefault(rec.pid, rec.at)
+        if rec.r == "mem" and rec.detail.get("n"):
+            kind = str(rec.detail["k"])
+            series[(kind, rec.pid)].append((rec.at, rec.detail["b"] / rec.detail["n"]))
+    growth: dict[str, float] = {}
+    for (kind, pid), points in series.items():
+        points = [(t, v) for t, v in points if t - first_seen[pid] >= WARM_UP]
+        if len(points) < 3 or points[-1][0] - points[0][0] < 15:
+            continue
+        slope = _slope(points) * 60
+        growth[kind] = max(growth.get(kind, slope), slope)
+    return growth
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (v - mv) for t, v in points) / var if var else 0.0

@@ -1,0 +1,237 @@
+"""One ``orch verify`` run: a throw-away cluster with the user's kinds in verify mode, observers,
+the seeded campaign, healing, the verdict and its reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from contracts import witness
+from contracts.settings import CommonSettings
+from manager.auth import Role, new_token
+from orch.cluster import Scratch, wait_for
+from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
+from orch_verify.cluster import FaultCluster
+from orch_verify.judge import Verdict, copies_of, judge, running_at_end
+from orch_verify.report import html_report, table
+
+
+@dataclass
+class Options:
+    kind_modules: list[str]
+    observers: list[ObserverSpec]
+    seconds: float
+    seed: int
+    weights: dict[str, float]
+    every: float = 0.9
+    services: int = 3
+    worker_count: int = 40
+    shutdown_timeout: float = 10.0
+    #: Seconds the cluster gets after healing to run every live observer again.
+    settle: float = 60.0
+    json_path: Path | None = None
+    report_path: Path | None = None
+    #: Keep the processes' logs and the witness files here (else a temporary directory).
+    workdir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    verdict: Verdict
+    campaign: Campaign
+    records: list[witness.Record]
+
+
+async def campaign_on(
+    cluster: FaultCluster, options: Options, witness_dir: Path, say: Callable[[str], None]
+) -> Outcome:
+    """Run the campaign on ``cluster`` (its processes write their witness to ``witness_dir``)
+    and judge it. The cluster's processes are left for its owner to stop."""
+    schedule = plan(
+        options.seed,
+        options.seconds,
+        options.weights,
+        every=options.every,
+        slots=options.services,
+    )
+    say(
+        f"seed {options.seed}: {len(schedule)} faults over {options.seconds:.0f}s, schedule "
+        f"{digest(schedule)} (the same seed and options replay it)"
+    )
+    campaign = Campaign(
+        cluster,
+        options.seed,
+        schedule,
+        options.observers,
+        services=options.services,
+        worker_count=options.worker_count,
+        say=say,
+    )
+    try:
+        await campaign.start()
+        await campaign.run(options.seconds)
+        await campaign.heal()
+        verdict, records = await _settle_and_judge(cluster, campaign, witness_dir, options)
+    finally:
+        await campaign.close()
+    return Outcome(verdict, campaign, records)
+
+
+async def verify(settings: CommonSettings, options: Options, console: Console) -> Outcome:
+    """A throw-away cluster, the campaign, the verdict printed and written; the cluster, its
+    database and its broker names are gone when this returns."""
+    scratch = Scratch(settings.database_url, settings.amqp_url, "verify")
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="orch-verify-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    witness_dir = workdir / "witness"
+    # A token of its own: the cluster never uses the tokens of the environment it runs in.
+    token, entry = new_token("orch-verify", Role.ADMIN)
+    cluster: FaultCluster | None = None
+    try:
+        await scratch.prepare()
+        cluster = FaultCluster(
+            token=token,
+            env={
+                "ORCH_DATABASE_URL": await scratch.database("run"),
+                "ORCH_AMQP_URL": settings.amqp_url,
+                "ORCH_PREFIX": scratch.prefix("run"),
+                "ORCH_LEASE_TTL": str(settings.lease_ttl),
+                "ORCH_KIND_MODULES": ",".join(options.kind_modules),
+                "ORCH_WITNESS_DIR": str(witness_dir),
+                "ORCH_SHUTDOWN_TIMEOUT": str(options.shutdown_timeout),
+                "ORCH_BROKER_ADVICE": "false",
+                "ORCH_API_TOKENS": entry,
+                "ORCH_AUTH": "on",
+                **options.env,
+            },
+            logdir=workdir,
+        )
+        outcome = await campaign_on(
+            cluster,
+            options,
+            witness_dir,
+            lambda line: console.print(f"[dim]{escape(line)}[/dim]", highlight=False),
+        )
+    finally:
+        try:
+            if cluster is not None:
+                await cluster.stop()
+        finally:
+            await scratch.cleanup()
+            if options.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+    verdict, campaign = outcome.verdict, outcome.campaign
+    for line in verdict.lines():
+        style = "green" if line.startswith("verdict") and verdict.passed else "red"
+        console.print(f"[{style}]{escape(line)}[/{style}]", highlight=False)
+    console.print(table(verdict))
+    if options.json_path is not None:
+        doc = {
+            "seed": options.seed,
+            "seconds": options.seconds,
+            "schedule": digest(campaign.schedule),
+            "first_overlap_seconds": (
+                min(o.b.first for o in verdict.overlaps) - campaign.wall0
+                if verdict.overlaps
+                else None
+            ),
+            "faults": [e.__dict__ for e in campaign.events],
+            "verdict": verdict.as_dict(),
+        }
+        options.json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        console.print(f"JSON written to {options.json_path}")
+    if options.report_path is not None:
+        options.report_path.parent.mkdir(parents=True, exist_ok=True)
+        options.report_path.write_text(html_report(verdict, campaign, options.seed))
+        console.print(f"report written to {options.report_path}")
+    return outcome
+
+
+async def _settle_and_judge(
+    cluster: FaultCluster, campaign: Campaign, witness_dir: Path, options: Options
+) -> tuple[Verdict, list[witness.Record]]:
+    live = {str(o) for o in campaign.live}
+    deleted = {str(o) for o in campaign.deleted}
+
+    async def failed_now() -> dict[str, str]:
+        rows = await cluster.q("SELECT id, last_error FROM observers WHERE status = 'failed'")
+        return {str(r["id"]): r["last_error"] or "" for r in rows}
+
+    reader = witness.Reader(witness_dir)
+
+    async def settled() -> bool:
+        records = await asyncio.to_thread(reader.read)
+        running = running_at_end(copies_of(records), campaign.alive_pids())
+        failed = await failed_now()
+        return live <= running | set(failed) and not (deleted & running)
+
+    with contextlib.suppress(TimeoutError):  # judged as it is: what is missing is lost
+        await wait_for(settled, timeout=options.settle, what="every live observer running", every=1)
+    await asyncio.sleep(1.0)  # a copy that should not run gets a moment to show itself
+    records = list(await asyncio.to_thread(reader.read))
+    failed = await failed_now()
+    restarts = await cluster.q(
+        "SELECT observer_id, detail FROM observer_events WHERE event IN ('restarted', 'failed')"
+    )
+    kinds = {str(o): k for o, k in campaign.kinds.items()}
+    verdict = judge(
+        records,
+        kinds=kinds,
+        live=live,
+        deleted={str(o): epoch for o, epoch in campaign.deleted.items()},
+        failed=failed,
+        restarts=[(str(r["observer_id"]), r["detail"] or "") for r in restarts],
+        alive=campaign.alive_pids(),
+        shutdown_timeout=options.shutdown_timeout,
+        paused=campaign.paused,
+    )
+    verdict.broken = [
+        f"{p.name} (pid {p.pid})" for p in cluster.procs if witness.BROKEN in p.tail(100_000)
+    ]
+    return verdict, records
+
+
+def digest(schedule: list[Planned]) -> str:
+    """A short fingerprint of a schedule, to compare two runs at a glance."""
+    return hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]
+
+
+def parse_observer(text: str) -> ObserverSpec:
+    """``KIND``, ``KIND*COUNT``, ``KIND:PARAMS_JSON`` or ``KIND*COUNT:PARAMS_JSON``."""
+    head, sep, params_text = text.partition(":")
+    kind, star, count_text = head.partition("*")
+    kind = kind.strip()
+    if not kind:
+        raise ValueError(f"{text!r}: a kind name comes first (KIND[*COUNT][:PARAMS_JSON])")
+    try:
+        count = int(count_text) if star else 1
+    except ValueError:
+        raise ValueError(f"{text!r}: the count after * must be a whole number") from None
+    if not 1 <= count <= 10_000:
+        raise ValueError(f"{text!r}: the count must be between 1 and 10000")
+    params: Any = {}
+    if sep:
+        try:
+            params = json.loads(params_text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{text!r}: the params are not JSON ({exc})") from None
+        if not isinstance(params, dict):
+            raise ValueError(f"{text!r}: the params must be a JSON object")
+    return ObserverSpec(kind, params, count)
+
+
+def new_seed() -> int:
+    return secrets.randbelow(1_000_000)

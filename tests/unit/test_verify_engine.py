@@ -1,0 +1,286 @@
+"""``orch verify``'s parts without servers: the schedule, the witness file, the judge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import tracemalloc
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts import witness
+from contracts.errors import LeaseLost
+from contracts.witness import Record, Witness
+from observer_service.guard import Timing, guarded
+from observer_service.stalls import StallWatch
+from orch_verify.campaign import FAULTS, parse_faults, plan
+from orch_verify.judge import GROWTH_FLAG, Verdict, judge
+from orch_verify.run import parse_observer
+from tests.support.bad_kinds import LeakyParams
+
+O1, O2 = "11111111-1111-1111-1111-111111111111", "22222222-2222-2222-2222-222222222222"
+
+
+def test_a_seed_draws_the_same_schedule_every_time() -> None:
+    weights = parse_faults(None)
+    a = plan(7, 60, weights)
+    assert a == plan(7, 60, weights)
+    assert a != plan(8, 60, weights)
+    assert 40 <= len(a) <= 100  # one fault every 0.9 s on average
+    assert all(0 < p.at < 60 for p in a)
+    assert [p.at for p in a] == sorted(p.at for p in a)
+
+
+def test_faults_are_drawn_by_weight_and_broker_restarts_only_when_asked() -> None:
+    assert "broker_restart" not in parse_faults(None)
+    assert "broker_restart" in parse_faults(None, broker_restart=True)
+    drawn = {p.fault for p in plan(1, 300, parse_faults("kill,freeze=2,churn=0"))}
+    assert drawn == {"kill", "freeze"}
+    assert set(FAULTS) >= {p.fault for p in plan(1, 300, parse_faults(None))}
+    assert plan(1, 300, parse_faults("none")) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("kill,explode", "unknown fault 'explode'"),
+        ("kill=lots", "must be a number"),
+        ("kill=-1", "must not be negative"),
+        ("kill=0", "no fault has a weight above zero"),
+    ],
+)
+def test_a_wrong_fault_list_is_refused_with_its_reason(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_faults(text)
+
+
+def test_observers_are_given_as_kind_count_and_params() -> None:
+    spec = parse_observer('ticker*5:{"interval": 0.1}')
+    assert (spec.kind, spec.count, spec.params) == ("ticker", 5, {"interval": 0.1})
+    assert parse_observer("recorder").count == 1
+    for bad, message in [
+        ("*3", "a kind name comes first"),
+        ("ticker*x", "whole number"),
+        ("ticker:{", "not JSON"),
+        ("ticker:[1]", "JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_observer(bad)
+
+
+def test_the_witness_file_holds_every_record_and_lines_from_threads_stay_whole(
+    tmp_path: Path,
+) -> None:
+    service = uuid.uuid4()
+    w = Witness(tmp_path, service)
+    oid = uuid.UUID(O1)
+    w.ran(oid, 3)
+    w.ran(oid, 3)  # within the resolution of the one before: not written
+
+    def effects() -> None:
+        for _ in range(200):
+            w.effect(oid, 3, "write")
+
+    threads = [threading.Thread(target=effects) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    w.stop(oid, 3, "cancelled")
+    w.stall(oid, 3, 2.5)
+    w.end(oid, 3)
+    w.memory("leaky", 1000, 2)
+    w.close()
+    records = witness.read(tmp_path)
+    kinds = [r.r for r in records]
+    assert kinds.count("run") == 1
+    assert kinds.count("fx") == 800
+    assert {"stop", "stall", "end", "mem"} <= set(kinds)
+    assert all(r.service == str(service) for r in records)
+    assert next(r for r in records if r.r == "stall").detail["d"] == 2.5
+
+
+def rec(r: str, o: str | None, e: int, p: int, t: float, **detail: object) -> Record:
+    return Record(r, o, e, "svc", p, t, dict(detail))
+
+
+def verdict_of(records: list[Record], **kw: Any) -> Verdict:
+    args: dict[str, Any] = {
+        "kinds": {O1: "k", O2: "k"},
+        "live": {O1, O2},
+        "deleted": {},
+        "failed": {},
+        "restarts": [],
+        "alive": {10, 20},
+        "shutdown_timeout": 5.0,
+    }
+    args.update(kw)
+    return judge(records, **args)
+
+
+def test_two_copies_at_once_are_an_overlap_and_one_after_the_other_is_not() -> None:
+    moved = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("run", O1, 1, 10, 1.0),
+        rec("end", O1, 1, 10, 1.1),
+        rec("run", O1, 2, 20, 1.2),
+        rec("run", O2, 1, 20, 0.0),
+    ]
+    v = verdict_of(moved)
+    assert v.overlaps == []
+    assert v.lost == []
+    assert v.passed
+    # A thread of the first copy writes on after the observer moved.
+    v = verdict_of([*moved, rec("fx", O1, 1, 10, 3.0, x="write"), rec("run", O1, 2, 20, 3.5)])
+    (o,) = v.overlaps
+    assert (o.observer, o.a.epoch, o.b.epoch) == (O1, 1, 2)
+    assert o.seconds == pytest.approx(1.8)
+    assert not v.passed
+    assert any(line.startswith("OVERLAP k") for line in v.lines())
+
+
+def test_a_live_observer_without_a_running_copy_is_lost_unless_it_failed() -> None:
+    records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 30, 0.0)]  # process 30 is gone
+    assert verdict_of(records).lost == [O2]
+    assert verdict_of(records, failed={O2: "boom"}).lost == []
+
+
+def test_a_deleted_observer_must_not_start_again_nor_run_at_the_end() -> None:
+    records = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("stop", O1, 1, 10, 2.0, x="cancelled"),
+        rec("end", O1, 1, 10, 2.1),
+    ]
+    ok = verdict_of(records, live={O2}, deleted={O1: 1}, alive={10})
+    assert ok.ran_after_delete == []
+    again = verdict_of([*records, rec("run", O1, 2, 10, 3.0)], live={O2}, deleted={O1: 1})
+    assert again.ran_after_delete == [O1]
+    running_on = verdict_of(records[:2], live={O2}, deleted={O1: 1}, alive={10})
+    assert running_on.ran_after_delete == [O1]
+
+
+def test_stops_are_timed_per_kind_and_a_copy_running_on_is_named() -> None:
+    records = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("stop", O1, 1, 10, 1.0, x="cancelled"),
+        rec("end", O1, 1, 10, 1.25),
+        rec("run", O2, 1, 10, 0.0),
+        rec("stop", O2, 1, 10, 1.0, x="service stopping"),
+        rec("run", O2, 1, 10, 9.0),
+    ]
+    v = verdict_of(records, live=set())
+    k = v.kinds["k"]
+    assert k.stops == [0.25]
+    (ignored,) = k.ignored
+    assert O2 in ignored
+    assert "never ended" in ignored
+    assert v.promise_held
+    assert not v.stopped_in_time
+
+
+def test_stalls_name_the_observer_and_memory_growth_is_per_observer() -> None:
+    records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 10, 0.0)]
+    records += [rec("stall", O1, 1, 10, 5.0, d=0.3), rec("stall", O2, 1, 10, 6.0, d=2.1)]
+    # 2 copies, 1 MiB more each every 10 s after the warm-up: 6 MiB per observer per minute.
+    records += [
+        rec("mem", None, 0, 10, 10.0 + 10 * i, k="k", b=2 * (1 << 20) * i, n=2) for i in range(5)
+    ]
+    v = verdict_of(records)
+    k = v.kinds["k"]
+    assert (k.stalls, k.longest_stall, k.stalled_observer) == (2, 2.1, O2)
+    assert k.growth == pytest.approx(6 * (1 << 20))
+    assert k.growth is not None
+    assert k.growth > GROWTH_FLAG
+    lines = v.lines()
+    assert any(line.startswith("STALL k") and O2 in line for line in lines)
+    assert any(line.startswith("MEMORY GROWTH k") for line in lines)
+
+
+def test_a_restart_spent_on_the_orchestrators_own_error_breaks_the_promise() -> None:
+    records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 10, 0.0)]
+    assert verdict_of(records, restarts=[(O1, "RuntimeError: boom")]).passed
+    v = verdict_of(records, restarts=[(O1, "DatabaseUnavailable: connection reset")])
+    assert not v.promise_held
+
+
+def test_a_witness_that_cannot_write_never_raises_into_kind_code(tmp_path: Path) -> None:
+    w = Witness(tmp_path, uuid.uuid4())
+    os.close(w._fd)
+    w._fd = os.open("/dev/full", os.O_WRONLY)  # every write fails: no space left
+    w.ran(uuid.UUID(O1), 1)
+    w.effect(uuid.UUID(O1), 1, "write")
+    w.hung(uuid.UUID(O1), 1)
+    assert w.broken is not None
+    assert "No space" in w.broken
+
+
+async def test_the_guard_records_what_it_lets_through_not_what_it_throws_in(
+    tmp_path: Path,
+) -> None:
+    w = Witness(tmp_path, uuid.uuid4())
+    oid = uuid.UUID(O1)
+    lost = asyncio.Event()
+
+    def gate() -> asyncio.Future[None] | None:
+        if lost.is_set():
+            raise LeaseLost("gone")
+        return None
+
+    async def kind() -> None:
+        for _ in range(1000):
+            await asyncio.sleep(0.02)
+
+    async def copy() -> None:
+        await guarded(kind(), gate, Timing(StallWatch(10.0), "test", lambda _: None, oid, 4, w))
+
+    task = asyncio.create_task(copy())
+    await asyncio.sleep(0.1)
+    before = [r for r in witness.read(tmp_path) if r.r == "run"]
+    assert before
+    lost.set()
+    with pytest.raises(LeaseLost):
+        await task
+    after = [r for r in witness.read(tmp_path) if r.r == "run"]
+    assert after == before  # the resumption that only raised LeaseLost is not a run
+
+
+def test_memory_goes_to_the_kind_whose_lines_made_it() -> None:
+    from contracts.kinds import load_kinds
+    from observer_service.witnessing import attribute, source_of
+
+    kinds = load_kinds(["tests.support.bad_kinds"])
+    sources: dict[str, list[tuple[int, int, str]]] = {}
+    for name in ("leaky", "loop_blocker"):
+        found = source_of(kinds[name])
+        assert found is not None
+        path, first, last = found
+        sources.setdefault(path, []).append((first, last, name))
+    tracemalloc.start(8)
+    try:
+        from tests.support import bad_kinds
+
+        bad_kinds._kept.clear()
+        coro = bad_kinds.leaky(FakeCtx(LeakyParams(leak=100_000, interval=0.0)))  # type: ignore[arg-type]
+        for _ in range(20):
+            with contextlib.suppress(StopIteration):
+                coro.send(None)
+        coro.close()
+        held = attribute(tracemalloc.take_snapshot(), sources)
+    finally:
+        tracemalloc.stop()
+        bad_kinds._kept.clear()
+    assert held["leaky"] >= 19 * 100_000
+    assert held["loop_blocker"] < 10_000  # the same file, other lines: none of it
+
+
+class FakeCtx:
+    def __init__(self, params: object) -> None:
+        self.params = params
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)
