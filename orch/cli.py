@@ -396,7 +396,6 @@ def verify(
     verdict from what really ran. Exit 0 when no two copies ran at once, nothing was lost and
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
     from contracts.kinds import load_kinds
-    from contracts.settings import on_database
     from observer_service.settings import ServiceSettings
     from orch_verify.campaign import ObserverSpec, parse_faults
     from orch_verify.run import Options, new_seed, parse_observer
@@ -424,13 +423,7 @@ def verify(
         _fail(str(exc), 2)
     if not specs:
         _fail(f"the modules {', '.join(modules)} define no kind", 2)
-    server = settings.model_copy(
-        update={"database_url": on_database(settings.database_url, "postgres")}
-    )
-    try:
-        asyncio.run(check_servers(server, need_schema=False))
-    except StartupError as exc:
-        _fail(str(exc))
+    server = _scratch_server(settings)
     options = Options(
         kind_modules=modules,
         observers=specs,
@@ -456,7 +449,6 @@ def bench(
     only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
 ) -> None:
     """Start a throw-away local cluster and measure it against the targets."""
-    from contracts.settings import on_database
     from orch_bench.run import main
     from orch_bench.scenarios import SCENARIOS
 
@@ -465,7 +457,15 @@ def bench(
     unknown = set(names or ()) - set(SCENARIOS)
     if unknown:
         _fail(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
-    # The benchmark makes its own databases: it needs the server, not the configured database.
+    _scratch_server(settings)
+    raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))
+
+
+def _scratch_server(settings: S) -> S:
+    """For a tool that makes its own databases (``bench``, ``verify``): the settings on the
+    server's ``postgres`` database, once the servers answer."""
+    from contracts.settings import on_database
+
     server = settings.model_copy(
         update={"database_url": on_database(settings.database_url, "postgres")}
     )
@@ -473,4 +473,4 @@ def bench(
         asyncio.run(check_servers(server, need_schema=False))
     except StartupError as exc:
         _fail(str(exc))
-    raise typer.Exit(main(settings, quick=quick, only=names, json_path=json_path))
+    return server

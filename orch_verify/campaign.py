@@ -17,6 +17,9 @@ Faults (``FAULTS``, with their default weights):
 - ``broker_close``: the service's broker connection is reset (proxy).
 - ``amqp_partition``: the service's broker link is blackholed for 1-12 s (proxy: bytes stop,
   sockets stay open, as in a network partition).
+- ``isolate``: both links of the service (database and broker) reset and refused for 0.5-3 s
+  at once, as when its host's network drops: its lease session ends and its broker session
+  too while the process lives, so others may take its observers.
 - ``lease_kill``: the service's lease session is ended from the database side while the
   process lives (``pg_terminate_backend``; needs the right to do that).
 - ``churn``: 1-3 observers deleted and 1-3 created.
@@ -54,6 +57,7 @@ FAULTS: dict[str, float] = {
     "db_reset": 2,
     "broker_close": 2,
     "amqp_partition": 2,
+    "isolate": 2,
     "lease_kill": 2,
     "churn": 3,
     "broker_restart": 1,
@@ -68,6 +72,7 @@ LENGTHS = {
     "freeze": (0.2, 4.0),
     "db_blip": (0.2, 1.5),
     "amqp_partition": (1.0, 12.0),
+    "isolate": (0.5, 3.0),
     "broker_restart": (2.0, 10.0),
     "drain": (1.0, 3.0),
 }
@@ -189,7 +194,8 @@ class Slot:
 
 @dataclass
 class FaultEvent:
-    """A fault as applied: its offset in the run, its description, whether it was skipped."""
+    """A fault as applied: its offset from the schedule's start, its description, whether it
+    was skipped."""
 
     at: float
     what: str
@@ -236,7 +242,8 @@ class Campaign:
         self.paused: dict[int, list[tuple[float, float]]] = {}
 
     def note(self, what: str, *, skipped: str | None = None) -> None:
-        at = time.monotonic() - self.t0
+        """Print and keep ``what``, at its offset from the schedule's start (as planned)."""
+        at = time.monotonic() - self.t0 - self.began
         self.events.append(FaultEvent(round(at, 2), what, skipped))
         self.say(f"{at:7.2f}s {what}" + (f" (skipped: {skipped})" if skipped else ""))
 
@@ -322,6 +329,7 @@ class Campaign:
         """Apply the schedule over ``seconds``, its offsets counted from now (the cluster is
         up)."""
         self.began = time.monotonic() - self.t0
+        self.say(f"cluster up in {self.began:.1f}s; faults from now")
         for planned in self.schedule:
             await self._until(planned.at)
             await self.apply(planned)
@@ -397,6 +405,9 @@ class Campaign:
         elif p.fault == "amqp_partition":
             mq.cut()
             self._later(self._heal_link(mq, p.length))
+        elif p.fault == "isolate":
+            self._later(db.blip(p.length))
+            self._later(mq.blip(p.length))
         else:
             raise AssertionError(f"unknown fault {p.fault}")
 

@@ -105,6 +105,15 @@ class Verdict:
     copies: dict[tuple[str, int, int], Copy]
     #: Processes whose witness could not be written: nothing can be concluded.
     broken: list[str] = field(default_factory=list)
+    #: Process names (pid -> name), for the lines.
+    names: dict[int, str] = field(default_factory=dict)
+    #: Per overlapping observer, its history as the orchestrator recorded it (to read next to
+    #: the copies and the faults).
+    history: dict[str, list[str]] = field(default_factory=dict)
+
+    def where(self, c: Copy) -> str:
+        name = self.names.get(c.pid)
+        return f"epoch {c.epoch} on {name} (pid {c.pid})" if name else c.label
 
     @property
     def promise_held(self) -> bool:
@@ -132,9 +141,10 @@ class Verdict:
         out = [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
         for o in self.overlaps:
             out.append(
-                f"OVERLAP {o.kind} {o.observer}: {o.a.label} and {o.b.label} ran at once "
-                f"for {o.seconds:.3f}s"
+                f"OVERLAP {o.kind} {o.observer}: {self.where(o.a)} and {self.where(o.b)} ran at "
+                f"once for {o.seconds:.3f}s"
             )
+            out += [f"  history: {h}" for h in self.history.get(o.observer, [])]
         out += [f"LOST {oid}: live, but no copy runs at the end" for oid in self.lost]
         out += [f"RAN AFTER DELETE {oid}" for oid in self.ran_after_delete]
         out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
@@ -176,6 +186,7 @@ class Verdict:
             "failed": self.failed,
             "own_error_restarts": self.own_error_restarts,
             "witness_broken": self.broken,
+            "history": self.history,
             "kinds": {
                 name: {
                     "observers": k.observers,

@@ -86,7 +86,7 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
         svg.append(f'<line x1="{px:.1f}" y1="20" x2="{px:.1f}" y2="{height}" stroke="#eee"/>')
         svg.append(f'<text x="{px:.1f}" y="14" text-anchor="middle">{s}s</text>')
     for e in campaign.events:
-        px = left + width * e.at / end
+        px = left + width * (campaign.began + e.at) / end
         tip = html.escape(
             f"{e.at:.2f}s {e.what}" + (f" (skipped: {e.skipped})" if e.skipped else "")
         )

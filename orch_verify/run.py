@@ -10,6 +10,7 @@ import json
 import secrets
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +145,7 @@ async def verify(settings: CommonSettings, options: Options, console: Console) -
             "seconds": options.seconds,
             "schedule": digest(campaign.schedule),
             "first_overlap_seconds": (
-                min(o.b.first for o in verdict.overlaps) - campaign.wall0
+                min(o.b.first for o in verdict.overlaps) - campaign.wall0 - campaign.began
                 if verdict.overlaps
                 else None
             ),
@@ -198,6 +199,19 @@ async def _settle_and_judge(
         shutdown_timeout=options.shutdown_timeout,
         paused=campaign.paused,
     )
+    verdict.names = dict(campaign.processes)
+    for observer in {o.observer for o in verdict.overlaps}:
+        rows = await cluster.q(
+            "SELECT extract(epoch FROM e.at) AS at, e.event, e.epoch, s.name, e.detail "
+            "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
+            "WHERE e.observer_id = $1 ORDER BY e.id",
+            uuid.UUID(observer),
+        )
+        verdict.history[observer] = [
+            f"{float(r['at']) - campaign.wall0:7.2f}s {r['event']} epoch {r['epoch']} "
+            f"{r['name'] or ''} {r['detail'] or ''}".rstrip()
+            for r in rows
+        ]
     verdict.broken = [
         f"{p.name} (pid {p.pid})" for p in cluster.procs if witness.BROKEN in p.tail(100_000)
     ]

@@ -3,8 +3,9 @@ should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not
 ``scripts/test``: it takes a few minutes. Exit code 1 if any mutant survives.
 
 With ``--verify SECONDS``, each mutant is judged by ``orch verify`` instead: a campaign of that
-length over recorders (seed ``--seed``, default 7), caught when the verdict finds an overlap, a
-lost observer, a deleted one running on or a failed one. It prints when the first overlap began.
+length over recorders and late writers (seed ``--seed``, default 7), caught when the verdict
+finds an overlap, a lost observer, a deleted one running on or a failed one. It prints when the
+first overlap began.
 
 The mutants are applied to the files of this checkout: run it from a checkout nobody edits
 meanwhile (``git worktree add``).
@@ -285,6 +286,7 @@ def run_verify(mutant: Mutant, seconds: float, seed: int) -> tuple[bool, str, fl
         command = [
             *(sys.executable, "-m", "orch", "verify", "--kinds", "tests.support.kinds"),
             *("--observer", "recorder*20:" + json.dumps({"dir": tmp, "interval": 0.05})),
+            *("--observer", "late_writer*10"),
             *("--seconds", str(seconds), "--seed", str(seed), "--json", str(out)),
             *("--report", str(Path(tmp) / "report.html")),
         ]

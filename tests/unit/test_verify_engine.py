@@ -284,3 +284,28 @@ class FakeCtx:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kinds", "tests.support.bad_kinds", "--observer", "nope*2"], "unknown kind 'nope'"),
+        (["--kinds", "tests.support.bad_kinds", "--observer", "leaky:{"], "not JSON"),
+        (
+            ["--kinds", "tests.support.bad_kinds", "--observer", 'leaky:{"leak": "x"}'],
+            "invalid params for kind 'leaky'",
+        ),
+        (["--kinds", "tests.support.bad_kinds", "--faults", "kill,melt"], "unknown fault 'melt'"),
+        (["--kinds", "no.such.module"], "cannot import kind module 'no.such.module'"),
+    ],
+)
+def test_orch_verify_refuses_a_wrong_command_before_starting_anything(
+    args: list[str], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from orch.cli import app
+
+    result = CliRunner().invoke(app, ["verify", *args], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
