@@ -17,6 +17,9 @@ Faults (``FAULTS``, with their default weights):
 - ``broker_close``: the service's broker connection is reset (proxy).
 - ``amqp_partition``: the service's broker link is blackholed for 1-12 s (proxy: bytes stop,
   sockets stay open, as in a network partition).
+- ``db_partition``: the service's database link is blackholed for 1-8 s: what it sent meanwhile
+  arrives when the link heals, after its lease may have expired and others took its observers
+  (the writes the database's epoch fences are there for).
 - ``isolate``: both links of the service (database and broker) reset and refused for 0.5-3 s
   at once, as when its host's network drops: its lease session ends and its broker session
   too while the process lives, so others may take its observers.
@@ -58,6 +61,7 @@ FAULTS: dict[str, float] = {
     "broker_close": 2,
     "amqp_partition": 2,
     "isolate": 2,
+    "db_partition": 2,
     "lease_kill": 2,
     "churn": 3,
     "broker_restart": 1,
@@ -73,6 +77,7 @@ LENGTHS = {
     "db_blip": (0.2, 1.5),
     "amqp_partition": (1.0, 12.0),
     "isolate": (0.5, 3.0),
+    "db_partition": (1.0, 8.0),
     "broker_restart": (2.0, 10.0),
     "drain": (1.0, 3.0),
 }
@@ -405,6 +410,9 @@ class Campaign:
         elif p.fault == "amqp_partition":
             mq.cut()
             self._later(self._heal_link(mq, p.length))
+        elif p.fault == "db_partition":
+            db.cut()
+            self._later(self._heal_link(db, p.length))
         elif p.fault == "isolate":
             self._later(db.blip(p.length))
             self._later(mq.blip(p.length))
