@@ -40,7 +40,8 @@ class CommonSettings(BaseSettings):
     #: Work stops this long before a lease could expire in Postgres, seconds; default
     #: min(1 s, TTL/5). It covers stopping the tasks and clock-rate drift, so it is never 0.
     fence_margin: float | None = Field(default=None, ge=0.01)
-    #: Tests only: a file that makes the monotonic clock lag (a simulated suspend).
+    #: Tests and `orch verify` only: a file that makes the monotonic clock lag (a simulated
+    #: suspend).
     clock_hook: Path | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: ``text`` for people, ``json`` (one object a line) for log shippers.

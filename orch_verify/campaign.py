@@ -9,6 +9,9 @@ Faults (``FAULTS``, with their default weights):
 
 - ``kill``: SIGKILL a service; a new process takes its slot.
 - ``freeze``: SIGSTOP a service for 0.2-4 s (a paused VM, a long GC, swapping).
+- ``suspend``: SIGSTOP a service for 1-8 s, and make its monotonic clock not count that time,
+  as a suspended VM or laptop wakes up (the clock hook, ``ORCH_CLOCK_HOOK``): a lease deadline
+  kept on that clock would still look valid.
 - ``term``: SIGTERM a service (a graceful stop; its copies are released); replaced.
 - ``leader``: SIGKILL the manager that leads (its loops move to the other); replaced.
 - ``drain``: drain a service through the API, then SIGTERM it after 1-3 s; replaced.
@@ -36,15 +39,18 @@ import asyncio
 import random
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from contracts.clock import set_suspend_lag
 from orch.cluster import Proc, wait_for
 from orch_verify.cluster import FaultCluster
 from orch_verify.proxy import Proxy
@@ -53,6 +59,7 @@ from orch_verify.proxy import Proxy
 FAULTS: dict[str, float] = {
     "kill": 2,
     "freeze": 3,
+    "suspend": 2,
     "term": 1,
     "leader": 1,
     "drain": 1,
@@ -74,6 +81,7 @@ OPT_IN = frozenset({"broker_restart"})
 #: Lengths drawn for the faults that last, seconds.
 LENGTHS = {
     "freeze": (0.2, 4.0),
+    "suspend": (1.0, 8.0),
     "db_blip": (0.2, 1.5),
     "amqp_partition": (1.0, 12.0),
     "isolate": (0.5, 3.0),
@@ -195,6 +203,9 @@ class Slot:
     mq: Proxy | None = None
     #: Why a fault cannot be aimed at it now (frozen, restarting, draining), or None.
     busy: str | None = None
+    #: The process's clock hook, and the suspended seconds its monotonic clock has not counted.
+    hook: Path | None = None
+    lag: float = 0.0
 
 
 @dataclass
@@ -245,6 +256,7 @@ class Campaign:
         self.processes: dict[int, str] = {}
         #: Per process, when it was stopped by ``freeze`` (wall time): it could not run then.
         self.paused: dict[int, list[tuple[float, float]]] = {}
+        self._hooks = tempfile.TemporaryDirectory(prefix="orch-verify-clocks-")
 
     def note(self, what: str, *, skipped: str | None = None) -> None:
         """Print and keep ``what``, at its offset from the schedule's start (as planned)."""
@@ -273,9 +285,10 @@ class Campaign:
         slot.db = await self.cluster.proxy(self.cluster.env["ORCH_DATABASE_URL"])
         slot.mq = await self.cluster.proxy(self.cluster.env["ORCH_AMQP_URL"])
         known = len(self.cluster.procs)
+        slot.hook, slot.lag = Path(self._hooks.name) / f"{slot.name}-{known}.clock", 0.0
         try:
             slot.proc = await self.cluster.start_behind(
-                slot.name, self.worker_count, slot.db, slot.mq
+                slot.name, self.worker_count, slot.db, slot.mq, ORCH_CLOCK_HOOK=slot.hook
             )
         except Exception as exc:
             # Seeing it start can fail (the broker is being restarted) while the process goes
@@ -391,10 +404,10 @@ class Campaign:
         elif p.fault == "term":
             proc.signal(signal.SIGTERM)
             self._later(self._refill(slot))
-        elif p.fault == "freeze":
+        elif p.fault in ("freeze", "suspend"):
             proc.signal(signal.SIGSTOP)
             slot.busy = "frozen"
-            self._later(self._thaw(slot, p.length, time.time()))
+            self._later(self._thaw(slot, p.length, time.time(), suspend=p.fault == "suspend"))
         elif p.fault == "drain":
             sid = await self.cluster.service_id(proc)
             async with await self._api() as api:
@@ -426,9 +439,13 @@ class Campaign:
             await asyncio.to_thread(proc.popen.wait)
         await self._fill(slot)
 
-    async def _thaw(self, slot: Slot, after: float, since: float) -> None:
+    async def _thaw(self, slot: Slot, after: float, since: float, *, suspend: bool) -> None:
         await asyncio.sleep(after)
         if slot.proc is not None:
+            if suspend and slot.hook is not None:
+                # Written while the process is stopped: it wakes with the lag already there.
+                slot.lag += time.time() - since
+                set_suspend_lag(slot.hook, slot.lag)
             slot.proc.signal(signal.SIGCONT)
             self.paused.setdefault(slot.proc.pid, []).append((since, time.time()))
         slot.busy = None
@@ -516,6 +533,7 @@ class Campaign:
         for slot in self.slots:
             if slot.proc is not None:
                 slot.proc.signal(signal.SIGCONT)
+        self._hooks.cleanup()
         try:
             await self.start_broker()
         except (OSError, subprocess.SubprocessError) as exc:

@@ -31,7 +31,9 @@ class FaultCluster(LocalCluster):
             await proxy.close()
         self.proxies.clear()
 
-    async def start_behind(self, name: str, worker_count: int, db: Proxy, mq: Proxy) -> Proc:
+    async def start_behind(
+        self, name: str, worker_count: int, db: Proxy, mq: Proxy, **env: Any
+    ) -> Proc:
         """A service whose database and broker links go through ``db`` and ``mq``."""
         return await LocalCluster.start_service(
             self,
@@ -39,6 +41,7 @@ class FaultCluster(LocalCluster):
             worker_count,
             ORCH_DATABASE_URL=via(self.env["ORCH_DATABASE_URL"], db),
             ORCH_AMQP_URL=via(self.env["ORCH_AMQP_URL"], mq),
+            **env,
         )
 
     async def q(self, sql: str, *args: Any, one: bool = False) -> Any:

@@ -3,14 +3,16 @@ should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not
 ``scripts/test``: it takes a few minutes. Exit code 1 if any mutant survives.
 
 With ``--verify SECONDS``, each mutant is judged by ``orch verify`` instead: a campaign of that
-length over recorders and late writers (seed ``--seed``, default 7), caught when the verdict
+length over recorders and late writers (seed ``--seed``, default 7; faults ``--faults``, as
+``orch verify`` takes them, default all), caught when the verdict
 finds an overlap, a lost observer, a deleted one running on or a failed one. It prints when the
 first overlap began.
 
 The mutants are applied to the files of this checkout: run it from a checkout nobody edits
 meanwhile (``git worktree add``).
 
-Usage: python scripts/mutants.py [--verify SECONDS [--seed N]] [NAME ...]   (no name: all)
+Usage: python scripts/mutants.py [--verify SECONDS [--seed N] [--faults F]] [NAME ...]
+(no name: all)
 """
 
 from __future__ import annotations
@@ -280,7 +282,9 @@ def run(mutant: Mutant) -> tuple[bool, str, float]:
     return True, (failed[0] if failed else "failed").removeprefix("FAILED "), took
 
 
-def run_verify(mutant: Mutant, seconds: float, seed: int) -> tuple[bool, str, float]:
+def run_verify(
+    mutant: Mutant, seconds: float, seed: int, faults: str | None
+) -> tuple[bool, str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "verdict.json"
         command = [
@@ -289,6 +293,7 @@ def run_verify(mutant: Mutant, seconds: float, seed: int) -> tuple[bool, str, fl
             *("--observer", "late_writer*10"),
             *("--seconds", str(seconds), "--seed", str(seed), "--json", str(out)),
             *("--report", str(Path(tmp) / "report.html")),
+            *(("--faults", faults) if faults else ()),
         ]
         try:
             result, took = applied(mutant, command)
@@ -313,24 +318,28 @@ def run_verify(mutant: Mutant, seconds: float, seed: int) -> tuple[bool, str, fl
     return True, ", ".join(found) + when, took
 
 
+def option(args: list[str], name: str) -> str | None:
+    """The value after ``name`` in ``args`` (both taken out), or None."""
+    if name not in args:
+        return None
+    i = args.index(name)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
 def main(args: list[str]) -> int:
-    seconds: float | None = None
-    seed = 7
-    if "--seed" in args:
-        i = args.index("--seed")
-        seed = int(args[i + 1])
-        del args[i : i + 2]
-    if "--verify" in args:
-        i = args.index("--verify")
-        seconds = float(args[i + 1])
-        del args[i : i + 2]
+    seed = int(option(args, "--seed") or 7)
+    faults = option(args, "--faults")
+    verify = option(args, "--verify")
+    seconds = None if verify is None else float(verify)
     chosen = [m for m in MUTANTS if not args or m.name in args]
     survivors = 0
     for m in chosen:
         if seconds is None:
             killed, why, took = run(m)
         else:
-            killed, why, took = run_verify(m, seconds, seed)
+            killed, why, took = run_verify(m, seconds, seed, faults)
         survivors += not killed
         print(
             f"{'killed  ' if killed else 'ALIVE   '} {m.name}  ({took:.0f} s)\n         {why}",
