@@ -256,7 +256,8 @@ class Campaign:
         self.processes: dict[int, str] = {}
         #: Per process, when it was stopped by ``freeze`` (wall time): it could not run then.
         self.paused: dict[int, list[tuple[float, float]]] = {}
-        self._hooks = tempfile.TemporaryDirectory(prefix="orch-verify-clocks-")
+        #: The processes' clock hooks (made by ``start``).
+        self._hooks: tempfile.TemporaryDirectory[str] | None = None
 
     def note(self, what: str, *, skipped: str | None = None) -> None:
         """Print and keep ``what``, at its offset from the schedule's start (as planned)."""
@@ -269,6 +270,7 @@ class Campaign:
         self.t0, self.wall0 = time.monotonic(), time.time()
         # A process started while the broker or the database is away waits for it at start.
         self.cluster.env.setdefault("ORCH_WAIT", "60")
+        self._hooks = tempfile.TemporaryDirectory(prefix="orch-verify-clocks-")
         for _ in range(2):
             self.managers.append(await self.cluster.start_manager())
         for i in range(self.services):
@@ -285,6 +287,7 @@ class Campaign:
         slot.db = await self.cluster.proxy(self.cluster.env["ORCH_DATABASE_URL"])
         slot.mq = await self.cluster.proxy(self.cluster.env["ORCH_AMQP_URL"])
         known = len(self.cluster.procs)
+        assert self._hooks is not None, "start() makes the clock hooks' directory"
         slot.hook, slot.lag = Path(self._hooks.name) / f"{slot.name}-{known}.clock", 0.0
         try:
             slot.proc = await self.cluster.start_behind(
@@ -473,6 +476,11 @@ class Campaign:
             self.note("broker started")
 
     async def _kill_leader(self) -> None:
+        if sum(m.alive for m in self.managers) < 2:
+            # The fault is "the leader dies and the other takes over": with the last
+            # replacement still starting there is no other.
+            self.note("leader", skipped="the other manager is not up yet")
+            return
         for m in self.managers:
             if not m.alive:
                 continue
@@ -490,7 +498,13 @@ class Campaign:
         self.note("leader", skipped="no manager leads now")
 
     async def _new_manager(self) -> None:
-        self.managers.append(await self.cluster.start_manager())
+        for attempt in range(1, 4):
+            try:
+                self.managers.append(await self.cluster.start_manager())
+                return
+            except (RuntimeError, TimeoutError) as exc:
+                self.note(f"a replacement manager did not start (attempt {attempt}): {exc!r:.300}")
+        raise RuntimeError("no replacement manager started in three attempts")
 
     async def _churn(self, p: Planned) -> None:
         order = list(self.live)
@@ -533,7 +547,8 @@ class Campaign:
         for slot in self.slots:
             if slot.proc is not None:
                 slot.proc.signal(signal.SIGCONT)
-        self._hooks.cleanup()
+        if self._hooks is not None:
+            self._hooks.cleanup()
         try:
             await self.start_broker()
         except (OSError, subprocess.SubprocessError) as exc:

@@ -300,7 +300,8 @@ def run_verify(
         except LookupError as exc:
             return False, str(exc), 0.0
         if not out.exists():
-            return False, f"orch verify exited {result.returncode}:\n{result.stdout[-2000:]}", took
+            output = result.stdout[-2000:] + result.stderr[-3000:]
+            return False, f"orch verify exited {result.returncode}:\n{output}", took
         doc = json.loads(out.read_text())
     v = doc["verdict"]
     found = [

@@ -22,7 +22,7 @@ from tests.support.faults import assert_no_overlap
 @pytest.mark.timeout(600)
 async def test_random_faults_keep_the_promise(cluster: Cluster) -> None:
     seed = int(os.environ.get("ORCH_CHAOS_SEED", "20261130"))
-    seconds = float(os.environ.get("ORCH_CHAOS_SECONDS", "45"))  # scripts/chaos: 60
+    seconds = float(os.environ.get("ORCH_CHAOS_SECONDS", "35"))  # scripts/chaos: 60
     witness_dir = cluster.workdir / "witness"
     cluster.env["ORCH_WITNESS_DIR"] = str(witness_dir)
     cluster.env["ORCH_SHUTDOWN_TIMEOUT"] = "2"

@@ -15,7 +15,7 @@ import pytest
 from orch_bench.ticklog import largest_gaps, read_ticks
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import assert_no_overlap as check_overlap
-from tests.support.faults import rabbitmqctl, ticks_of, via
+from tests.support.faults import broker_env, ticks_of, via
 
 
 def assert_no_overlap(cluster: Cluster) -> None:
@@ -200,10 +200,9 @@ def _port_of(proc: Proc) -> int:
 async def test_consumer_timeout_fires(cluster: Cluster) -> None:
     """The broker times out the never-acked deliveries and closes the channel: the copies go on
     under the lease (a closed channel is no reason to stop one), their redelivered starts are
-    adopted, and nothing runs twice."""
-    original = rabbitmqctl("eval", "application:get_env(rabbit, consumer_timeout).").strip()
-    rabbitmqctl("eval", "application:set_env(rabbit, consumer_timeout, 10000).")
-    try:
+    adopted, and nothing runs twice. The broker checks the timeout on each channel's tick (every
+    60 s by default): ticks every second bring it to about ten seconds after the delivery."""
+    with broker_env(consumer_timeout=10000, channel_tick_interval=1000):
         await cluster.start_manager()
         a = await cluster.start_service("a", worker_count=10)
         ids = await cluster.create_recorders(5)
@@ -211,12 +210,6 @@ async def test_consumer_timeout_fires(cluster: Cluster) -> None:
         await cluster.start_service("b", worker_count=10)
         started = time.time()
         await a.wait_log("broker session closed", timeout=150)
-    finally:
-        if original.startswith("{ok,"):
-            value = original.removeprefix("{ok,").removesuffix("}")
-            rabbitmqctl("eval", f"application:set_env(rabbit, consumer_timeout, {value}).")
-        else:
-            rabbitmqctl("eval", "application:unset_env(rabbit, consumer_timeout).")
     await quiet(3.0, "redelivered starts would stop or double a copy")
     gaps = largest_gaps(read_ticks(cluster.tick_dir), started, time.time())
     assert max(gaps.values()) < 1.0, f"observers stopped: {gaps}"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from orch_bench.ticklog import overlap_seconds, read_ticks
@@ -22,6 +24,24 @@ def assert_no_overlap(tick_dir: Path) -> None:
 def ticks_of(tick_dir: Path, pid: int, after: float) -> int:
     """Ticks written by process ``pid`` after ``after`` (epoch seconds)."""
     return sum(1 for t in read_ticks(tick_dir) if t.pid == pid and t.at > after)
+
+
+@contextlib.contextmanager
+def broker_env(**values: int) -> Iterator[None]:
+    """Set the broker's ``rabbit`` application environment for a while; put back what was
+    there (or unset it) whatever happens."""
+    before = {k: rabbitmqctl("eval", f"application:get_env(rabbit, {k}).").strip() for k in values}
+    try:
+        for key, value in values.items():
+            rabbitmqctl("eval", f"application:set_env(rabbit, {key}, {value}).")
+        yield
+    finally:
+        for key, was in before.items():
+            if was.startswith("{ok,"):
+                old = was.removeprefix("{ok,").removesuffix("}")
+                rabbitmqctl("eval", f"application:set_env(rabbit, {key}, {old}).")
+            else:
+                rabbitmqctl("eval", f"application:unset_env(rabbit, {key}).")
 
 
 def queue_counts(prefix: str) -> tuple[int, int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import tracemalloc
 import uuid
@@ -18,7 +20,9 @@ from contracts.errors import LeaseLost
 from contracts.witness import Record, Witness
 from observer_service.guard import Timing, guarded
 from observer_service.stalls import StallWatch
-from orch_verify.campaign import FAULTS, parse_faults, plan
+from orch.cluster import Proc
+from orch_verify.campaign import FAULTS, Campaign, parse_faults, plan
+from orch_verify.cluster import FaultCluster
 from orch_verify.judge import GROWTH_FLAG, Verdict, judge
 from orch_verify.run import parse_observer
 from tests.support.bad_kinds import LeakyParams
@@ -57,6 +61,24 @@ def test_faults_are_drawn_by_weight_and_broker_restarts_only_when_asked() -> Non
 def test_a_wrong_fault_list_is_refused_with_its_reason(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_faults(text)
+
+
+def test_the_leader_is_not_killed_while_the_last_replacement_is_still_starting() -> None:
+    """Otherwise no manager is left to serve the campaign's own creates and deletes."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    alive = Proc("manager", subprocess.Popen(sleeper), None, port=1)
+    dead = Proc("manager", subprocess.Popen([sys.executable, "-c", "pass"]), None, port=2)
+    dead.popen.wait()
+    said: list[str] = []
+    campaign = Campaign(FaultCluster(env={}), 1, [], [], say=said.append)
+    campaign.managers = [dead, alive]
+    try:
+        asyncio.run(campaign._kill_leader())
+        assert alive.alive
+        assert said[-1].endswith("leader (skipped: the other manager is not up yet)")
+    finally:
+        alive.popen.kill()
+        alive.popen.wait()
 
 
 def test_observers_are_given_as_kind_count_and_params() -> None:
