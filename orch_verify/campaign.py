@@ -256,6 +256,10 @@ class Campaign:
         self.processes: dict[int, str] = {}
         #: Per process, when it was stopped by ``freeze`` (wall time): it could not run then.
         self.paused: dict[int, list[tuple[float, float]]] = {}
+        #: Processes this campaign ended (their exit is no finding).
+        self.ended: set[int] = set()
+        #: Processes that exited without being asked: a crash is the orchestrator's defect.
+        self.exits: list[str] = []
         #: The processes' clock hooks (made by ``start``).
         self._hooks: tempfile.TemporaryDirectory[str] | None = None
 
@@ -308,6 +312,7 @@ class Campaign:
         """A client of a live manager (waiting while the leader's replacement starts)."""
 
         async def alive() -> list[Proc]:
+            self.check_exits()
             return [m for m in self.managers if m.alive]
 
         managers = await wait_for(alive, timeout=60, what="a live manager", every=0.1)
@@ -360,6 +365,7 @@ class Campaign:
         await asyncio.sleep(max(0.0, self.t0 + self.began + offset - time.monotonic()))
 
     async def apply(self, p: Planned) -> None:
+        self.check_exits()
         before = len(self.events)
         await self._apply(p)
         if any(e.skipped is None for e in self.events[before:]):
@@ -402,10 +408,10 @@ class Campaign:
             return
         self.note(what)
         if p.fault == "kill":
-            proc.signal(signal.SIGKILL)
+            self._end(proc, signal.SIGKILL)
             self._later(self._refill(slot))
         elif p.fault == "term":
-            proc.signal(signal.SIGTERM)
+            self._end(proc, signal.SIGTERM)
             self._later(self._refill(slot))
         elif p.fault in ("freeze", "suspend"):
             proc.signal(signal.SIGSTOP)
@@ -457,7 +463,7 @@ class Campaign:
         await asyncio.sleep(after)
         if slot.proc is not None:
             self.note(f"SIGTERM drained {slot.name} (pid {slot.proc.pid})")
-            slot.proc.signal(signal.SIGTERM)
+            self._end(slot.proc, signal.SIGTERM)
         await self._refill(slot)
 
     async def _heal_link(self, proxy: Proxy, after: float) -> None:
@@ -491,7 +497,7 @@ class Campaign:
                     continue
             if leads.get("this_replica_leads"):
                 self.note(f"leader: SIGKILL the leading manager (pid {m.pid})")
-                m.signal(signal.SIGKILL)
+                self._end(m, signal.SIGKILL)
                 self.managers.remove(m)
                 self._later(self._new_manager())
                 return
@@ -523,8 +529,37 @@ class Campaign:
         )
 
     # ------------------------------------------------------------------ healing
+    def _end(self, proc: Proc, sig: int) -> None:
+        """Signal ``proc`` to end: its exit is this campaign's doing."""
+        self.ended.add(proc.pid)
+        proc.signal(sig)
+
+    def check_exits(self) -> None:
+        """Note every process that exited without being asked (a crash, an exit on a bug: the
+        orchestrator's defect, never a fault of this campaign) and start another in its place,
+        as a process supervisor would."""
+        for m in list(self.managers):
+            if not m.alive and m.pid not in self.ended:
+                self.managers.remove(m)
+                self._exited(m)
+                self._later(self._new_manager())
+        for slot in self.slots:
+            proc = slot.proc
+            if proc is None or slot.busy is not None or proc.alive or proc.pid in self.ended:
+                continue
+            self._exited(proc)
+            self._later(self._refill(slot))
+
+    def _exited(self, proc: Proc) -> None:
+        self.ended.add(proc.pid)
+        last = proc.tail(1).strip()[:300]
+        what = f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode}: {last}"
+        self.exits.append(what)
+        self.note(f"EXITED ON ITS OWN: {what}")
+
     async def heal(self) -> None:
         """Let every lasting fault end and every slot hold a running process."""
+        self.check_exits()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.start_broker()

@@ -110,6 +110,8 @@ class Verdict:
     #: Per overlapping observer, its history as the orchestrator recorded it (to read next to
     #: the copies and the faults).
     history: dict[str, list[str]] = field(default_factory=dict)
+    #: Processes of the orchestrator that exited without being asked (a crash, a bug).
+    exits: list[str] = field(default_factory=list)
 
     def where(self, c: Copy) -> str:
         name = self.names.get(c.pid)
@@ -134,11 +136,12 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.promise_held and self.stopped_in_time
+        return self.promise_held and self.stopped_in_time and not self.exits
 
     def lines(self) -> list[str]:
         """The verdict as lines of text, one finding each."""
         out = [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
+        out += [f"EXITED ON ITS OWN {e}" for e in self.exits]
         for o in self.overlaps:
             out.append(
                 f"OVERLAP {o.kind} {o.observer}: {self.where(o.a)} and {self.where(o.b)} ran at "
@@ -164,7 +167,8 @@ class Verdict:
                 out.append(f"FAILED {kind}: {k.failed} observer(s) failed on their own errors")
         held = "held" if self.promise_held else "BROKEN"
         timely = "every kind stopped in time" if self.stopped_in_time else "a kind did not stop"
-        out.append(f"verdict: the promise {held}; {timely}")
+        crashed = f"; {len(self.exits)} process(es) exited on their own" if self.exits else ""
+        out.append(f"verdict: the promise {held}; {timely}{crashed}")
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,6 +190,7 @@ class Verdict:
             "failed": self.failed,
             "own_error_restarts": self.own_error_restarts,
             "witness_broken": self.broken,
+            "exited_on_their_own": self.exits,
             "history": self.history,
             "kinds": {
                 name: {

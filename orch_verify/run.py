@@ -174,6 +174,7 @@ async def _settle_and_judge(
     reader = witness.Reader(witness_dir)
 
     async def settled() -> bool:
+        campaign.check_exits()
         records = await asyncio.to_thread(reader.read)
         running = running_at_end(copies_of(records), campaign.alive_pids())
         failed = await failed_now()
@@ -199,7 +200,9 @@ async def _settle_and_judge(
         shutdown_timeout=options.shutdown_timeout,
         paused=campaign.paused,
     )
+    campaign.check_exits()
     verdict.names = dict(campaign.processes)
+    verdict.exits = list(campaign.exits)
     for observer in {o.observer for o in verdict.overlaps}:
         rows = await cluster.q(
             "SELECT extract(epoch FROM e.at) AS at, e.event, e.epoch, s.name, e.detail "

@@ -5,7 +5,8 @@ should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not
 With ``--verify SECONDS``, each mutant is judged by ``orch verify`` instead: a campaign of that
 length over recorders and late writers (seed ``--seed``, default 7; faults ``--faults``, as
 ``orch verify`` takes them, default all), caught when the verdict
-finds an overlap, a lost observer, a deleted one running on or a failed one. It prints when the
+finds an overlap, a lost observer, a deleted one running on, a failed one or a process of the
+orchestrator that exited on its own. It prints when the
 first overlap began.
 
 The mutants are applied to the files of this checkout: run it from a checkout nobody edits
@@ -310,6 +311,9 @@ def run_verify(
         f"{len(v['ran_after_delete'])} ran after delete" if v["ran_after_delete"] else "",
         f"{len(v['failed'])} failed" if v["failed"] else "",
         f"{len(v['own_error_restarts'])} restarts on our errors" if v["own_error_restarts"] else "",
+        f"{len(v['exited_on_their_own'])} processes exited on their own"
+        if v["exited_on_their_own"]
+        else "",
     ]
     found = [f for f in found if f]
     if not found:

@@ -81,6 +81,47 @@ def test_the_leader_is_not_killed_while_the_last_replacement_is_still_starting()
         alive.popen.wait()
 
 
+def _exited(code: int) -> Proc:
+    proc = Proc(
+        "manager", subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]), None
+    )
+    proc.popen.wait()
+    return proc
+
+
+def test_a_process_that_exits_unasked_is_noted_replaced_and_fails_the_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    crashed, killed = _exited(3), _exited(0)
+    said: list[str] = []
+    campaign = Campaign(FaultCluster(env={}), 1, [], [], say=said.append)
+    campaign.managers = [crashed, killed]
+    campaign.ended.add(killed.pid)  # the campaign's own kill: no finding
+    replaced: list[int] = []
+
+    async def new_manager() -> None:
+        replaced.append(1)
+
+    monkeypatch.setattr(campaign, "_new_manager", new_manager)
+
+    async def check() -> None:
+        campaign.check_exits()
+        campaign.check_exits()  # noted once
+        await asyncio.gather(*campaign._tasks)
+
+    asyncio.run(check())
+    assert campaign.exits == [f"manager (pid {crashed.pid}) exited with code 3: "]
+    assert replaced == [1]
+    assert "EXITED ON ITS OWN" in said[-1]
+    verdict = verdict_of([rec("run", O1, 1, 10, 1.0), rec("run", O2, 1, 20, 1.0)])
+    assert verdict.passed
+    verdict.exits = campaign.exits
+    assert not verdict.passed
+    assert verdict.promise_held  # a crash is reported on its own line, not as a broken promise
+    assert verdict.lines()[0].startswith("EXITED ON ITS OWN manager")
+    assert verdict.lines()[-1].endswith("1 process(es) exited on their own")
+
+
 def test_observers_are_given_as_kind_count_and_params() -> None:
     spec = parse_observer('ticker*5:{"interval": 0.1}')
     assert (spec.kind, spec.count, spec.params) == ("ticker", 5, {"interval": 0.1})
