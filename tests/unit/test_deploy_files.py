@@ -32,6 +32,16 @@ def test_compose_has_the_services() -> None:
     assert services["migrate"]["command"] == ["migrate"]
 
 
+def test_long_running_services_are_started_again_when_they_exit() -> None:
+    """A manager stops on a bug in a background loop, any process after waiting too long for
+    its servers: a supervisor must start it again. One-shot jobs are not restarted."""
+    services = _compose()["services"]
+    assert isinstance(services, dict)
+    for name, spec in services.items():
+        one_shot = name.startswith(("migrate", "broker-policy"))
+        assert (spec.get("restart") == "unless-stopped") != one_shot, name
+
+
 def orch_env_names() -> set[str]:
     """Every ORCH_ variable something reads: a settings field of either process, a built-in
     kind's own setting (``ORCH_HTTP_POLL_ALLOW``), or an option of the ``orch`` command
