@@ -318,7 +318,9 @@ async def test_the_console_for_an_operator(
     await page.click("#f-restart")
     await _confirm(page, "Restart 3 failed observer(s)?")
     released.set()
-    await page.unroute("**/views/observers*", hold)
+    # Wait for the held requests' own continue: unrouting without waiting lets Playwright
+    # continue them first, and the handler's continue then fails ("already handled").
+    await page.unroute_all(behavior="wait")
     problem = page.locator("#problems .problem")
     await problem.wait_for()
     text = await problem.inner_text()
