@@ -254,7 +254,8 @@ class Campaign:
         self.began = 0.0
         #: Every service process ever started: pid -> slot name.
         self.processes: dict[int, str] = {}
-        #: Per process, when it was stopped by ``freeze`` (wall time): it could not run then.
+        #: Per process, when it was stopped by ``freeze`` or ``suspend`` (wall time): it could
+        #: not run then.
         self.paused: dict[int, list[tuple[float, float]]] = {}
         #: Processes this campaign ended (their exit is no finding).
         self.ended: set[int] = set()

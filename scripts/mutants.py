@@ -4,10 +4,9 @@ should catch it, and expect them to fail. Run by hand (``scripts/mutants``), not
 
 With ``--verify SECONDS``, each mutant is judged by ``orch verify`` instead: a campaign of that
 length over recorders and late writers (seed ``--seed``, default 7; faults ``--faults``, as
-``orch verify`` takes them, default all), caught when the verdict
-finds an overlap, a lost observer, a deleted one running on, a failed one or a process of the
-orchestrator that exited on its own. It prints when the
-first overlap began.
+``orch verify`` takes them, default all), caught when the verdict finds an overlap, a lost
+observer, a deleted one running on, a failed one or a process of the orchestrator that exited
+on its own. It prints when the first overlap began.
 
 The mutants are applied to the files of this checkout: run it from a checkout nobody edits
 meanwhile (``git worktree add``).

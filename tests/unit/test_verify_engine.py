@@ -63,12 +63,18 @@ def test_a_wrong_fault_list_is_refused_with_its_reason(text: str, message: str) 
         parse_faults(text)
 
 
+def _exited(code: int) -> Proc:
+    proc = Proc(
+        "manager", subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]), None
+    )
+    proc.popen.wait()
+    return proc
+
+
 def test_the_leader_is_not_killed_while_the_last_replacement_is_still_starting() -> None:
     """Otherwise no manager is left to serve the campaign's own creates and deletes."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    alive = Proc("manager", subprocess.Popen(sleeper), None, port=1)
-    dead = Proc("manager", subprocess.Popen([sys.executable, "-c", "pass"]), None, port=2)
-    dead.popen.wait()
+    alive, dead = Proc("manager", subprocess.Popen(sleeper), None, port=1), _exited(0)
     said: list[str] = []
     campaign = Campaign(FaultCluster(env={}), 1, [], [], say=said.append)
     campaign.managers = [dead, alive]
@@ -79,14 +85,6 @@ def test_the_leader_is_not_killed_while_the_last_replacement_is_still_starting()
     finally:
         alive.popen.kill()
         alive.popen.wait()
-
-
-def _exited(code: int) -> Proc:
-    proc = Proc(
-        "manager", subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]), None
-    )
-    proc.popen.wait()
-    return proc
 
 
 def test_a_process_that_exits_unasked_is_noted_replaced_and_fails_the_verdict(
