@@ -5,9 +5,14 @@ pool, a connect, a DNS lookup), would otherwise wake up and perform that side ef
 others took the observer meanwhile. ``guarded`` drives the kind's coroutine itself and checks the
 lease before every resumption:
 
-- lease lost: ``LeaseLost`` is thrown into the kind at the await it was suspended in;
-- lease not confirmed for a while (this process may have been paused): the kind waits until
-  the next renewal on the same database session proves nothing was taken, then goes on.
+- lease not confirmed for a while (this process may have been paused, its lease session may
+  have ended): the kind waits until a renewal proves nothing was taken, then goes on;
+- lease lost, or this copy taken by another service: the copy is *abandoned*. From that moment
+  another copy may run, so this one's code never runs again, not even its ``except`` and
+  ``finally`` blocks: nothing is thrown into it, and its coroutine is kept, never closed (a
+  close would run them), until the process exits without collecting it. ``LeaseLost`` ends its
+  task. A stop asked while the lease holds (a delete, a drain, a graceful stop) is thrown in
+  as a cancellation, and the kind's cleanup runs, each of its steps gated in turn.
 
 Each step of kind code is timed too: one that blocked the event loop past the threshold ends
 the copy with ``LoopBlocked`` (``stalls.py``).
@@ -26,14 +31,24 @@ from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from contracts.errors import LeaseLost
 from contracts.witness import STALL, Witness
 from observer_service.stalls import LoopBlocked, StallWatch, Step
 
 T = TypeVar("T")
 
 #: Before kind code resumes: None to go on, a future to wait for first (then ask again), or
-#: raise LeaseLost.
+#: raise LeaseLost (the copy is abandoned).
 Gate = Callable[[], "asyncio.Future[None] | None"]
+
+#: Coroutines of abandoned copies: referenced so that the garbage collector never closes them
+#: (closing runs their ``finally`` blocks). The process exits without collecting them.
+_abandoned: set[Coroutine[Any, Any, Any]] = set()
+
+
+def abandoned() -> int:
+    """How many copies of this process were abandoned (their coroutines are still held)."""
+    return len(_abandoned)
 
 
 @dataclass(frozen=True)
@@ -63,9 +78,8 @@ class _Guarded:
         coro, timing = self._coro, self._timing
         if timing is None:
             return coro.send(value) if error is None else coro.throw(error)
-        if error is None and timing.witness is not None and timing.observer_id is not None:
-            # Only what the gate let through: a LeaseLost or a cancellation thrown in is the
-            # guard stopping the copy, not the copy going on.
+        if timing.witness is not None and timing.observer_id is not None:
+            # Every step passed the gate: a cancellation thrown in runs the kind's cleanup.
             timing.witness.ran(timing.observer_id, timing.epoch)
         step = timing.watch.step = Step(timing.label, time.monotonic(), timing.observer_id)
         try:
@@ -79,10 +93,23 @@ class _Guarded:
             self._took(step)
             raise
         if took := self._took(step):
-            with contextlib.suppress(BaseException):
-                coro.close()  # its finally blocks run now; it never resumes
+            if self._may_resume():
+                with contextlib.suppress(BaseException):
+                    coro.close()  # its finally blocks run now; it never resumes
+            else:
+                self._abandon()
             raise LoopBlocked(f"blocked the event loop for {took:.1f}s")
         return result
+
+    def _may_resume(self) -> bool:
+        """The lease is surely ours right now (no wait, no loss)."""
+        try:
+            return self._gate() is None
+        except LeaseLost:
+            return False
+
+    def _abandon(self) -> None:
+        _abandoned.add(self._coro)
 
     def _took(self, step: Step) -> float:
         """The step's length if it was a stall (told to ``stalled``), else 0."""
@@ -106,14 +133,20 @@ class _Guarded:
     def __await__(self) -> Generator[Any, Any, Any]:
         gate = self._gate
         value: Any = None
+        #: What goes in at the next resumption instead of a value (a cancellation).
         error: BaseException | None = None
         while True:
-            if error is None:  # about to resume kind code: the lease first
-                try:
-                    while (parked := gate()) is not None:
+            try:  # before kind code resumes, with a value or an error: the lease first
+                while (parked := gate()) is not None:
+                    try:
                         yield from parked.__await__()
-                except BaseException as exc:  # LeaseLost, or cancelled while parked
-                    error = exc
+                    except LeaseLost:
+                        raise
+                    except BaseException as exc:  # cancelled while parked: in once it may go on
+                        error = exc
+            except LeaseLost:
+                self._abandon()
+                raise
             try:
                 yielded = self._step(value, error)
             except StopIteration as stop:
@@ -121,7 +154,7 @@ class _Guarded:
             value, error = None, None
             try:
                 value = yield yielded
-            except BaseException as exc:  # thrown in by the task (a cancellation): goes in as is
+            except BaseException as exc:  # thrown in by the task (a cancellation)
                 error = exc
 
 

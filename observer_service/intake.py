@@ -315,7 +315,12 @@ class Intake:
         )
         runner.task = asyncio.create_task(
             run_observer(
-                spec, ctx, policy, gate=self.lease.gate, record_error=record_error, timing=timing
+                spec,
+                ctx,
+                policy,
+                gate=runner.gate(self.lease.gate),
+                record_error=record_error,
+                timing=timing,
             ),
             name=f"observer-{taken.observer_id}",
         )

@@ -16,6 +16,7 @@ from contracts.errors import DatabaseUnavailable, StartupError
 from contracts.kinds import KindSpec
 from contracts.settings import default_host
 from contracts.witness import Witness
+from observer_service import guard
 from observer_service.broker import AmqpBroker
 from observer_service.service import ObserverService, ServiceConfig
 from observer_service.settings import ServiceSettings
@@ -104,5 +105,8 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     if not service.clean:
         logging.shutdown()
         os._exit(code or 1)
+    if guard.abandoned():  # collecting their coroutines would run their cleanup: never
+        logging.shutdown()
+        os._exit(code)
     await pool.close()
     return code

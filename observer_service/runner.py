@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from contracts.errors import Fenced
+from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.logs import mask
 from contracts.witness import Witness
@@ -57,6 +57,8 @@ class Runner:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     #: Verify mode: the stop asked for is recorded.
     witness: Witness | None = None
+    #: Another service took it: its code never runs again (``guard``: abandoned).
+    superseded: bool = False
 
     @property
     def observer_id(self) -> uuid.UUID:
@@ -90,9 +92,21 @@ class Runner:
             self.handoff_to = to
             if self.witness is not None:
                 self.witness.stop(self.observer_id, self.epoch, reason.value)
+        if reason is StopReason.SUPERSEDED:
+            self.superseded = True
         self.ctx.stopping.set()
         if self.task is not None:
             self.task.cancel()
+
+    def gate(self, lease: Gate) -> Gate:
+        """The lease's gate for this copy, which also abandons it once it was superseded."""
+
+        def gate() -> asyncio.Future[None] | None:
+            if self.superseded:
+                raise LeaseLost("taken by another service")
+            return lease()
+
+        return gate
 
 
 RecordError = Callable[[str], Awaitable[ErrorRecord]]

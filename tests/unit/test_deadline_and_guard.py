@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 
@@ -88,10 +89,17 @@ async def test_the_guard_parks_the_kind_until_told_to_go_on() -> None:
     assert steps == list(range(100))
 
 
-async def test_a_cancellation_reaches_a_parked_kind_and_spares_the_shared_future() -> None:
+async def test_a_cancellation_reaches_a_parked_kind_once_the_gate_opens() -> None:
+    """A stop asked while the lease is unconfirmed runs the kind's cleanup only after a renewal
+    proved the copy still ours; the future the gate shares with other copies is spared."""
     shared: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    seen: list[str] = []
+
+    parking = False
 
     def gate() -> asyncio.Future[None] | None:
+        if shared.done() or not parking:
+            return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def release(_: asyncio.Future[None]) -> None:
@@ -102,11 +110,47 @@ async def test_a_cancellation_reaches_a_parked_kind_and_spares_the_shared_future
         return fut
 
     async def kind() -> None:
-        await asyncio.sleep(10)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
 
     task = asyncio.ensure_future(guarded(kind(), gate))
     await asyncio.sleep(0.01)
+    parking = True
     task.cancel()
+    await asyncio.sleep(0.02)
+    assert seen == [], "the cleanup ran before the lease was confirmed"
+    assert not task.done()
+    shared.set_result(None)
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert not shared.cancelled()
+    assert seen == ["cancelled"]
+
+
+async def test_a_kind_parked_when_its_lease_is_lost_is_abandoned_untouched() -> None:
+    park: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    seen: list[str] = []
+
+    parking = False
+
+    def gate() -> asyncio.Future[None] | None:
+        return park if parking else None
+
+    async def kind() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            seen.append("finally")
+
+    task = asyncio.ensure_future(guarded(kind(), gate))
+    await asyncio.sleep(0.01)
+    parking = True
+    task.cancel()  # a stop asked meanwhile never reaches it either
+    await asyncio.sleep(0.01)
+    park.set_exception(LeaseLost("gone"))
+    with pytest.raises(LeaseLost):
+        await task
+    gc.collect()
+    assert seen == [], "an abandoned copy's finally ran"

@@ -57,6 +57,24 @@ async def slow_stop(ctx: ObserverContext) -> None:
             await asyncio.sleep(0.2)
 
 
+#: Steps of the ``cleans`` kind's cleanup, by observer.
+CLEANUP: dict[uuid.UUID, int] = {}
+
+
+async def cleans(ctx: ObserverContext) -> None:
+    """Ticks; once stopped, runs a cleanup of ten steps (a flush, a polite close), each a side
+    effect of its own."""
+    try:
+        while True:
+            TICKS[ctx.observer_id] = TICKS.get(ctx.observer_id, 0) + 1
+            await ctx.sleep(0.01)
+    finally:
+        for _ in range(10):
+            CLEANUP[ctx.observer_id] = CLEANUP.get(ctx.observer_id, 0) + 1
+            with contextlib.suppress(BaseException):
+                await asyncio.sleep(0.02)
+
+
 async def blocks(ctx: ObserverContext) -> None:
     while True:
         await ctx.sleep(0.01)
@@ -74,6 +92,7 @@ KINDS = {
         "boom", boom, restart_policy=RestartPolicy(max_restarts=2, base_delay=0.05, max_delay=0.05)
     ),
     "slow": KindSpec("slow", slow_stop),
+    "cleans": KindSpec("cleans", cleans),
 }
 
 
@@ -410,6 +429,59 @@ async def test_a_copy_taken_while_the_lease_session_was_down_never_resumes() -> 
         assert TICKS[taken.id] == stale, "the superseded copy ran again"
         before = TICKS[kept.id]
         await until(lambda: TICKS[kept.id] > before + 3)
+        assert not h.lease.fenced
+
+
+async def test_a_delete_runs_the_kinds_cleanup_to_its_end() -> None:
+    async with harness() as h:
+        row, delivery = await h.started("cleans")
+        row.status = S.ON_DELETING
+        await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await h.stopped(row)
+        assert CLEANUP[row.id] == 10, "a stop asked under a valid lease runs the whole cleanup"
+        assert delivery.outcome == "ack"
+
+
+async def test_a_copy_whose_lease_is_lost_never_runs_its_cleanup() -> None:
+    """From the fence on, another service may run the observer: the copy is abandoned, its
+    ``finally`` never runs (it would be a second copy's side effect)."""
+    async with harness() as h:
+        row, _ = await h.started("cleans")
+        h.lease_db.available = False  # renewals fail until the deadline passes
+        await until(lambda: h.lease.fenced)
+        h.lease_db.available = True
+        await h.stopped(row)
+        assert CLEANUP.get(row.id, 0) == 0, "the cleanup of a copy that lost its lease ran"
+
+
+async def test_a_cleanup_under_way_stops_where_the_lease_is_lost() -> None:
+    async with harness() as h:
+        row, _ = await h.started("cleans")
+        row.status = S.ON_DELETING
+        h.lease_db.available = False
+        await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await until(lambda: CLEANUP.get(row.id, 0) >= 1)
+        h.clock.advance(TIMINGS.ttl)  # the deadline passes in the middle of the cleanup
+        await until(lambda: h.lease.fenced)
+        done = CLEANUP[row.id]
+        await asyncio.sleep(0.1)  # five more of its steps would have run by now
+        assert CLEANUP[row.id] == done < 10, "the cleanup went on after the lease was lost"
+        h.lease_db.available = True
+        await h.stopped(row)
+
+
+async def test_a_superseded_copy_never_runs_its_cleanup() -> None:
+    """Taken by another service while the lease session was down: the lease comes back on a
+    new session, yet that copy's code never runs again, cleanup included."""
+    async with harness() as h:
+        taken, _ = await h.started("cleans")
+        h.lease_db.available = False
+        h.lease_db.sessions[-1].end()
+        await asyncio.sleep(0.05)
+        taken.service_id, taken.epoch = uuid.uuid4(), taken.epoch + 1  # the other service's take
+        h.lease_db.available = True
+        await h.stopped(taken)
+        assert CLEANUP.get(taken.id, 0) == 0, "the superseded copy's cleanup ran"
         assert not h.lease.fenced
 
 
