@@ -148,7 +148,7 @@ class Intake:
         if not self.host.accepting():
             await self.settler.dispose(start, origin, Disposition.REQUEUE)
             return
-        if not self.lease.check_or_fence():
+        if not self.lease.valid():
             # Fenced: let others have it, but not in a tight loop back to us.
             await asyncio.sleep(self.lease.timings.renew_interval)
             await self.settler.dispose(start, origin, Disposition.REQUEUE)
@@ -184,7 +184,7 @@ class Intake:
         backoff = Backoff(0.005, 0.25)
 
         def alive() -> bool:
-            return self.host.accepting() and self.lease.check_or_fence()
+            return self.host.accepting() and self.lease.valid()
 
         while True:
             ended = self.lease.sessions_ended
@@ -297,7 +297,7 @@ class Intake:
             params=params,
             last_checkpoint=taken.checkpoint,
             save=lambda state: self._save(copy, state),
-            alive=self.lease.check_or_fence,
+            alive=self.lease.valid,
             witness=self._effects(taken),
         )
         runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness)
@@ -348,14 +348,14 @@ class Intake:
         self.metrics.stalls.labels(ctx.kind).inc()
         reason = f"blocked the event loop for {seconds:.1f}s"
         ctx.logger.error("%s", reason)
-        if self.stalls.blamed(seconds, lease_valid=self.lease.check_or_fence()):
+        if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
             runner.blame = reason
 
     async def _save(self, copy: Copy, state: Any) -> None:
         """A checkpoint: fenced, batched, retried while the lease holds."""
         item = Checkpoint(copy.observer_id, copy.epoch, checkpoint_json(state))
         checkpoints = self.host.checkpoints
-        if not await while_leased(lambda: checkpoints.submit(item), self.lease.check_or_fence):
+        if not await while_leased(lambda: checkpoints.submit(item), self.lease.valid):
             self.metrics.fenced.labels("checkpoint").inc()
             raise refused("checkpoint")
 
@@ -363,7 +363,7 @@ class Intake:
         self, copy: Copy, kind: str, error: str, policy: RestartPolicy
     ) -> ErrorRecord:
         record = await while_leased(
-            lambda: self.store.record_error(copy, error, policy), self.lease.check_or_fence
+            lambda: self.store.record_error(copy, error, policy), self.lease.valid
         )
         if record is None:
             self.metrics.fenced.labels("restart_record").inc()

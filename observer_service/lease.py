@@ -10,7 +10,8 @@ session (a new lock key), renews on it, which publishes the new key (from that c
 fast take can land), and then reads which rows are still ours. Copies whose rows another service
 took meanwhile are stopped without resuming (``Listener.superseded``); the others go on.
 
-States (``state()``, which kind code and admission consult before every step):
+States (``state()``, which kind code and admission consult before every step; reading it is
+pure: the fence itself happens on the keeper's own schedule, a timer at the deadline):
 
 - FRESH: renewed recently; work goes on.
 - STALE: valid, but not confirmed for ``renew_interval + margin`` (this process may have been
@@ -88,26 +89,48 @@ class LeaseKeeper:
         self._rejoin = asyncio.Event()
         self._wake = asyncio.Event()
         self._waiters: set[asyncio.Future[None]] = set()
+        #: Fences at the local deadline unless a renewal moved it.
+        self._timer: asyncio.TimerHandle | None = None
         #: What each renewal learned, consumed by the service's own task.
         self.renewals: asyncio.Queue[Renewal] = asyncio.Queue()
 
     # ------------------------------------------------------------------ what others consult
     def state(self) -> LeaseState:
-        if self._fenced:
-            return LeaseState.LOST
-        if not self.deadline.valid():
-            self.fence("lease deadline passed")
+        """Pure: a passed deadline reads LOST at once, and the fence follows on its timer."""
+        if self._fenced or not self.deadline.valid():
             return LeaseState.LOST
         return LeaseState.STALE if self._bridging or self.deadline.stale() else LeaseState.FRESH
 
-    def check_or_fence(self) -> bool:
-        """True while the lease is surely ours; fences everything the moment it is not."""
+    def valid(self) -> bool:
+        """True while the lease is surely ours."""
         return self.state() is not LeaseState.LOST
+
+    def _fence_if_due(self) -> bool:
+        """The keeper's own check: fence when the deadline passed; True while valid."""
+        if not self._fenced and not self.deadline.valid():
+            self.fence("lease deadline passed")
+        return not self._fenced
+
+    def _arm(self) -> None:
+        """Fence at the deadline, whatever else is happening (a renewal stuck in flight). The
+        timer runs on the loop's monotonic clock; after a suspend it may fire late, but
+        ``state()`` reads the suspend-aware clock, so nothing resumes meanwhile."""
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(0.0, self.deadline.remaining()), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._fence_if_due():
+            self._arm()  # renewed meanwhile: the new deadline
 
     def gate(self) -> asyncio.Future[None] | None:
         """For ``guarded``: go on (None), wait for the next renewal (a future), or LeaseLost."""
         state = self.state()
         if state is LeaseState.LOST:
+            if not self._fenced:  # its timer is late (a pause): fence on the loop's next turn
+                asyncio.get_running_loop().call_soon(self._fence_if_due)
             raise LeaseLost("service lease is no longer valid")
         if state is LeaseState.FRESH:
             return None
@@ -159,6 +182,7 @@ class LeaseKeeper:
     def _confirmed(self, sent: float) -> None:
         self.deadline.renewed(sent)
         self._fenced = False
+        self._arm()
         for fut in list(self._waiters):
             if not fut.done():
                 fut.set_result(None)
@@ -203,7 +227,7 @@ class LeaseKeeper:
                 "%d observers were taken by others while the lease session was down", len(taken)
             )
             self.listener.superseded(taken)
-        if self.check_or_fence():
+        if self._fence_if_due():
             self._bridging = False
             log.info("lease back on a new session: %d observers go on", len(before & held))
         return renewal
@@ -237,7 +261,7 @@ class LeaseKeeper:
 
     async def _renew_once(self) -> float:
         """One renewal; returns the wait before the next attempt (0: on schedule)."""
-        if not self.check_or_fence():
+        if not self._fence_if_due():
             return 0.0
         sent = self.clock.now()
         try:
@@ -262,7 +286,7 @@ class LeaseKeeper:
         if renewal is None:
             self.fence("the lease had expired in the database")
             return 0.0
-        if not self.check_or_fence():  # the deadline passed while we waited: do not extend
+        if not self._fence_if_due():  # the deadline passed while we waited: do not extend
             return 0.0
         self._backoff.reset()
         self._confirmed(sent)
@@ -273,5 +297,7 @@ class LeaseKeeper:
         """Leave: mark the service deleted (graceful stop) and end the session."""
         session, self._session = self._session, None
         self._fenced = True
+        if self._timer is not None:
+            self._timer.cancel()
         if session is not None:
             await session.close(deleted=deleted)

@@ -29,7 +29,7 @@ from observer_service.fakes import (
     ManualClock,
     Row,
 )
-from observer_service.lease import LeaseKeeper
+from observer_service.lease import LeaseKeeper, LeaseState
 from observer_service.service import ObserverService, ServiceConfig
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.1, margin=0.1)
@@ -430,6 +430,18 @@ async def test_a_copy_taken_while_the_lease_session_was_down_never_resumes() -> 
         before = TICKS[kept.id]
         await until(lambda: TICKS[kept.id] > before + 3)
         assert not h.lease.fenced
+
+
+async def test_reading_the_lease_is_pure_and_its_own_schedule_fences() -> None:
+    async with harness() as h:
+        await h.started()
+        h.lease_db.available = False
+        h.clock.advance(TIMINGS.ttl)  # the deadline passed; no timer of the keeper has run yet
+        assert h.lease.state() is LeaseState.LOST
+        assert not h.lease.valid()
+        assert not h.lease.fenced, "reading the lease fenced"
+        await until(lambda: h.lease.fenced)
+        h.lease_db.available = True
 
 
 async def test_a_delete_runs_the_kinds_cleanup_to_its_end() -> None:
