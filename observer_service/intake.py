@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
@@ -68,7 +68,7 @@ class Host(Protocol):
 
     def cancel(self, observer_id: uuid.UUID) -> None: ...
 
-    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
 
 
 class Intake:
@@ -285,7 +285,10 @@ class Intake:
             except ValidationError as exc:
                 error = f"invalid params or restart policy: {exc}"
         if spec is None or policy is None or error is not None:
-            self.host.spawn(self._fail_unrunnable(taken, origin, error or "unrunnable"))
+            self.host.spawn(
+                self._fail_unrunnable(taken, origin, error or "unrunnable"),
+                f"fail-{taken.observer_id}",
+            )
             return False
         copy = taken.copy
         ctx = ObserverContext(

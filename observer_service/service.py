@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,11 @@ class ObserverService:
         )
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
+        #: Short tasks of this service (settling a copy, failing an unrunnable start, pausing
+        #: consumption): named, watched, awaited at shutdown.
         self._background: set[asyncio.Task[Any]] = set()
+        #: Set when one of them died of a bug: the service stops loudly, as for a side task.
+        self._spawned_died = asyncio.Event()
 
     # ----------------------------------------------------------------- lifecycle
     def request_stop(self) -> None:
@@ -152,7 +156,7 @@ class ObserverService:
             self.config.name,
             self.config.worker_count,
         )
-        side = [
+        side: list[asyncio.Task[Any]] = [
             asyncio.create_task(coro, name=name)
             for name, coro in (
                 ("lease", self.lease.run()),
@@ -167,6 +171,7 @@ class ObserverService:
         if self.witness is not None:
             memory = MemoryWitness(self.witness, self.intake.kinds, self.runners.values)
             side.append(asyncio.create_task(memory.run(), name="memory-witness"))
+        side.append(asyncio.create_task(self._spawned_died.wait(), name="spawned-tasks"))
         stop = asyncio.create_task(self._stop.wait(), name="stop-signal")
         done, _ = await asyncio.wait([*side, stop], return_when=asyncio.FIRST_COMPLETED)
         code = 0
@@ -212,6 +217,11 @@ class ObserverService:
             )
             return
         log.info("released %d observers; leaving", len(runners))
+        if self._background:  # settles and the like still under way: bounded, then cancelled
+            _, late = await asyncio.wait(set(self._background), timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -272,7 +282,9 @@ class ObserverService:
         assert task is not None
         # Settled once its task has ended; no second task per observer waits for that end (a
         # waiting task was about 1.8 KiB of the 11.5 KiB an idle observer took).
-        task.add_done_callback(lambda _: self.spawn(self._conclude(runner)))
+        task.add_done_callback(
+            lambda _: self.spawn(self._conclude(runner), f"settle-{runner.observer_id}")
+        )
 
     async def _conclude(self, runner: Runner) -> None:
         try:
@@ -312,7 +324,7 @@ class ObserverService:
         self.draining = True
         log.warning("draining: handing over %d observers", len(self.runners))
         if self.session is not None:
-            self.spawn(self.session.stop_consuming())
+            self.spawn(self._consuming(self.session, on=False), "stop-consuming")
         self._stop_where(lambda r: True, StopReason.DRAIN)
 
     def undrain(self) -> None:
@@ -323,7 +335,7 @@ class ObserverService:
         self.draining = False
         log.warning("undrained: taking work again")
         if self.session is not None:
-            self.spawn(self.session.start_consuming())
+            self.spawn(self._consuming(self.session, on=True), "start-consuming")
 
     def _stop_where(self, pred: Callable[[Runner], bool], reason: StopReason) -> None:
         stopped = [r for r in self.runners.values() if pred(r)]
@@ -430,7 +442,25 @@ class ObserverService:
             log.info("let go of %d observers this service no longer runs", released)
 
     # ----------------------------------------------------------------- helpers
-    def spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """A short task of the service: named, kept, and its death of a bug stops the service."""
+        task = asyncio.create_task(coro, name=name)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._spawned_done)
+
+    def _spawned_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        log.critical("task %r died (%r): stopping the service", task.get_name(), exc, exc_info=exc)
+        self._spawned_died.set()
+
+    async def _consuming(self, session: BrokerSession, *, on: bool) -> None:
+        """Start or stop taking work on this session; a session that closed meanwhile needs
+        neither (the next one opens with ``consume_work = not draining``)."""
+        try:
+            await (session.start_consuming() if on else session.stop_consuming())
+        except BrokerUnavailable as exc:
+            log.info(
+                "broker session gone while %s consuming (%s)", "starting" if on else "stopping", exc
+            )

@@ -173,6 +173,32 @@ async def harness(worker_count: int = 10, **config: Any) -> AsyncIterator[Harnes
         await asyncio.wait_for(task, 5)
 
 
+async def test_a_short_task_that_dies_of_a_bug_stops_the_service_loudly() -> None:
+    """Failing an unrunnable start runs in a task of its own; a bug there is not swallowed."""
+    me = uuid.uuid4()
+    store = InMemoryStore(me, ManualClock())
+    broker = FakeBroker()
+
+    async def broken_fail(*_: Any) -> bool:
+        raise RuntimeError("a bug in failing an observer")
+
+    store.fail = broken_fail  # type: ignore[method-assign,assignment]
+    service = ObserverService(
+        service_id=me,
+        config=ServiceConfig(name="unit", worker_count=2, shutdown_timeout=1),
+        kinds=KINDS,
+        store=store,
+        broker=broker,
+        lease_database=FakeLeaseDatabase(store),
+        timings=TIMINGS,
+        clock=ManualClock(),
+    )
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(broker.opened.wait(), 2)
+    await broker.session.deliver(store.add("not-installed").start)
+    assert await asyncio.wait_for(task, 5) == 1
+
+
 # ---------------------------------------------------------------------------- admission
 async def test_a_start_is_taken_and_runs_and_checkpoints() -> None:
     async with harness() as h:
