@@ -204,13 +204,16 @@ RETURNING s.draining
 
 # $1 me, $2 ttl, $3 the renewing session's lock key. Only an unexpired lease is renewed: one found
 # expired (a suspend, a pause longer than the lease) may have had its observers taken, so the
-# service fences and rejoins instead.
+# service fences and rejoins instead. The observers being stopped come as JSON text: a uuid[]
+# would cost a new session two more round trips (asyncpg introspects the array type), and a
+# session is renewed on a slow link too.
 RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
        last_heartbeat_at = clock_timestamp(), modified_at = now()
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
-RETURNING ARRAY(SELECT id FROM observers WHERE service_id = $1 AND {sql_in("status", STOPPING)}),
+RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
+            WHERE service_id = $1 AND {sql_in("status", STOPPING)}),
           draining
 """
 

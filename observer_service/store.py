@@ -316,7 +316,9 @@ class PgLeaseSession:
             row = await self.conn.fetchrow(
                 q.RENEW, self.service_id, ttl, self.lock_key, timeout=timeout
             )
-        return None if row is None else Renewal(deleting=list(row[0]), draining=bool(row[1]))
+        if row is None:
+            return None
+        return Renewal(deleting=[uuid.UUID(i) for i in json.loads(row[0])], draining=bool(row[1]))
 
     async def held(self, timeout: float) -> set[Copy]:
         with self._errors():

@@ -7,12 +7,15 @@ put that link through a fault.
   NAT entry does.
 - ``refuse()`` closes new connections at once until ``accept()``; ``blip(seconds)`` is a reset
   followed by refusing for ``seconds``: a sub-second database or broker outage.
+- ``slow(low, high)`` delays every chunk by a random time in that range, in order, nothing
+  lost: a congested or distant link that works; ``slow(0, 0)`` ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import struct
 from urllib.parse import urlsplit, urlunsplit
@@ -26,6 +29,7 @@ class Proxy:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._refusing = False
+        self._delay = (0.0, 0.0)
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -39,6 +43,9 @@ class Proxy:
 
     def heal(self) -> None:
         self._flowing.set()
+
+    def slow(self, low: float, high: float) -> None:
+        self._delay = (low, high)
 
     def refuse(self) -> None:
         self._refusing = True
@@ -86,6 +93,8 @@ class Proxy:
                 data = await reader.read(65536)
                 if not data:
                     break
+                if (delay := self._delay) != (0.0, 0.0):
+                    await asyncio.sleep(random.uniform(*delay))
                 await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()

@@ -305,6 +305,32 @@ async def test_a_lease_session_ended_by_the_server_is_reported(
     assert session.ended
 
 
+async def test_a_new_lease_session_renews_without_type_introspection(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new session's first renewal is its bridge after the old one ended, on a link that may
+    be slow: no round trips beyond the statement's own (asyncpg introspects a uuid[] result)."""
+    looked_up: list[object] = []
+    introspect = asyncpg.Connection._introspect_types
+
+    async def spy(self: asyncpg.Connection, *args: Any, **kwargs: Any) -> Any:
+        looked_up.append(args[0] if args else None)
+        return await introspect(self, *args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "_introspect_types", spy)
+    db = lease_database(database_url)
+    session = await db.connect(lambda: None)
+    try:
+        await session.join(ttl=60)
+        renewal = await session.renew(ttl=60, timeout=5)
+        await session.held(timeout=5)
+    finally:
+        await session.close(deleted=True)
+    assert renewal is not None
+    assert renewal.deleting == []
+    assert looked_up == [], "the lease session's statements cost a type introspection"
+
+
 async def test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free(
     pool: asyncpg.Pool,
 ) -> None:
