@@ -88,6 +88,32 @@ async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
     assert {r["epoch"] for r in epochs} == {1}
 
 
+async def test_a_slow_database_link_keeps_the_lease(cluster: Cluster) -> None:
+    """Every chunk on the service's database link delayed 150-800 ms, nothing lost: several
+    round trips per renewal still fit in the lease, so nothing is fenced or moved."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.database_url)
+    await cluster.start_service(
+        "a", worker_count=10, database_url=via(cluster.database_url, proxy), lease_ttl=5
+    )
+    ids = await _kind_observers(cluster, 6, "recorder", "rec", interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    proxy.slow(0.15, 0.8)
+    try:
+        await quiet(20, "the link stays slow")
+    finally:
+        proxy.slow(0, 0)
+    await _none_stranded(cluster, ids, time.time())
+    moved = await cluster.q(
+        "SELECT count(*) FROM observer_events WHERE event IN ('released', 'redispatched')",
+        one=True,
+    )
+    assert moved == 0, "a slow link moved observers"
+    epochs = await cluster.q("SELECT epoch FROM observers WHERE id = ANY($1)", ids)
+    assert {r["epoch"] for r in epochs} == {1}
+    assert_no_overlap(cluster.tick_dir)
+
+
 # ------------------------------------------------------------------ a lease session ended
 async def _redelivered_duplicate_waiting(cluster: Cluster) -> tuple[Proc, Proc, uuid.UUID]:
     """A runs X with its one slot; a start for X, marked redelivered, waits at service B (a
