@@ -62,6 +62,10 @@ class Service(Base):
     is_deleted: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     #: A draining service takes no new observers and hands its own to others.
     draining: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    #: Set by the service's watchdog thread while one step of kind code blocks its event loop,
+    #: cleared by its next renewal: such a process cannot notice that its session ended, so no
+    #: one takes its observers before its lease expires (the fast takeover waits).
+    stalled_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index(

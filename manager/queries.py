@@ -145,8 +145,9 @@ SWEEP_EXPIRED = (
 )
 # Live by their lease, but their lease session has ended: the process may be gone (it is when
 # its broker connection is gone too) or it is fencing itself.
+# One whose loop a kind blocks (``stalled_since``) cannot notice it and pause: it is waited for.
 SESSION_ENDED = (
-    f"SELECT s.id FROM services s WHERE {live_service('s')} "
+    f"SELECT s.id FROM services s WHERE {live_service('s')} AND s.stalled_since IS NULL "
     "AND pg_try_advisory_xact_lock(s.lock_key)"
 )
 # Only while the row still names a lease session that has ended: a service that came back on a
@@ -154,7 +155,7 @@ SESSION_ENDED = (
 # run observers again. (The lock this transaction took when it looked is its own to take again.)
 DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
-    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted "
+    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted AND stalled_since IS NULL "
     "AND pg_try_advisory_xact_lock(lock_key) RETURNING id, name"
 )
 # Dead services (the orphans' holders); then what they hold, by the service_id index. A sweep

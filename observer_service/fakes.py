@@ -227,7 +227,7 @@ class InMemoryStore:
         return self.blame_now(observer_id, reason)
 
     def blame_now(self, observer_id: uuid.UUID, reason: str) -> bool:
-        """``blame`` from the watchdog thread."""
+        """``ThreadWrites.blame`` from the watchdog thread."""
         if not self.available:
             raise DatabaseUnavailable("the fake database is down")
         row = self.rows.get(observer_id)
@@ -445,3 +445,19 @@ class FakeBroker:
         self.present.add(spec.service_id)
         self.opened.set()
         return session
+
+
+class FakeThreadWrites:
+    """The watchdog thread's writes, on the in-memory store."""
+
+    def __init__(self, store: InMemoryStore) -> None:
+        self.store = store
+        self.stalls_marked = 0
+
+    def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
+        return self.store.blame_now(observer_id, reason)
+
+    def mark_stalled(self) -> None:
+        if not self.store.available:
+            raise DatabaseUnavailable("the fake database is down")
+        self.stalls_marked += 1

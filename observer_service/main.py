@@ -24,7 +24,7 @@ from observer_service.store import (
     SERVER_SETTINGS,
     PgLeaseDatabase,
     PgStore,
-    ThreadBlame,
+    ThreadWrites,
     keep_session,
     prepare_connection,
 )
@@ -89,7 +89,7 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
         lease_database=lease_database,
         timings=timings,
         clock=clock,
-        blame_now=ThreadBlame(settings.asyncpg_dsn, service_id),
+        thread_writes=ThreadWrites(settings.asyncpg_dsn, service_id),
         witness=witness,
     )
     if settings.metrics_port is not None:

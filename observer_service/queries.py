@@ -52,7 +52,8 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
        o.checkpoint, o.restart_policy,
        COALESCE({live_service("s")}, false) AS holder_live,
        CASE WHEN s.id <> $2 AND {live_service("s")}
-            THEN pg_try_advisory_xact_lock(s.lock_key) END AS holder_lock_free,
+            THEN s.stalled_since IS NULL AND pg_try_advisory_xact_lock(s.lock_key)
+       END AS holder_lock_free,
        s.lock_key AS holder_key,
        EXTRACT(EPOCH FROM (s.lease_expires_at - clock_timestamp()))::float8 AS holder_remaining
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
@@ -165,6 +166,11 @@ FAIL = with_events(
 # $1 id, $2 me, $3 reason: a copy blocked the event loop for longer than the lease, which cost
 # this service its lease: the observer is failed with no lease needed (whoever holds it now runs
 # the same blocking code). Only a failure, never a take: it cannot make two copies run.
+# $1 me: one step of kind code blocks the loop (the watchdog thread): see services.stalled_since.
+MARK_STALLED = (
+    "UPDATE services SET stalled_since = clock_timestamp() WHERE id = $1 AND stalled_since IS NULL"
+)
+
 BLAME = with_events(
     f"UPDATE observers SET status = {_FAILED}, service_id = NULL, last_error = $3, "
     f"modified_at = now() WHERE id = $1 AND $2::uuid IS NOT NULL "
@@ -198,7 +204,8 @@ INSERT INTO services AS s (id, name, worker_count, host, pid, version, lock_key,
 VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() + make_interval(secs => $8))
 ON CONFLICT (id) DO UPDATE
    SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
-       is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now()
+       is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now(),
+       stalled_since = NULL
 RETURNING s.draining
 """
 
@@ -210,7 +217,7 @@ RETURNING s.draining
 RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
-       last_heartbeat_at = clock_timestamp(), modified_at = now()
+       last_heartbeat_at = clock_timestamp(), modified_at = now(), stalled_since = NULL
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
 RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE service_id = $1 AND {sql_in("status", STOPPING)}),

@@ -52,7 +52,7 @@ from observer_service.ports import (
 from observer_service.retry import until_done
 from observer_service.runner import Runner, StopReason
 from observer_service.settle import Settler
-from observer_service.stalls import BlameNow, StallWatch
+from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class ObserverService:
         timings: LeaseTimings,
         clock: Clock,
         metrics: ServiceMetrics | None = None,
-        blame_now: BlameNow | None = None,
+        thread_writes: ThreadWrites | None = None,
         witness: Witness | None = None,
     ) -> None:
         self.id = service_id
@@ -115,7 +115,7 @@ class ObserverService:
             config.loop_stall,
             lease_valid=self.lease.deadline.valid,
             outlives_lease=timings.ttl - timings.margin - timings.renew_interval,
-            blame_now=blame_now,
+            writes=thread_writes,
         )
         self.settler = Settler(
             let_go=self.let_go, blame=store.blame, session=self.broker, metrics=self.metrics

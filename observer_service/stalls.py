@@ -11,7 +11,10 @@ the database, so the leader never hands the observer to another service to stall
 again when it settles, in case that write could not be made (a cancel is then broadcast to
 whoever took it meanwhile).
 
-The watchdog thread also tells, while the loop is still blocked, which copy is running.
+The watchdog thread also tells, while the loop is still blocked, which copy is running; and it
+marks the service stalled in the database (``services.stalled_since``, cleared by the next
+renewal) once a step passes ``MARK_AFTER``: a process whose loop is blocked cannot notice that
+its lease session ended, so no taker may treat it as gone before its lease expires.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 
 #: How often the watchdog looks, seconds: well within the lease's margin.
 WATCH_EVERY = 0.05
+#: A step this long marks the service stalled, seconds: past any step of a healthy kind, and
+#: short next to the sweeps a fast takeover needs (two, 0.25 s apart).
+MARK_AFTER = 0.1
 #: A watchdog wake-up this late means the whole process was stopped (SIGSTOP, a paused VM),
 #: not the loop blocked by kind code: the thread runs beside a blocked loop, not a stopped one.
 PROCESS_PAUSE = 0.5
@@ -46,14 +53,20 @@ class Step:
     observer_id: uuid.UUID | None = None
 
 
-#: Called from the watchdog thread: fail the observer now (it must not use the loop).
-BlameNow = Callable[[uuid.UUID, str], object]
+class ThreadWrites(Protocol):
+    """What the watchdog thread writes, never through the blocked loop."""
+
+    def blame(self, observer_id: uuid.UUID, reason: str) -> object:
+        """Fail the observer now."""
+
+    def mark_stalled(self) -> object:
+        """Mark this service stalled until its next renewal."""
 
 
 class StallWatch:
     """``threshold``: seconds of one step that count as a stall. ``lease_valid``: whether the
-    lease's local deadline is still ahead (safe to ask from the thread). ``blame_now`` fails a
-    copy whose stall outlived the lease (``blamed``)."""
+    lease's local deadline is still ahead (safe to ask from the thread). ``writes`` fails a copy
+    whose stall outlived the lease (``blamed``) and marks the service stalled."""
 
     def __init__(
         self,
@@ -61,14 +74,14 @@ class StallWatch:
         *,
         lease_valid: Callable[[], bool] = lambda: True,
         outlives_lease: float = 0.0,
-        blame_now: BlameNow | None = None,
+        writes: ThreadWrites | None = None,
     ) -> None:
         self.threshold = threshold
         #: The shortest step that can cost a healthy service its lease (renewals are due every
         #: renew_interval): a lease lost during a shorter step was lost for another reason.
         self.outlives_lease = outlives_lease
         self._lease_valid = lease_valid
-        self._blame_now = blame_now
+        self._writes = writes
         #: Set by the guard around each step of kind code; read by the watchdog thread.
         self.step: Step | None = None
         #: The watchdog's last wake-up, and when the last whole-process pause it saw ended.
@@ -104,7 +117,7 @@ class StallWatch:
         #: The lease was valid when the step was first seen: only a stall that outlived a
         #: valid lease is blamed (a lease lost for another reason is not its doing).
         valid_then = False
-        told = blamed = False
+        told = blamed = marked = False
         self._beat = time.monotonic()
         while not self._stop.wait(WATCH_EVERY):
             now = time.monotonic()
@@ -116,7 +129,14 @@ class StallWatch:
                 continue
             if step is not seen:
                 seen, valid_then, told, blamed = step, self._lease_valid(), False, False
+                marked = False
             blocked = time.monotonic() - step.started
+            if not marked and blocked > MARK_AFTER and self._writes is not None:
+                marked = True
+                try:
+                    self._writes.mark_stalled()
+                except Exception:  # a write from a thread: it must not end the watch
+                    log.exception("could not mark the service stalled")
             if not told and blocked > self.threshold:
                 told = True
                 log.warning("the event loop has been blocked for %.1fs by %s", blocked, step.label)
@@ -126,7 +146,7 @@ class StallWatch:
                 and self._paused_until <= step.started
                 and blocked >= self.outlives_lease
                 and step.observer_id is not None
-                and self._blame_now is not None
+                and self._writes is not None
                 and not self._lease_valid()
             ):
                 # One step outlived the lease, whatever the threshold: fail it before the lease
@@ -135,6 +155,6 @@ class StallWatch:
                 reason = f"blocked the event loop for more than {blocked:.1f}s"
                 log.error("%s, past the lease: failing %s", reason, step.label)
                 try:
-                    self._blame_now(step.observer_id, reason)
+                    self._writes.blame(step.observer_id, reason)
                 except Exception:
                     log.exception("could not fail %s from the watchdog", step.label)

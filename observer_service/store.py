@@ -211,24 +211,41 @@ class PgStore:
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
 
 
-class ThreadBlame:
-    """Fails an observer from the watchdog thread while the service's event loop is blocked:
-    on a connection and a short-lived event loop of its own (it happens rarely)."""
+class ThreadWrites:
+    """The writes the watchdog thread makes while the service's event loop is blocked: on a
+    connection and an event loop of its own, kept between writes (a stall is marked within
+    milliseconds of being seen)."""
 
     def __init__(self, dsn: str, me: uuid.UUID) -> None:
         self.dsn = dsn
         self.me = me
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: asyncpg.Connection | None = None
 
-    def __call__(self, observer_id: uuid.UUID, reason: str) -> None:
-        asyncio.run(self._blame(observer_id, reason))
+    def blame(self, observer_id: uuid.UUID, reason: str) -> None:
+        """Fail the observer whose step outlived the lease."""
+        self._run(q.BLAME, observer_id, self.me, reason)
 
-    async def _blame(self, observer_id: uuid.UUID, reason: str) -> None:
+    def mark_stalled(self) -> None:
+        """A step blocks the loop: no fast takeover of this service until its next renewal."""
+        self._run(q.MARK_STALLED, self.me)
+
+    def _run(self, query: str, *args: object) -> None:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._execute(query, *args))
+
+    async def _execute(self, query: str, *args: object) -> None:
         with database_errors():
-            conn = await pgconnect.connect(self.dsn, timeout=2)
+            conn = self._conn
+            if conn is None or conn.is_closed():
+                conn = self._conn = await pgconnect.connect(self.dsn, timeout=2)
             try:
-                await conn.execute(q.BLAME, observer_id, self.me, reason, timeout=2)
-            finally:
-                await conn.close(timeout=2)
+                await conn.execute(query, *args, timeout=2)
+            except BaseException:
+                self._conn = None
+                conn.terminate()
+                raise
 
 
 #: Settings of every service connection. Its statements reach rows by key (an observer's id,

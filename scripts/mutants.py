@@ -192,9 +192,26 @@ MUTANTS = [
     Mutant(
         "stalls: a stall past the lease is not blamed by the watchdog",
         "observer_service/stalls.py",
-        "                    self._blame_now(step.observer_id, reason)",
+        "                    self._writes.blame(step.observer_id, reason)",
         "                    pass",
         (f"{BROKER}::test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_once",),
+    ),
+    Mutant(
+        "take: a holder whose loop a kind blocks is taken over before its lease expires",
+        "observer_service/queries.py",
+        "            THEN s.stalled_since IS NULL AND pg_try_advisory_xact_lock(s.lock_key)",
+        "            THEN pg_try_advisory_xact_lock(s.lock_key)",
+        (
+            "tests/integration/test_sweeper.py::"
+            "test_a_stalled_service_is_not_taken_over_before_its_lease_expires",
+        ),
+    ),
+    Mutant(
+        "guard: a copy that lost its lease runs its cleanup",
+        "observer_service/guard.py",
+        "            except LeaseLost:\n                self._abandon()\n                raise",
+        "            except LeaseLost as exc:\n                error = exc",
+        (f"{CORE}::test_a_copy_whose_lease_is_lost_never_runs_its_cleanup",),
     ),
     Mutant(
         "suspend: deadlines on the monotonic clock",

@@ -14,6 +14,7 @@ from contracts.settings import asyncpg_dsn
 from manager.background import Sweeper
 from manager.metrics import ManagerMetrics
 from manager.store import ManagerStore
+from observer_service import queries as service_queries
 
 
 class _Broker:
@@ -98,3 +99,29 @@ async def test_a_service_gone_twice_in_a_row_is_declared_gone(
     await sweeper.once()
     assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
     assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) is None
+
+
+async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """Its lock is free and it is off the broker, as after a crash; but its watchdog marked a
+    step of kind code blocking its loop, so it cannot have noticed and paused: neither the
+    sweeper nor a taker treats it as gone while its lease holds. Its renewal clears the mark."""
+    conn, store = db
+    sid, oid = await _held_by_a_live_service(conn)
+    await conn.execute(service_queries.MARK_STALLED, sid)
+    sweeper = Sweeper(store, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    await sweeper.once()
+    await sweeper.once()
+    assert not await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) == sid
+    facts = await conn.fetchrow(service_queries.FACTS, [oid], uuid.uuid4())
+    assert facts is not None
+    assert facts["holder_live"]
+    assert facts["holder_lock_free"] is False, "a taker would take from a stalled holder"
+    key = await conn.fetchval("SELECT lock_key FROM services WHERE id = $1", sid)
+    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key) is not None
+    assert await conn.fetchval("SELECT stalled_since FROM services WHERE id = $1", sid) is None
+    facts = await conn.fetchrow(service_queries.FACTS, [oid], uuid.uuid4())
+    assert facts is not None
+    assert facts["holder_lock_free"] is True

@@ -25,6 +25,7 @@ from observer_service.fakes import (
     FakeBroker,
     FakeLeaseDatabase,
     FakeService,
+    FakeThreadWrites,
     InMemoryStore,
     ManualClock,
     Row,
@@ -162,7 +163,7 @@ async def harness(worker_count: int = 10, **config: Any) -> AsyncIterator[Harnes
         lease_database=lease_db,
         timings=TIMINGS,
         clock=clock,
-        blame_now=store.blame_now,
+        thread_writes=FakeThreadWrites(store),
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(broker.opened.wait(), 2)
