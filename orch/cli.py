@@ -470,7 +470,7 @@ def _scratch_server(settings: S) -> S:
         update={"database_url": on_database(settings.database_url, "postgres")}
     )
     try:
-        asyncio.run(check_servers(server, need_schema=False))
+        asyncio.run(check_servers(server, need_schema=False, declare=False))
     except StartupError as exc:
         _fail(str(exc))
     return server
