@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -200,7 +201,8 @@ def service(
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
-    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds)))
+    until = time.monotonic() + wait  # the check's wait and the pool's share one deadline
+    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds, wait_until=until)))
 
 
 @app.command()

@@ -7,9 +7,12 @@ import asyncio
 import os
 import sys
 import time
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aio_pika
+import asyncpg
 import pytest
 
 from contracts.topology import Topology, broker_version, work_queue_arguments
@@ -97,3 +100,50 @@ async def test_a_work_queue_of_another_type_stops_the_start_with_its_fix(
         "ORCH_QUEUE_TYPE back"
     ], ended.output
     assert ended.seconds < 15, ended.seconds
+
+
+@pytest.fixture
+async def limited_role(servers: Servers) -> AsyncIterator[str]:
+    """A role allowed one connection: the start-up check gets it, the service's pool (several
+    at once) does not, as on a server whose connections are all but exhausted. The shared
+    server's max_connections is left alone."""
+    role = f"orch_test_limit_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(servers.asyncpg_dsn("postgres"))
+    try:
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 1 IN ROLE postgres')
+        yield role
+    finally:
+        try:
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
+            )
+            await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        finally:
+            await admin.close()
+
+
+def _as_role(database_url: str, role: str) -> str:
+    """``database_url`` with ``role`` as the user (the test server trusts local users)."""
+    scheme, rest = database_url.split("://", 1)
+    return f"{scheme}://{role}@{rest.split('@', 1)[1]}"
+
+
+@pytest.mark.parametrize("wait", [0, 2])
+async def test_a_database_out_of_connections_is_waited_for_then_one_line(
+    servers: Servers, database_url: str, limited_role: str, wait: int, prefix: str
+) -> None:
+    """A server at its connection limit is a server not there: waited for, then one line. It
+    used to end in TooManyConnectionsError's traceback at once, whatever the wait."""
+    url = _as_role(database_url, limited_role)
+    ended = await _orch(
+        "service",
+        "--wait",
+        str(wait),
+        env={"ORCH_DATABASE_URL": url, "ORCH_AMQP_URL": servers.amqp_url, "ORCH_PREFIX": prefix},
+    )
+    assert ended.code != 0, ended.output
+    assert "Traceback" not in ended.output, ended.output
+    assert len(ended.lines) == 1, ended.output
+    assert ended.lines[0].startswith("error: "), ended.output
+    assert f'too many connections for role "{limited_role}"' in ended.lines[0], ended.output
+    assert wait <= ended.seconds < wait + 10, ended.seconds
