@@ -12,7 +12,7 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
-from contracts.errors import convert_broker_error
+from contracts.errors import BrokerRefused, convert_broker_error
 from contracts.settings import split_urls, where
 
 __all__ = ["connect_first", "split_urls"]
@@ -32,8 +32,9 @@ async def connect_first(
         try:
             connection: AbstractConnection = await aio_pika.connect(url, **kwargs)
         except Exception as exc:
-            if convert_broker_error(exc) is exc:
-                raise  # not the node's failure: a bug
+            converted = convert_broker_error(exc)
+            if converted is exc or isinstance(converted, BrokerRefused):
+                raise  # a bug; or a refusal, which every node of a cluster gives alike
             errors.append(f"{where(url)}: {exc or type(exc).__name__}")
             last = exc
             continue

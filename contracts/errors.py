@@ -6,6 +6,7 @@
     ├── Transient                 retry: a server we need is unavailable for now
     │   ├── DatabaseUnavailable
     │   └── BrokerUnavailable
+    ├── BrokerRefused             the broker refuses what we asked (403, 406, 530): no retry helps
     ├── Conflict                  409: the request contradicts the current state
     │   └── NameTaken
     ├── NotFound                  404
@@ -54,6 +55,15 @@ class DatabaseUnavailable(Transient):
 
 class BrokerUnavailable(Transient):
     pass
+
+
+class BrokerRefused(OrchError):
+    """The broker answered no (access refused, a precondition failed): the same request again
+    gets the same answer, so it is not Transient; ``reply_code`` says which no."""
+
+    def __init__(self, message: str, reply_code: int | None = None) -> None:
+        super().__init__(message)
+        self.reply_code = reply_code
 
 
 class Conflict(OrchError):
@@ -145,9 +155,41 @@ def convert_database_error(exc: BaseException) -> BaseException:
     return exc
 
 
+# AMQP reply codes that no retry changes: ACCESS_REFUSED, PRECONDITION_FAILED, NOT_ALLOWED.
+_REFUSED_CODES = frozenset({403, 406, 530})
+
+# aiormq raises these classes for the reply codes it knows (with only the text as argument).
+_CODE_OF_CLASS: tuple[tuple[type[BaseException], int], ...] = (
+    (aiormq.exceptions.ChannelAccessRefused, 403),
+    (aiormq.exceptions.ProbableAuthenticationError, 403),  # Connection.Close 403 at login
+    (aiormq.exceptions.ChannelNotFoundEntity, 404),
+    (aiormq.exceptions.ChannelLockedResource, 405),
+    (aiormq.exceptions.ChannelPreconditionFailed, 406),
+    (aiormq.exceptions.ConnectionNotAllowed, 530),
+)
+
+
+def amqp_reply_code(exc: BaseException) -> int | None:
+    """The AMQP reply code an aiormq error stands for: by its class, else (a code aiormq has no
+    class for) the first argument of ChannelClosed / ConnectionClosed; None when it has none."""
+    for cls, code in _CODE_OF_CLASS:
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ConnectionClosed):
+        first = exc.args[0] if exc.args else None
+        if isinstance(first, int) and not isinstance(first, bool):
+            return first
+    return None
+
+
 def convert_broker_error(exc: BaseException) -> BaseException:
+    """Our error for a broker driver error: a refusal (by its reply code, or a login the broker
+    cannot take) is BrokerRefused, a lost or missing broker BrokerUnavailable."""
     if isinstance(exc, OrchError):
         return exc
+    code = amqp_reply_code(exc)
+    if code in _REFUSED_CODES or isinstance(exc, aiormq.exceptions.AuthenticationError):
+        return BrokerRefused(_first_line(exc) or type(exc).__name__, code)
     if isinstance(
         exc,
         AMQPError

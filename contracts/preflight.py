@@ -1,4 +1,5 @@
-"""Start-up checks both processes run: are the servers there, is the schema migrated?
+"""Start-up checks both processes run: are the servers there, is the schema migrated, does
+the broker take our queues as we declare them?
 
 Each failure is one readable line (StartupError), never a traceback.
 """
@@ -15,6 +16,11 @@ from contracts import pgconnect
 from contracts.amqp import connect_first
 from contracts.errors import StartupError
 from contracts.settings import CommonSettings, split_urls, where
+from contracts.topology import broker_version, declare_topology
+
+
+class NotYet(StartupError):
+    """A server that is not there (yet): waiting for it may help, unlike a refusal."""
 
 
 async def check_database(settings: CommonSettings, *, need_schema: bool = True) -> None:
@@ -27,38 +33,52 @@ async def check_database(settings: CommonSettings, *, need_schema: bool = True) 
         asyncpg.InterfaceError,
         asyncpg.exceptions.InternalClientError,  # several hosts, none writable
     ) as exc:
-        raise StartupError(
-            f"cannot reach Postgres at {where(settings.database_url)}: {exc}"
-        ) from exc
+        raise NotYet(f"cannot reach Postgres at {where(settings.database_url)}: {exc}") from exc
     try:
         if need_schema and await conn.fetchval("SELECT to_regclass('observers')") is None:
-            raise StartupError(
+            raise NotYet(
                 f"the database {where(settings.database_url)} has no schema: run `orch migrate`"
             )
     finally:
         await conn.close()
 
 
-async def check_broker(settings: CommonSettings) -> None:
+async def check_broker(settings: CommonSettings, *, declare: bool = True) -> None:
+    """Connect; with ``declare``, declare the topology as the processes will, so that a queue
+    of other arguments or a missing permission stops the start with its fix, not a retry loop."""
+    nodes = ", ".join(where(u) for u in split_urls(settings.amqp_url))
     try:
         conn, _ = await connect_first(settings.amqp_urls, timeout=5)
     except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
-        nodes = ", ".join(where(u) for u in split_urls(settings.amqp_url))
-        raise StartupError(f"cannot reach RabbitMQ at {nodes}: {exc}") from exc
-    await conn.close()
+        raise NotYet(f"cannot reach RabbitMQ at {nodes}: {exc}") from exc
+    try:
+        if declare:
+            await declare_topology(
+                await conn.channel(publisher_confirms=False),
+                settings.topology,
+                version=broker_version(conn),
+                queue_type=settings.queue_type,
+                consumer_timeout_ms=settings.consumer_timeout_ms,
+            )
+    except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
+        raise NotYet(f"cannot declare the queues on RabbitMQ at {nodes}: {exc}") from exc
+    finally:
+        await conn.close()
 
 
 async def check_servers(
-    settings: CommonSettings, *, wait: float = 0.0, need_schema: bool = True
+    settings: CommonSettings, *, wait: float = 0.0, need_schema: bool = True, declare: bool = True
 ) -> None:
-    """Check both servers, retrying for up to ``wait`` seconds (for containers starting up)."""
+    """Check both servers, retrying for up to ``wait`` seconds (for containers starting up);
+    a refusal (StartupError, not NotYet) ends the wait at once."""
     async for attempt in AsyncRetrying(
         stop=stop_after_delay(wait),
         wait=wait_fixed(1.0),
-        retry=retry_if_exception_type(StartupError),
+        retry=retry_if_exception_type(NotYet),
         reraise=True,
     ):
         with attempt:
             await asyncio.gather(
-                check_database(settings, need_schema=need_schema), check_broker(settings)
+                check_database(settings, need_schema=need_schema),
+                check_broker(settings, declare=declare),
             )

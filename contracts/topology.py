@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
-from aiormq.exceptions import ChannelLockedResource
+from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource, ChannelPreconditionFailed
 
-from contracts.errors import BrokerUnavailable, broker_errors
+from contracts.errors import BrokerUnavailable, StartupError, broker_errors
 
 QueueType = Literal["classic", "quorum"]
 
@@ -130,22 +131,85 @@ async def declare_topology(
     queue_type: QueueType,
     consumer_timeout_ms: int,
 ) -> aio_pika.abc.AbstractQueue:
-    """Declare the exchanges and queues both sides use; returns the work queue."""
-    dlx = await channel.declare_exchange(
-        topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    """Declare the exchanges and queues both sides use; returns the work queue.
+
+    A declaration the broker refuses (a queue that exists with other arguments, a user without
+    the permissions) raises StartupError with the fix: the same declaration again cannot pass.
+    """
+    prefix = topology.prefix
+    with _refused("the dead-letter exchange", topology.dead_letter_exchange, prefix):
+        dlx = await channel.declare_exchange(
+            topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+    other: QueueType = "quorum" if queue_type == "classic" else "classic"
+    errors = await _declare_queue(
+        channel,
+        "error",
+        topology.error_queue,
+        prefix,
+        {"x-queue-type": queue_type},
+        {"x-queue-type": other},
     )
-    errors = await channel.declare_queue(
-        topology.error_queue, durable=True, arguments={"x-queue-type": queue_type}
-    )
-    await errors.bind(dlx)
-    await channel.declare_exchange(
-        topology.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
-    )
+    with _refused("the error queue's binding", topology.error_queue, prefix):
+        await errors.bind(dlx)
+    with _refused("the control exchange", topology.control_exchange, prefix):
+        await channel.declare_exchange(
+            topology.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+        )
     args = work_queue_arguments(
         version=version, queue_type=queue_type, consumer_timeout_ms=consumer_timeout_ms
     )
-    args["x-dead-letter-exchange"] = topology.dead_letter_exchange
-    return await channel.declare_queue(topology.work_queue, durable=True, arguments=args)
+    before = work_queue_arguments(
+        version=version, queue_type=other, consumer_timeout_ms=consumer_timeout_ms
+    )
+    args["x-dead-letter-exchange"] = before["x-dead-letter-exchange"] = (
+        topology.dead_letter_exchange
+    )
+    return await _declare_queue(channel, "work", topology.work_queue, prefix, args, before)
+
+
+async def _declare_queue(
+    channel: AbstractChannel,
+    role: str,
+    name: str,
+    prefix: str,
+    args: dict[str, Any],
+    other_type: dict[str, Any],
+) -> aio_pika.abc.AbstractQueue:
+    """Declare one durable queue; when it exists with other arguments, raise the StartupError
+    that says how it differs (``other_type``: the same queue of the other type, the likely
+    cause: an ORCH_QUEUE_TYPE change). Probing with an equal declaration changes nothing."""
+    with _refused(f"the {role} queue", name, prefix):
+        try:
+            return await channel.declare_queue(name, durable=True, arguments=args)
+        except ChannelPreconditionFailed as exc:
+            differs = f"asked {_shown(args)}"
+            fix = "declare it as before (ORCH_QUEUE_TYPE, ORCH_CONSUMER_TIMEOUT_MS)"
+            with contextlib.suppress(ChannelPreconditionFailed):
+                await channel.reopen()  # the refusal closed the channel
+                await channel.declare_queue(name, durable=True, arguments=other_type)
+                differs = f"x-queue-type {other_type['x-queue-type']}, asked {args['x-queue-type']}"
+                fix = "set ORCH_QUEUE_TYPE back"
+            raise StartupError(
+                f"the {role} queue {name} exists with other arguments ({differs}): delete it "
+                f"(its messages go with it) or {fix}"
+            ) from exc
+
+
+def _shown(args: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in args.items())
+
+
+@contextlib.contextmanager
+def _refused(what: str, name: str, prefix: str) -> Iterator[None]:
+    """A declaration refused for want of permissions: the StartupError that names them."""
+    try:
+        yield
+    except ChannelAccessRefused as exc:
+        raise StartupError(
+            f"RabbitMQ refuses {what} {name} to this user ({exc}): grant it configure, write "
+            f"and read permissions on names starting with {prefix}."
+        ) from exc
 
 
 async def delete_topology(amqp_url: str, topology: Topology) -> None:

@@ -6,15 +6,17 @@ import asyncio
 import logging
 import os
 import signal
+import time
 import uuid
 
 import asyncpg
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from contracts import __version__, logs, pgconnect
 from contracts.clock import Clock
-from contracts.errors import DatabaseUnavailable, StartupError
+from contracts.errors import DatabaseUnavailable, StartupError, database_errors
 from contracts.kinds import KindSpec
-from contracts.settings import default_host
+from contracts.settings import default_host, where
 from contracts.witness import Witness
 from observer_service import guard
 from observer_service.broker import AmqpBroker
@@ -33,8 +35,11 @@ from observer_service.witnessing import start_tracing
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
-    """Run one service until SIGTERM/SIGINT; returns the exit code.
+async def serve(
+    settings: ServiceSettings, kinds: dict[str, KindSpec], *, wait_until: float = 0.0
+) -> int:
+    """Run one service until SIGTERM/SIGINT; returns the exit code. While the database is
+    unavailable its connections are tried again until ``wait_until`` (``time.monotonic()``).
 
     If a graceful stop leaves copies running (a kind that does not stop in time), the process
     exits at once instead of returning: the copies must end with it."""
@@ -52,18 +57,37 @@ async def serve(settings: ServiceSettings, kinds: dict[str, KindSpec]) -> int:
     # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
     # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
     size = min(20, 2 + settings.worker_count)
-    pool = await asyncpg.create_pool(
-        settings.asyncpg_dsn,
-        connect=pgconnect.connect,  # several hosts: each in turn, as libpq tries them
-        min_size=min(4, size),
-        max_size=size,
-        max_inactive_connection_lifetime=0,
-        init=prepare_connection,
-        reset=keep_session,
-        server_settings=SERVER_SETTINGS,
-        timeout=max(2.0, timings.ttl),
-        command_timeout=max(5.0, 2 * timings.ttl),
-    )
+
+    async def open_pool() -> asyncpg.Pool:
+        with database_errors():
+            return await asyncpg.create_pool(
+                settings.asyncpg_dsn,
+                connect=pgconnect.connect,  # several hosts: each in turn, as libpq tries them
+                min_size=min(4, size),
+                max_size=size,
+                max_inactive_connection_lifetime=0,
+                init=prepare_connection,
+                reset=keep_session,
+                server_settings=SERVER_SETTINGS,
+                timeout=max(2.0, timings.ttl),
+                command_timeout=max(5.0, 2 * timings.ttl),
+            )
+
+    # The start-up check took one connection; a server at its connection limit may refuse the
+    # pool's several: that is a server not there yet, waited for like one that is down.
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(max(0.0, wait_until - time.monotonic())),
+            wait=wait_fixed(1.0),
+            retry=retry_if_exception_type(DatabaseUnavailable),
+            reraise=True,
+        ):
+            with attempt:
+                pool = await open_pool()
+    except DatabaseUnavailable as exc:
+        raise StartupError(
+            f"cannot open connections to Postgres at {where(settings.database_url)}: {exc}"
+        ) from exc
     lease_database = PgLeaseDatabase(
         settings.asyncpg_dsn,
         service_id=service_id,

@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -200,7 +201,8 @@ def service(
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
-    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds)))
+    until = time.monotonic() + wait  # the check's wait and the pool's share one deadline
+    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds, wait_until=until)))
 
 
 @app.command()
@@ -470,7 +472,7 @@ def _scratch_server(settings: S) -> S:
         update={"database_url": on_database(settings.database_url, "postgres")}
     )
     try:
-        asyncio.run(check_servers(server, need_schema=False))
+        asyncio.run(check_servers(server, need_schema=False, declare=False))
     except StartupError as exc:
         _fail(str(exc))
     return server

@@ -218,6 +218,17 @@ class FaultEvent:
     skipped: str | None = None
 
 
+class Answer:
+    """A manager's HTTP answer, and whether it came to a call tried more than once."""
+
+    def __init__(self, response: httpx.Response, *, retried: bool) -> None:
+        self.response, self.retried = response, retried
+        self.status_code, self.text = response.status_code, response.text
+
+    def json(self) -> Any:
+        return self.response.json()
+
+
 @dataclass
 class Campaign:
     """Runs ``schedule`` against ``cluster``. ``say`` prints a line as it happens."""
@@ -242,6 +253,10 @@ class Campaign:
     #: How many of each fault were applied (not skipped).
     done: Counter[str] = field(default_factory=Counter)
     broker_down: bool = False
+    #: Seconds a create or delete is tried again while managers answer 5xx or nothing.
+    api_patience: float = 30.0
+    #: Creates and deletes the managers did not accept (each a finding, like an exit).
+    api_failures: list[str] = field(default_factory=list)
     _created: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -325,21 +340,59 @@ class Campaign:
 
     async def _create(self, spec: ObserverSpec) -> None:
         self._created += 1
-        body = {"name": f"verify-{self._created}", "kind": spec.kind, "params": spec.params}
-        async with await self._api() as api:
-            r = await api.post("/observers", json=body)
-        if r.status_code != 201:
-            raise RuntimeError(f"creating {spec.kind} failed: {r.status_code} {r.text[:300]}")
+        name = f"verify-{self._created}"
+        body = {"name": name, "kind": spec.kind, "params": spec.params}
+        r = await self._call("POST", "/observers", json=body)
+        if r is not None and r.status_code == 409 and r.retried:
+            r = await self._adopt(name)  # an attempt the lost answer was to had created it
+        if r is None or r.status_code != 201:
+            self._api_failed(f"creating {spec.kind} {name}", r)
+            return
         oid = uuid.UUID(r.json()["id"])
         self.live[oid] = self.kinds[oid] = spec.kind
 
     async def _delete(self, oid: uuid.UUID) -> None:
-        async with await self._api() as api:
-            r = await api.delete(f"/observers/{oid}")
-        if r.status_code != 202:
-            raise RuntimeError(f"deleting {oid} failed: {r.status_code} {r.text[:300]}")
+        r = await self._call("DELETE", f"/observers/{oid}")
+        if r is None or r.status_code != 202:
+            self._api_failed(f"deleting {oid}", r)
+            return
         self.live.pop(oid)
         self.deleted[oid] = int(r.json()["epoch"])
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Answer | None:
+        """One call to a live manager, tried again (on another, maybe) while the answer is a 5xx
+        or none: a manager killed, or one whose leader was, mid-request. None: no answer."""
+        deadline = time.monotonic() + self.api_patience
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                async with await self._api() as api:
+                    r = await api.request(method, path, **kwargs)
+                if r.status_code < 500 or time.monotonic() > deadline:
+                    return Answer(r, retried=tries > 1)
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    return None
+            await asyncio.sleep(min(0.5, 0.05 * tries))
+
+    async def _adopt(self, name: str) -> Answer | None:
+        """The observer named ``name``, as a create's 201 would have given it."""
+        r = await self._call("GET", "/observers", params={"name": name})
+        if r is None or r.status_code != 200:
+            return r
+        for item in r.json()["items"]:
+            if item["name"] == name:
+                return Answer(httpx.Response(201, json=item), retried=True)
+        return r
+
+    def _api_failed(self, what: str, r: Answer | None) -> None:
+        """A create or delete the managers did not accept: a finding of its own (the verdict
+        names it), never the run's end."""
+        answer = "no answer" if r is None else f"{r.status_code} {r.text[:200]}"
+        failure = f"{what}: {answer} (tried for {self.api_patience:.0f}s)"
+        self.api_failures.append(failure)
+        self.note(f"API FAILED: {failure}")
 
     def _later(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)

@@ -112,6 +112,8 @@ class Verdict:
     history: dict[str, list[str]] = field(default_factory=dict)
     #: Processes of the orchestrator that exited without being asked (a crash, a bug).
     exits: list[str] = field(default_factory=list)
+    #: Creates and deletes of the campaign that no manager accepted in time.
+    api_failures: list[str] = field(default_factory=list)
 
     def where(self, c: Copy) -> str:
         name = self.names.get(c.pid)
@@ -136,12 +138,15 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.promise_held and self.stopped_in_time and not self.exits
+        return (
+            self.promise_held and self.stopped_in_time and not self.exits and not self.api_failures
+        )
 
     def lines(self) -> list[str]:
         """The verdict as lines of text, one finding each."""
         out = [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
         out += [f"EXITED ON ITS OWN {e}" for e in self.exits]
+        out += [f"API FAILED {f}" for f in self.api_failures]
         for o in self.overlaps:
             out.append(
                 f"OVERLAP {o.kind} {o.observer}: {self.where(o.a)} and {self.where(o.b)} ran at "
@@ -168,6 +173,8 @@ class Verdict:
         held = "held" if self.promise_held else "BROKEN"
         timely = "every kind stopped in time" if self.stopped_in_time else "a kind did not stop"
         crashed = f"; {len(self.exits)} process(es) exited on their own" if self.exits else ""
+        if self.api_failures:
+            crashed += f"; {len(self.api_failures)} API call(s) failed"
         out.append(f"verdict: the promise {held}; {timely}{crashed}")
         return out
 
@@ -191,6 +198,7 @@ class Verdict:
             "own_error_restarts": self.own_error_restarts,
             "witness_broken": self.broken,
             "exited_on_their_own": self.exits,
+            "api_failures": self.api_failures,
             "history": self.history,
             "kinds": {
                 name: {

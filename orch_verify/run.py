@@ -203,6 +203,7 @@ async def _settle_and_judge(
     campaign.check_exits()
     verdict.names = dict(campaign.processes)
     verdict.exits = list(campaign.exits)
+    verdict.api_failures = list(campaign.api_failures)
     for observer in {o.observer for o in verdict.overlaps}:
         rows = await cluster.q(
             "SELECT extract(epoch FROM e.at) AS at, e.event, e.epoch, s.name, e.detail "

@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import asyncpg
 import pytest
-from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
+from aiormq.exceptions import (
+    AMQPConnectionError,
+    AuthenticationError,
+    ChannelAccessRefused,
+    ChannelClosed,
+    ChannelInvalidStateError,
+    ChannelLockedResource,
+    ChannelNotFoundEntity,
+    ChannelPreconditionFailed,
+    ConnectionClosed,
+    ConnectionNotAllowed,
+    ProbableAuthenticationError,
+)
 
 from contracts.errors import (
+    BrokerRefused,
     BrokerUnavailable,
     Conflict,
     DatabaseUnavailable,
@@ -64,6 +77,42 @@ def test_a_bug_stays_a_bug() -> None:
     "error", [AMQPConnectionError("gone"), ChannelInvalidStateError("closed"), OSError("reset")]
 )
 def test_broker_errors_become_ours(error: BaseException) -> None:
+    with pytest.raises(BrokerUnavailable), broker_errors():
+        raise error
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (ChannelAccessRefused("ACCESS_REFUSED - no configure permission"), 403),
+        (ChannelPreconditionFailed("PRECONDITION_FAILED - inequivalent arg"), 406),
+        (ProbableAuthenticationError("ACCESS_REFUSED - login refused"), 403),
+        (ConnectionNotAllowed("NOT_ALLOWED - vhost / not allowed"), 530),
+        (ChannelClosed(406, "a code aiormq has no class for comes as the first argument"), 406),
+        (ConnectionClosed(530, "not allowed"), 530),
+        (AuthenticationError(["AMQPLAIN"], ["PLAIN"]), None),
+    ],
+)
+def test_a_refusal_is_known_by_its_reply_code_and_never_retried(
+    error: BaseException, code: int | None
+) -> None:
+    """The same declaration or login again gets the same no: retrying it would loop forever."""
+    with pytest.raises(BrokerRefused) as info, broker_errors():
+        raise error
+    assert not isinstance(info.value, BrokerUnavailable)
+    assert info.value.reply_code == code
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ChannelNotFoundEntity("NOT_FOUND - no queue"),  # declared again on the next session
+        ChannelLockedResource("RESOURCE_LOCKED - exclusive queue"),  # its owner is leaving
+        ConnectionClosed(320, "CONNECTION_FORCED - broker shutdown"),
+        ChannelClosed(None, None),
+    ],
+)
+def test_what_a_new_session_can_mend_stays_transient(error: BaseException) -> None:
     with pytest.raises(BrokerUnavailable), broker_errors():
         raise error
 

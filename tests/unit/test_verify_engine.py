@@ -10,6 +10,8 @@ import sys
 import threading
 import tracemalloc
 import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from contracts.witness import Record, Witness
 from observer_service.guard import Timing, guarded
 from observer_service.stalls import StallWatch
 from orch.cluster import Proc
-from orch_verify.campaign import FAULTS, Campaign, parse_faults, plan
+from orch_verify.campaign import FAULTS, Campaign, ObserverSpec, Planned, parse_faults, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import GROWTH_FLAG, Verdict, judge
 from orch_verify.run import parse_observer
@@ -118,6 +120,81 @@ def test_a_process_that_exits_unasked_is_noted_replaced_and_fails_the_verdict(
     assert verdict.promise_held  # a crash is reported on its own line, not as a broken promise
     assert verdict.lines()[0].startswith("EXITED ON ITS OWN manager")
     assert verdict.lines()[-1].endswith("1 process(es) exited on their own")
+
+
+class _Manager(BaseHTTPRequestHandler):
+    """A manager in the middle of a leader kill: every answer a 503, the first creates too."""
+
+    creates_refused = 2
+    calls: list[str] = []
+
+    def _answer(self, code: int, body: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_POST(self) -> None:
+        self.calls.append("POST")
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.calls.count("POST") <= self.creates_refused:
+            self._answer(503, '{"detail": "no leader yet"}')
+        else:
+            self._answer(201, f'{{"id": "{O1}"}}')
+
+    def do_DELETE(self) -> None:
+        self.calls.append("DELETE")
+        self._answer(503, '{"detail": "the database is unavailable"}')
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def manager_port() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Manager)
+    _Manager.calls = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_manager_answering_5xx_in_churn_is_retried_then_a_verdict_line_not_a_traceback(
+    manager_port: int,
+) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    manager = Proc("manager", subprocess.Popen(sleeper), None, port=manager_port)
+    said: list[str] = []
+    spec = ObserverSpec("ticker", {}, 1)
+    campaign = Campaign(FaultCluster(env={}), 1, [], [spec], say=said.append, api_patience=1.0)
+    campaign.managers = [manager]
+    doomed = uuid.UUID(O2)
+    campaign.live[doomed] = campaign.kinds[doomed] = "ticker"
+    try:
+        asyncio.run(campaign._churn(Planned(1.0, "churn", picks=(0.0,), creates=1)))
+    finally:
+        manager.popen.kill()
+        manager.popen.wait()
+    # The create's 503s were tried again until it was accepted.
+    assert uuid.UUID(O1) in campaign.live
+    # The delete was never accepted: noted, kept live, and a finding of the verdict.
+    assert doomed in campaign.live
+    assert _Manager.calls.count("DELETE") > 1
+    assert len(campaign.api_failures) == 1
+    assert campaign.api_failures[0].startswith(f"deleting {doomed}: 503 ")
+    assert any("API FAILED: deleting" in line for line in said)
+    verdict = verdict_of([rec("run", O1, 1, 10, 1.0), rec("run", O2, 1, 20, 1.0)])
+    verdict.api_failures = campaign.api_failures
+    assert not verdict.passed
+    assert verdict.promise_held
+    assert verdict.lines()[0].startswith(f"API FAILED deleting {doomed}")
+    assert verdict.lines()[-1].endswith("1 API call(s) failed")
 
 
 def test_observers_are_given_as_kind_count_and_params() -> None:
