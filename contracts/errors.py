@@ -5,6 +5,7 @@
     OrchError
     ├── Transient                 retry: a server we need is unavailable for now
     │   ├── DatabaseUnavailable
+    │   │   └── RowLocked         a row the write needs is locked by another transaction
     │   └── BrokerUnavailable
     ├── BrokerRefused             the broker refuses what we asked (403, 406, 530): no retry helps
     ├── Conflict                  409: the request contradicts the current state
@@ -51,6 +52,11 @@ class Transient(OrchError):
 
 class DatabaseUnavailable(Transient):
     pass
+
+
+class RowLocked(DatabaseUnavailable):
+    """A row the write needs is locked by another transaction (SQLSTATE 55P03, or a batch that
+    skipped it): not written and not fenced either, so it is retried like an outage."""
 
 
 class BrokerUnavailable(Transient):
@@ -112,7 +118,8 @@ class LeaseLost(BaseException):
 
 
 # SQLSTATE classes: https://www.postgresql.org/docs/current/errcodes-appendix.html
-_TRANSIENT_STATES = ("08", "53", "57P", "40001", "40P01", "57014", "55P03")
+_TRANSIENT_STATES = ("08", "53", "57P", "40001", "40P01", "57014")
+_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout, NOWAIT
 _INPUT_STATES = ("22", "54")
 
 
@@ -139,6 +146,8 @@ def convert_database_error(exc: BaseException) -> BaseException:
         return Conflict(_first_line(exc))
     if state.startswith(_INPUT_STATES):
         return InvalidInput(_first_line(exc))
+    if state == _LOCK_NOT_AVAILABLE:
+        return RowLocked(_first_line(exc))
     if state.startswith(_TRANSIENT_STATES):
         return DatabaseUnavailable(_first_line(exc))
     if isinstance(

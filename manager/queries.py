@@ -139,9 +139,12 @@ UNDRAIN = (
 )
 
 # ---------------------------------------------------------------------- leader: the sweeper
+# A services row another transaction has locked (a take's FOR SHARE) is skipped, never waited
+# for: the next sweep sees it again.
 SWEEP_EXPIRED = (
     "UPDATE services SET is_deleted = true, modified_at = now() "
-    "WHERE NOT is_deleted AND lease_expires_at < clock_timestamp() RETURNING id, name"
+    "WHERE id = ANY(ARRAY(SELECT id FROM services WHERE NOT is_deleted "
+    "AND lease_expires_at < clock_timestamp() FOR NO KEY UPDATE SKIP LOCKED)) RETURNING id, name"
 )
 # Live by their lease, but their lease session has ended: the process may be gone (it is when
 # its broker connection is gone too) or it is fencing itself.
@@ -155,8 +158,9 @@ SESSION_ENDED = (
 # run observers again. (The lock this transaction took when it looked is its own to take again.)
 DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
-    "modified_at = now() WHERE id = ANY(:ids) AND NOT is_deleted AND stalled_since IS NULL "
-    "AND pg_try_advisory_xact_lock(lock_key) RETURNING id, name"
+    "modified_at = now() WHERE id = ANY(ARRAY(SELECT id FROM services WHERE id = ANY(:ids) "
+    "AND NOT is_deleted AND stalled_since IS NULL AND pg_try_advisory_xact_lock(lock_key) "
+    "FOR NO KEY UPDATE SKIP LOCKED)) RETURNING id, name"
 )
 # Dead services (the orphans' holders); then what they hold, by the service_id index. A sweep
 # reads what dead services still hold, not every observer.

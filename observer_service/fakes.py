@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.clock import Clock
-from contracts.errors import BrokerUnavailable, DatabaseUnavailable
+from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.statuses import HELD, STOPPED, ObserverStatus
 from observer_service.ports import (
+    LOCKED,
     Checkpoint,
     Copy,
     ErrorRecord,
+    Locked,
     OnControl,
     OnStart,
     Renewal,
@@ -84,7 +86,9 @@ class FakeService:
 
 class InMemoryStore:
     """Observer rows in a dict. ``available`` False makes every call raise DatabaseUnavailable;
-    ``hold`` (an event) makes take_many wait until it is set, to open a race on purpose."""
+    ``hold`` (an event) makes take_many wait until it is set, to open a race on purpose; the
+    rows in ``locked`` are locked by another transaction: a batch answers LOCKED for them, a
+    single write raises RowLocked."""
 
     def __init__(self, me: uuid.UUID, clock: Clock | None = None) -> None:
         self.me = me
@@ -96,6 +100,7 @@ class InMemoryStore:
         #: This many take_many calls commit and then raise, as a lost reply would.
         self.lose_replies = 0
         self.calls: list[str] = []
+        self.locked: set[uuid.UUID] = set()
 
     def add(self, kind: str = "ticker", **fields: Any) -> Row:
         row = Row(id=uuid.uuid4(), kind=kind, **fields)
@@ -117,11 +122,11 @@ class InMemoryStore:
 
     async def take_many(
         self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult]:
+    ) -> list[TakeResult | Locked]:
         if self.hold is not None:
             await self.hold.wait()
         self._up("take_many")
-        out = []
+        out: list[TakeResult | Locked] = []
         for req in requests:
             row = self.rows.get(req.observer_id)
             if row is None:
@@ -148,7 +153,9 @@ class InMemoryStore:
                 running_here=req.running_here,
                 room=req.room,
             )
-            if row is not None and decision is Decision.TAKE:
+            if row is not None and row.id in self.locked and decision in _WRITES:
+                out.append(LOCKED)
+            elif row is not None and decision is Decision.TAKE:
                 row.status, row.service_id, row.epoch = (
                     ObserverStatus.PROCESSING,
                     self.me,
@@ -173,24 +180,32 @@ class InMemoryStore:
             raise DatabaseUnavailable("connection lost before the reply")
         return out
 
-    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
+    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
         self._up("checkpoint_many")
-        out = []
+        out: list[bool | Locked] = []
         for c in items:
             row = self.rows.get(c.observer_id)
             ok = self._mine(row, Copy(c.observer_id, c.epoch))
+            if ok and c.observer_id in self.locked:
+                out.append(LOCKED)
+                continue
             if ok and row is not None:
                 row.checkpoint = json.loads(c.state_json)
             out.append(ok)
         return out
 
-    async def let_go_many(self, copies: Sequence[Copy], detail: str) -> list[ObserverStatus | None]:
+    async def let_go_many(
+        self, copies: Sequence[Copy], detail: str
+    ) -> list[ObserverStatus | Locked | None]:
         self._up("let_go_many")
-        out: list[ObserverStatus | None] = []
+        out: list[ObserverStatus | Locked | None] = []
         for copy in copies:
             row = self.rows.get(copy[0])
             if row is None or not self._mine(row, copy):
                 out.append(None)
+                continue
+            if row.id in self.locked:
+                out.append(LOCKED)
                 continue
             row.status = STOPPED.get(row.status, row.status)
             row.service_id = None
@@ -205,6 +220,8 @@ class InMemoryStore:
         row = self.rows.get(copy[0])
         if row is None or not self._mine(row, copy):
             return None
+        if row.id in self.locked:
+            raise RowLocked("the fake row is locked")
         now = self.clock.now()
         fresh = row.restarted_at is None or row.restarted_at < now - policy.reset_after
         n = 1 if fresh else row.restart_count + 1
@@ -248,6 +265,10 @@ class InMemoryStore:
     async def held_count(self) -> int:
         self._up("held_count")
         return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
+
+
+#: The decisions a take writes (a locked row makes them LOCKED).
+_WRITES = frozenset({Decision.TAKE, Decision.COMPLETE_STOP})
 
 
 def _taken(row: Row, req: StartRequest) -> Taken:

@@ -38,12 +38,13 @@ from observer_service.ports import (
     Copy,
     Delivery,
     ErrorRecord,
+    Locked,
     StartRequest,
     Store,
     Taken,
     TakeResult,
 )
-from observer_service.retry import until_done, while_leased
+from observer_service.retry import landed, until_done, while_leased
 from observer_service.runner import Runner, refused, run_observer
 from observer_service.settle import Disposition, Settler
 from observer_service.stalls import StallWatch
@@ -56,7 +57,7 @@ class Host(Protocol):
     """What intake needs of the service around it."""
 
     runners: dict[uuid.UUID, Runner]
-    checkpoints: Batcher[Checkpoint, bool]
+    checkpoints: Batcher[Checkpoint, bool | Locked]
 
     def accepting(self) -> bool:
         """Neither stopping nor draining: new copies may start here."""
@@ -100,7 +101,7 @@ class Intake:
         self.metrics = metrics
         self.clock = clock
         self.stalls = stalls
-        self.takes: Batcher[StartRequest, TakeResult] = Batcher(
+        self.takes: Batcher[StartRequest, TakeResult | Locked] = Batcher(
             self._take_batch, in_flight=2, linger=LINGER
         )
         self.departed = Departed()
@@ -189,7 +190,7 @@ class Intake:
         while True:
             ended = self.lease.sessions_ended
             try:
-                result = await while_leased(partial(self.takes.submit, request), alive)
+                result = await while_leased(partial(self._submit_take, request), alive)
             except LeaseLost:
                 await self.settler.dispose(start, origin, Disposition.REQUEUE)
                 return None
@@ -240,7 +241,11 @@ class Intake:
             return None
         return taken
 
-    async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult]:
+    async def _submit_take(self, request: StartRequest) -> TakeResult:
+        """A take in the next batch; RowLocked where its row was locked (retried alone)."""
+        return landed(await self.takes.submit(request))
+
+    async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
         self.metrics.take_batch.observe(len(requests))
         return await self.store.take_many(requests, self.departed)
@@ -355,10 +360,15 @@ class Intake:
             runner.blame = reason
 
     async def _save(self, copy: Copy, state: Any) -> None:
-        """A checkpoint: fenced, batched, retried while the lease holds."""
+        """A checkpoint: fenced, batched, retried while the lease holds (also alone, when the
+        batch skipped its row as locked: that is no fence)."""
         item = Checkpoint(copy.observer_id, copy.epoch, checkpoint_json(state))
         checkpoints = self.host.checkpoints
-        if not await while_leased(lambda: checkpoints.submit(item), self.lease.valid):
+
+        async def write() -> bool:
+            return landed(await checkpoints.submit(item))
+
+        if not await while_leased(write, self.lease.valid):
             self.metrics.fenced.labels("checkpoint").inc()
             raise refused("checkpoint")
 

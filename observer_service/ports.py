@@ -11,12 +11,24 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
 from observer_service.take import Decision, Departed
+
+
+class Locked(Enum):
+    """A batched write skipped a row another transaction had locked, so that the rest of the
+    batch need not wait: not written, and not fenced either. The caller writes it again."""
+
+    ROW = "row locked"
+
+
+#: What a batched write answers for an item whose row it skipped as locked.
+LOCKED = Locked.ROW
 
 
 class Copy(NamedTuple):
@@ -99,19 +111,21 @@ class Renewal:
 
 class Store(Protocol):
     """The service's reads and writes of observer rows. Every write for a running copy is fenced
-    by its epoch and holder. Raises DatabaseUnavailable when the database is."""
+    by its epoch and holder. Raises DatabaseUnavailable when the database is (RowLocked when a
+    row is locked by another transaction); a batch answers LOCKED for a row it skipped as
+    locked, and never waits for one."""
 
     me: uuid.UUID
 
     async def take_many(
         self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult]: ...
+    ) -> list[TakeResult | Locked]: ...
 
-    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]: ...
+    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]: ...
 
     async def let_go_many(
         self, copies: Sequence[Copy], detail: str
-    ) -> list[ObserverStatus | None]: ...
+    ) -> list[ObserverStatus | Locked | None]: ...
 
     async def record_error(
         self, copy: Copy, error: str, policy: RestartPolicy

@@ -7,6 +7,8 @@ Parameters: ``$2`` is always this service's id where a statement needs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from contracts.statuses import (
     HELD,
     STOPPED,
@@ -27,16 +29,56 @@ def _let_go_event(status_column: str) -> str:
     return f"CASE {status_column} {cases} ELSE '{Event.RELEASED.value}' END"
 
 
+def _events(event: str, detail: str, service: str) -> str:
+    return f"""e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
+           SELECT u.id, {event}, {service}::uuid, u.epoch, {detail} FROM u)"""
+
+
 def with_events(update: str, event: str, detail: str, service: str = "$2") -> str:
     """``update`` (a statement returning ``id``, ``epoch`` and whatever it needs) plus one
     history row per updated observer. ``event`` and ``detail`` are SQL over the update's rows
     (``u``); a plain event is ``Event.X.sql``."""
     return f"""
 WITH u AS ({update}),
-     e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
-           SELECT u.id, {event}, {service}::uuid, u.epoch, {detail} FROM u)
+     {_events(event, detail, service)}
 SELECT * FROM u
 """
+
+
+def skipping_locked(
+    where: Callable[[str], str],
+    set_: str,
+    returning: str,
+    *,
+    events: tuple[str, str] | None = None,
+) -> str:
+    """A batched write that never waits for a row another transaction has locked: ``free``
+    locks the target rows it can (SKIP LOCKED), only those are updated (``written`` true), and
+    every target row as the statement's snapshot saw it follows (``written`` false). An item in
+    both landed; one only in the second was skipped as locked (it is written again alone); one
+    in neither is no longer ours (fenced).
+
+    ``where(lock)`` selects the targets (observers ``o``), ``lock`` being the clause for any
+    other row it locks; ``returning``: the extra columns of a written
+    row (NULL in the others); ``events``: the history row (event, detail) of each written one."""
+    extra = [c.strip() for c in returning.split(", ") if c.strip()]
+    columns = "".join(f", {c}" for c in extra)
+    nulls = ", NULL" * len(extra)
+    history = f",\n     {_events(events[0], events[1], '$2')}" if events else ""
+    return f"""
+WITH free AS (SELECT o.id FROM observers o WHERE {where(_SKIP_SHARE)}
+                 FOR NO KEY UPDATE OF o SKIP LOCKED),
+     u AS (UPDATE observers o SET {set_}
+            WHERE {where(_SKIP_SHARE)} AND o.id = ANY(ARRAY(SELECT free.id FROM free))
+        RETURNING o.id, o.epoch{columns}){history}
+SELECT u.*, true AS written FROM u
+UNION ALL
+SELECT o.id, o.epoch{nulls}, false FROM observers o WHERE {where("")}
+"""
+
+
+#: How a batched write locks a row besides its targets: without waiting either.
+_SKIP_SHARE = "FOR SHARE SKIP LOCKED"
 
 
 def event(e: Event) -> str:
@@ -60,35 +102,44 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
  WHERE o.id = ANY($1::uuid[])
 """
 
-# $1 ids, $2 me, $3 epochs seen, $4 dispatch ids seen, $5 statuses seen, $6 holders seen,
-# $7 details, $8 the live holder's lock key found free (NULL unless taking from a live holder):
-# the compare-and-set stands in for a row lock (the epoch is the row's version). A take from a
-# live holder also holds only while the holder's row names the key found free: the FOR SHARE
-# lock orders it with the holder's renewal on a new session (which publishes a new key), so
-# either the take lands first and that holder's next look at its rows sees it, or the key has
-# changed and the take does not land.
-_SEEN = """
-  FROM unnest($1::uuid[], $3::bigint[], $4::uuid[], $5::text[], $6::uuid[], $7::text[],
-              $8::bigint[])
-       AS v(id, epoch, dispatch_id, status, holder, detail, holder_key)
- WHERE o.id = v.id AND o.epoch = v.epoch AND o.dispatch_id = v.dispatch_id
-   AND o.status = v.status AND o.service_id IS NOT DISTINCT FROM v.holder
-   AND (v.holder_key IS NULL
+# $1 ids, $2 me, $3 what was seen of each row: {"<id>": {"epoch", "dispatch_id", "status",
+# "holder", "detail", "holder_key"}}, holder_key being the live holder's lock key found free
+# (null unless taking from a live holder); looked up per row by key, like the batch writes
+# below, so that the plan reads the batch's rows by primary key and never joins. The
+# compare-and-set stands in for a row lock (the epoch is the row's version). A take from a live
+# holder also holds only while the holder's row names the key found free: the FOR SHARE lock
+# orders it with the holder's renewal on a new session (which publishes a new key), so either
+# the take lands first and that holder's next look at its rows sees it, or the key has changed
+# and the take does not land. That lock, like the observer rows, is taken SKIP LOCKED: a take
+# never waits (nor makes the sweeper wait behind it); a row it skipped is LOCKED.
+_AS_SEEN = "($3::jsonb -> o.id::text)"
+
+
+def _seen(lock: str) -> str:
+    v = _AS_SEEN
+    return f"""o.id = ANY($1::uuid[])
+   AND (o.epoch = ({v} ->> 'epoch')::bigint AND o.dispatch_id = ({v} ->> 'dispatch_id')::uuid
+        AND o.status = {v} ->> 'status'
+        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid) IS TRUE
+   AND ({v} ->> 'holder_key' IS NULL
         OR EXISTS (SELECT 1 FROM services s
-                    WHERE s.id = v.holder AND s.lock_key = v.holder_key FOR SHARE))
-"""
-TAKE = with_events(
-    f"UPDATE observers o SET status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, "
-    f"started_at = now(), modified_at = now() {_SEEN} RETURNING o.id, o.epoch, v.detail",
-    event(Event.TAKEN),
-    "u.detail",
+                    WHERE s.id = ({v} ->> 'holder')::uuid
+                      AND s.lock_key = ({v} ->> 'holder_key')::bigint {lock}))"""
+
+
+TAKE = skipping_locked(
+    _seen,
+    f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
+    "modified_at = now()",
+    f"{_AS_SEEN} ->> 'detail' AS detail",
+    events=(event(Event.TAKEN), "u.detail"),
 )
 # Being deleted or paused and nobody runs it: complete the stop.
-COMPLETE_STOP = with_events(
-    f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
-    f"modified_at = now() {_SEEN} RETURNING o.id, o.epoch, o.status",
-    _let_go_event("u.status"),
-    "'not running'",
+COMPLETE_STOP = skipping_locked(
+    _seen,
+    f"status = {sql_stopped('o.status')}, service_id = NULL, modified_at = now()",
+    "o.status",
+    events=(_let_go_event("u.status"), "'not running'"),
 )
 
 # -------------------------------------------------------------------- writes of a running copy
@@ -107,22 +158,20 @@ _MY_BATCH = (
 )
 
 # $1 ids, $2 me, $3 {"<id>:<epoch>": state}
-CHECKPOINT = f"""
-UPDATE observers AS o
-   SET checkpoint = $3::jsonb -> {_COPY}, checkpointed_at = clock_timestamp(),
-       modified_at = now()
- WHERE {_MY_BATCH}
-RETURNING o.id, o.epoch
-"""
+CHECKPOINT = skipping_locked(
+    lambda _: _MY_BATCH,
+    f"checkpoint = $3::jsonb -> {_COPY}, checkpointed_at = clock_timestamp(), modified_at = now()",
+    "",
+)
 
 # $1 ids, $2 me, $3 {"<id>:<epoch>": true}, $4 detail: the copy has stopped; the row is
 # released, or becomes what its holder's stop makes of it (deleted), whichever way it was asked
 # to stop.
-LET_GO = with_events(
-    f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
-    f"modified_at = now() WHERE {_MY_BATCH} RETURNING o.id, o.epoch, o.status",
-    _let_go_event("u.status"),
-    "$4::text",
+LET_GO = skipping_locked(
+    lambda _: _MY_BATCH,
+    f"status = {sql_stopped('o.status')}, service_id = NULL, modified_at = now()",
+    "o.status",
+    events=(_let_go_event("u.status"), "$4::text"),
 )
 
 
@@ -132,7 +181,8 @@ def copy_key(observer_id: object, epoch: int) -> str:
 
 
 # $1 id, $2 me, $3 epoch, $4 error, $5 reset_after (s), $6 max_restarts. Restarts are counted
-# in a window that heals: after reset_after seconds without one, the count starts again.
+# in a window that heals: after reset_after seconds without one, the count starts again. A row
+# locked by another transaction fails it at once (NOWAIT: RowLocked, retried), never a wait.
 RECORD_ERROR = with_events(
     f"""
 WITH cur AS (
@@ -142,7 +192,7 @@ WITH cur AS (
            status = {_PROCESSING} AS may_fail
       FROM observers
      WHERE id = $1 AND epoch = $3 AND service_id = $2 AND {sql_in("status", HELD)}
-       FOR UPDATE)
+       FOR NO KEY UPDATE NOWAIT)
 UPDATE observers o
    SET restart_count = CASE WHEN cur.may_fail AND cur.n > $6 THEN cur.n - 1 ELSE cur.n END,
        status = CASE WHEN cur.may_fail AND cur.n > $6 THEN {_FAILED} ELSE o.status END,

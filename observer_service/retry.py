@@ -1,10 +1,11 @@
 """How the service retries its own writes while its database is unavailable.
 
 A write the orchestrator makes for a running copy (a checkpoint, a restart record) is retried
-for as long as the lease is still surely ours; after that it no longer matters (others may hold
-the observer) and the copy stops with LeaseLost. A write that settles a stopped copy is retried
-until it lands: an observer must never stay held by a service that does not run it. Neither
-kind of failure ever reaches kind code as an ``Exception``, nor counts as its error.
+for as long as the lease is still surely ours, also when its row is locked by another
+transaction (``RowLocked``, never taken for a fence); after that it no longer matters (others
+may hold the observer) and the copy stops with LeaseLost. A write that settles a stopped copy
+is retried until it lands: an observer must never stay held by a service that does not run it.
+Neither kind of failure ever reaches kind code as an ``Exception``, nor counts as its error.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ from tenacity import (
     wait_random,
 )
 
-from contracts.errors import DatabaseUnavailable, LeaseLost, Transient
+from contracts.errors import DatabaseUnavailable, LeaseLost, RowLocked, Transient
+from observer_service.ports import Locked
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def landed(result: T | Locked) -> T:
+    """A batch's answer for one item, or RowLocked where the batch skipped its row as locked:
+    the loops below then retry it alone, as they retry an outage."""
+    if isinstance(result, Locked):
+        raise RowLocked("its row is locked by another transaction")
+    return result
 
 
 async def _retried(

@@ -46,10 +46,11 @@ from observer_service.ports import (
     Checkpoint,
     Copy,
     LeaseDatabase,
+    Locked,
     SessionSpec,
     Store,
 )
-from observer_service.retry import until_done
+from observer_service.retry import landed, until_done
 from observer_service.runner import Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import StallWatch, ThreadWrites
@@ -297,7 +298,7 @@ class ObserverService:
             self.admission.slots.release()
             runner.finished.set()
 
-    async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool]:
+    async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
         started = time.perf_counter()
         done = await self.store.checkpoint_many(items)
         self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
@@ -305,11 +306,14 @@ class ObserverService:
         return done
 
     async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
-        """Release a stopped copy (or complete its delete); None where it was fenced."""
-        return await self._let_go.submit((copy, detail))
+        """Release a stopped copy (or complete its delete); None where it was fenced, RowLocked
+        where its row is locked by another transaction (the settle retries it)."""
+        return landed(await self._let_go.submit((copy, detail)))
 
-    async def _let_go_batch(self, items: list[tuple[Copy, str]]) -> list[ObserverStatus | None]:
-        out: list[ObserverStatus | None] = [None] * len(items)
+    async def _let_go_batch(
+        self, items: list[tuple[Copy, str]]
+    ) -> list[ObserverStatus | Locked | None]:
+        out: list[ObserverStatus | Locked | None] = [None] * len(items)
         for detail in {d for _, d in items}:
             idx = [i for i, (_, d) in enumerate(items) if d == detail]
             done = await self.store.let_go_many([items[i][0] for i in idx], detail)

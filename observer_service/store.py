@@ -14,6 +14,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import asyncpg
 
@@ -23,9 +24,11 @@ from contracts.kinds import RestartPolicy
 from contracts.statuses import ObserverStatus
 from observer_service import queries as q
 from observer_service.ports import (
+    LOCKED,
     Checkpoint,
     Copy,
     ErrorRecord,
+    Locked,
     Renewal,
     StartRequest,
     Taken,
@@ -43,12 +46,12 @@ class PgStore:
 
     async def take_many(
         self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult]:
+    ) -> list[TakeResult | Locked]:
         """Decide on every start message with one read, then write every take (and every delete
         of an unrun observer) with one compare-and-set each. A row that changed in between is
-        read and decided again. ``departed``: holder sessions proven over, updated with every
-        lock found free."""
-        results: dict[int, TakeResult] = {}
+        read and decided again; one locked by another transaction is LOCKED. ``departed``:
+        holder sessions proven over, updated with every lock found free."""
+        results: dict[int, TakeResult | Locked] = {}
         todo = list(enumerate(requests))
         while todo:
             with database_errors():
@@ -78,10 +81,12 @@ class PgStore:
                 batch = writes[decision]
                 if not batch:
                     continue
-                done = await self._compare_and_set(sql, batch)
+                done, seen = await self._compare_and_set(sql, batch)
                 for i, req, row in batch:
                     epoch = done.get(req.observer_id)
-                    if epoch is None:
+                    if epoch is None and req.observer_id in seen:
+                        results[i] = LOCKED  # as seen, but locked: not decided again here
+                    elif epoch is None:
                         todo.append((i, req))  # changed meanwhile: decide again
                     elif decision is Decision.TAKE:
                         results[i] = TakeResult(decision, _taken(row, epoch, req))
@@ -117,7 +122,9 @@ class PgStore:
 
     async def _compare_and_set(
         self, sql: str, batch: list[tuple[int, StartRequest, asyncpg.Record]]
-    ) -> dict[uuid.UUID, int]:
+    ) -> tuple[dict[uuid.UUID, int], set[uuid.UUID]]:
+        """The new epoch of every row written, and every row found as it was seen."""
+
         def detail(row: asyncpg.Record) -> str | None:
             return f"from {row['service_id']}" if row["service_id"] else None
 
@@ -129,23 +136,27 @@ class PgStore:
                 row["holder_key"] if row["holder_live"] and row["service_id"] != self.me else None
             )
 
+        seen = {
+            str(r["id"]): {
+                "epoch": r["epoch"],
+                "dispatch_id": str(r["dispatch_id"]),
+                "status": r["status"],
+                "holder": None if r["service_id"] is None else str(r["service_id"]),
+                "detail": detail(r),
+                "holder_key": key(r),
+            }
+            for _, _, r in batch
+        }
         with database_errors():
             rows = await self.pool.fetch(
-                sql,
-                [r["id"] for _, _, r in batch],
-                self.me,
-                [r["epoch"] for _, _, r in batch],
-                [r["dispatch_id"] for _, _, r in batch],
-                [r["status"] for _, _, r in batch],
-                [r["service_id"] for _, _, r in batch],
-                [detail(r) for _, _, r in batch],
-                [key(r) for _, _, r in batch],
+                sql, [r["id"] for _, _, r in batch], self.me, json.dumps(seen)
             )
-        return {r["id"]: r["epoch"] for r in rows}
+        return {r["id"]: r["epoch"] for r in rows if r["written"]}, {r["id"] for r in rows}
 
-    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool]:
+    async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
         """One statement for every checkpoint; one row per copy (observer and epoch), the
-        newest state of each copy winning, so a stale copy's write never hides the current's."""
+        newest state of each copy winning, so a stale copy's write never hides the current's.
+        A row locked by another transaction is skipped (LOCKED), the rest land at once."""
         newest = {(c.observer_id, c.epoch): c for c in items}
         # The states are JSON already: the object is written around them, not parsed again.
         states = ",".join(
@@ -158,11 +169,13 @@ class PgStore:
                 self.me,
                 "{" + states + "}",
             )
-        accepted = {(r["id"], r["epoch"]) for r in rows}
-        return [(c.observer_id, c.epoch) in accepted for c in items]
+        return _answers(rows, [Copy(c.observer_id, c.epoch) for c in items], lambda _: True, False)
 
-    async def let_go_many(self, copies: Sequence[Copy], detail: str) -> list[ObserverStatus | None]:
-        """Release stopped copies (or complete their delete); None where the copy was fenced."""
+    async def let_go_many(
+        self, copies: Sequence[Copy], detail: str
+    ) -> list[ObserverStatus | Locked | None]:
+        """Release stopped copies (or complete their delete); None where the copy was fenced,
+        LOCKED where its row was locked by another transaction."""
         with database_errors():
             rows = await self.pool.fetch(
                 q.LET_GO,
@@ -171,8 +184,7 @@ class PgStore:
                 json.dumps({q.copy_key(*c): True for c in copies}),
                 detail,
             )
-        done = {(r["id"], r["epoch"]): ObserverStatus(r["status"]) for r in rows}
-        return [done.get(c) for c in copies]
+        return _answers(rows, copies, lambda r: ObserverStatus(r["status"]), None)
 
     async def record_error(
         self, copy: Copy, error: str, policy: RestartPolicy
@@ -251,8 +263,14 @@ class ThreadWrites:
 #: Settings of every service connection. Its statements reach rows by key (an observer's id,
 #: its own service id): never by reading the table. With the table growing faster than ANALYZE
 #: runs (bulk intake), a generic plan costed on stale statistics would otherwise read every row
-#: for each batch of 40 (``tests/integration/test_store_plans.py``).
-SERVER_SETTINGS = {"enable_seqscan": "off"}
+#: for each batch of 40 (``tests/integration/test_store_plans.py``). No statement waits long
+#: for a lock (the batches skip locked rows; the rest fail with RowLocked and are retried), and
+#: none keeps a transaction open: a backend must never hold our rows longer than a lease.
+SERVER_SETTINGS = {
+    "enable_seqscan": "off",
+    "lock_timeout": "1s",
+    "idle_in_transaction_session_timeout": "5s",
+}
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -268,9 +286,34 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
     nobody = uuid.UUID(int=0)
     await conn.fetch(q.FACTS, [], nobody)
     for cas in (q.TAKE, q.COMPLETE_STOP):
-        await conn.fetch(cas, [], nobody, [], [], [], [], [], [])
+        await conn.fetch(cas, [], nobody, "{}")
     await conn.fetch(q.CHECKPOINT, [], nobody, "{}")
     await conn.fetch(q.LET_GO, [], nobody, "{}", "")
+
+
+A = TypeVar("A")
+
+
+def _answers(
+    rows: Sequence[asyncpg.Record],
+    copies: Sequence[Copy],
+    written: Callable[[asyncpg.Record], A],
+    fenced: A,
+) -> list[A | Locked]:
+    """Per copy, what a ``queries.skipping_locked`` statement made of it: ``written(row)``
+    where its row was written, LOCKED where it was ours but skipped as locked, else fenced."""
+    done: dict[tuple[uuid.UUID, int], A] = {}
+    ours: set[tuple[uuid.UUID, int]] = set()
+    for r in rows:
+        if r["written"]:
+            done[(r["id"], r["epoch"])] = written(r)
+        else:
+            ours.add((r["id"], r["epoch"]))
+    out: list[A | Locked] = []
+    for c in copies:
+        key = (c[0], c[1])
+        out.append(done.get(key, LOCKED if key in ours else fenced))
+    return out
 
 
 def _taken(row: asyncpg.Record, epoch: int, req: StartRequest) -> Taken:

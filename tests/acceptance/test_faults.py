@@ -14,10 +14,12 @@ import uuid
 from pathlib import Path
 
 import aio_pika
+import asyncpg
 
 from contracts.clock import set_suspend_lag
 from contracts.messages import HandoffMessage, StartMessage
-from orch_bench.ticklog import failover_gaps, read_ticks
+from contracts.settings import asyncpg_dsn
+from orch_bench.ticklog import failover_gaps, largest_gaps, read_ticks
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import (
     LEASE_BACKEND,
@@ -371,4 +373,44 @@ async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster)
     gaps = failover_gaps(read_ticks(cluster.tick_dir), killed, a.pid)
     assert len(gaps) == len(ids)
     assert max(gaps.values()) < 1.5, f"directed observers waited for the lease: {gaps}"
+    assert_no_overlap(cluster.tick_dir)
+
+
+# ------------------------------------------------------------ a row locked from outside
+async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their_failover(
+    cluster: Cluster,
+) -> None:
+    """An outside ``SELECT … FOR UPDATE`` holds one observer's row. The service's other
+    observers tick on (their checkpoints do not wait in one batch with the locked row), and
+    after a SIGKILL of that service, the row still locked, they run on another service within
+    seconds: no backend of the dead service holds their rows, and no take holds the lock the
+    sweeper needs."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20)
+    ids = await cluster.create_recorders(6, interval=0.05)
+    await cluster.wait_all_running(ids, timeout=15)
+    b = await cluster.start_service("b", worker_count=20)
+    b_id = await cluster.service_id(b, wait=10)
+    locked, others = ids[0], {str(o) for o in ids[1:]}
+    outsider = await asyncpg.connect(asyncpg_dsn(cluster.database_url))
+    try:
+        tx = outsider.transaction()
+        await tx.start()
+        await outsider.execute("SELECT 1 FROM observers WHERE id = $1 FOR UPDATE", locked)
+        held = time.time()
+        await quiet(8, "the others' checkpoints wait in one batch behind the locked row")
+        killed = time.time()
+        a.signal(signal.SIGKILL)
+        await cluster.wait_all_running(ids[1:], timeout=20, on={b_id}, fresh_after=killed)
+        ticks = read_ticks(cluster.tick_dir)
+        stalls = {o: g for o, g in largest_gaps(ticks, held, killed).items() if o in others}
+        moves = {o: g for o, g in failover_gaps(ticks, killed, a.pid).items() if o in others}
+        await tx.rollback()
+    finally:
+        await outsider.close()
+    assert len(stalls) == len(others)
+    assert max(stalls.values()) < 1.5, f"the neighbours of the locked row stalled: {stalls}"
+    assert len(moves) == len(others)
+    assert max(moves.values()) < 5, f"the neighbours waited for the locked row to move: {moves}"
+    await cluster.wait_all_running(ids, timeout=20, on={b_id}, fresh_after=killed)
     assert_no_overlap(cluster.tick_dir)

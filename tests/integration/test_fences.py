@@ -170,7 +170,7 @@ async def test_a_take_that_lost_the_race_is_refused(pool: asyncpg.Pool) -> None:
     seen = await pool.fetchrow(q.FACTS, [start.observer_id], a.me)
     assert (await take(b, start)).decision is Decision.TAKE
     req = StartRequest(start, redelivered=False, running_here=False)
-    assert await a._compare_and_set(q.TAKE, [(0, req, seen)]) == {}
+    assert await a._compare_and_set(q.TAKE, [(0, req, seen)]) == ({}, set())
     assert (await row_of(pool, start.observer_id))["service_id"] == b.me
 
 
@@ -355,7 +355,7 @@ async def test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free(
         "UPDATE services SET lock_key = lock_key + 1 WHERE id = $1", a.me
     )  # A's renewal on its new session
     req = StartRequest(start, redelivered=True, running_here=False)
-    assert await b._compare_and_set(q.TAKE, [(0, req, seen)]) == {}
+    assert await b._compare_and_set(q.TAKE, [(0, req, seen)]) == ({}, set())
     assert (await row_of(pool, start.observer_id))["service_id"] == a.me
 
 

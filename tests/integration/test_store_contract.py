@@ -4,23 +4,29 @@ means something only while the fake answers as the real store does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 import pytest
 
+from contracts.errors import RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.settings import asyncpg_dsn
 from contracts.statuses import ObserverStatus as S
 from observer_service.fakes import FakeService, InMemoryStore
 from observer_service.intake import checkpoint_json
-from observer_service.ports import Checkpoint, Copy, StartRequest, Store, TakeResult
+from observer_service.ports import LOCKED, Checkpoint, Copy, StartRequest, Store, TakeResult
+from observer_service.retry import landed, while_leased
 from observer_service.store import PgStore
 from observer_service.take import Decision, Departed
+from orch.cluster import wait_for
+
+T = TypeVar("T")
 
 
 class World(Protocol):
@@ -36,6 +42,13 @@ class World(Protocol):
     async def service(self, *, live: bool = True, lock_free: bool = False) -> uuid.UUID: ...
 
     async def row(self, observer_id: uuid.UUID) -> tuple[S, uuid.UUID | None, int]: ...
+
+    async def checkpoint(self, observer_id: uuid.UUID) -> Any: ...
+
+    async def lock(self, observer_id: uuid.UUID) -> None:
+        """Another transaction locks the row (``SELECT … FOR UPDATE``) until ``unlock``."""
+
+    async def unlock(self) -> None: ...
 
 
 class FakeWorld:
@@ -56,18 +69,29 @@ class FakeWorld:
         r = self.store.rows[observer_id]
         return r.status, r.service_id, r.epoch
 
+    async def lock(self, observer_id: uuid.UUID) -> None:
+        self.store.locked.add(observer_id)
+
+    async def unlock(self) -> None:
+        self.store.locked.clear()
+
+    async def checkpoint(self, observer_id: uuid.UUID) -> Any:
+        return self.store.rows[observer_id].checkpoint
+
 
 class PgWorld:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
         self.store = PgStore(pool, uuid.uuid4())
         self._locks: list[asyncpg.Connection] = []
+        self._row_lock: tuple[asyncpg.Connection, Any] | None = None
 
     async def start(self) -> PgWorld:
         await self._service_row(self.store.me, live=True)
         return self
 
     async def close(self) -> None:
+        await self.unlock()
         for conn in self._locks:
             await conn.execute("SELECT pg_advisory_unlock_all()")
             await self.pool.release(conn)
@@ -115,6 +139,26 @@ class PgWorld:
         assert r is not None
         return S(r["status"]), r["service_id"], r["epoch"]
 
+    async def lock(self, observer_id: uuid.UUID) -> None:
+        conn = await self.pool.acquire()
+        tx = conn.transaction()
+        await tx.start()
+        self._row_lock = (conn, tx)
+        await conn.execute("SELECT 1 FROM observers WHERE id = $1 FOR UPDATE", observer_id)
+
+    async def unlock(self) -> None:
+        if self._row_lock is not None:
+            conn, tx = self._row_lock
+            self._row_lock = None
+            await tx.rollback()
+            await self.pool.release(conn)
+
+    async def checkpoint(self, observer_id: uuid.UUID) -> Any:
+        text = await self.pool.fetchval(
+            "SELECT checkpoint FROM observers WHERE id = $1", observer_id
+        )
+        return None if text is None else json.loads(text)
+
 
 @pytest.fixture(params=["memory", "postgresql"])
 async def world(request: pytest.FixtureRequest, database_url: str) -> AsyncIterator[World]:
@@ -135,6 +179,7 @@ async def take(
 ) -> TakeResult:
     req = StartRequest(start, redelivered=redelivered, running_here=False, room=room)
     (result,) = await w.store.take_many([req], kw.get("departed") or Departed())
+    assert isinstance(result, TakeResult), result
     return result
 
 
@@ -277,3 +322,81 @@ async def test_a_state_postgresql_refuses_fails_its_whole_batch(database_url: st
     finally:
         await world.close()
         await pool.close()
+
+
+# ------------------------------------------------------------------ a row locked from outside
+#: How long a batch may take beside a row another transaction holds: it must not wait for it.
+_UNBLOCKED = 1.0
+
+
+async def _retried_alone(op: Callable[[], Awaitable[T]]) -> tuple[asyncio.Task[T], list[int]]:
+    """``op`` through the retry loop a running copy's write goes through (``landed`` turns a
+    skipped row into RowLocked); the list counts its attempts."""
+    tries = [0]
+
+    async def attempt() -> T:
+        tries[0] += 1
+        return await op()
+
+    return asyncio.ensure_future(while_leased(attempt, lambda: True)), tries
+
+
+async def _retried_at_least(tries: list[int], n: int) -> None:
+    async def enough() -> bool:
+        return tries[0] >= n
+
+    await wait_for(enough, timeout=5, what=f"{n} attempts of the locked write")
+
+
+async def test_a_locked_row_neither_stalls_its_checkpoint_batch_nor_looks_fenced(
+    world: World,
+) -> None:
+    """One row locked by another transaction (``SELECT … FOR UPDATE``): the batch's other
+    checkpoints land at once, the locked one is LOCKED (not fenced), and once the lock is gone
+    its retried write lands."""
+    copies = [await _held(world) for _ in range(6)]
+    locked = copies[-1]
+    await world.lock(locked.observer_id)
+    items = [Checkpoint(*c, json.dumps({"n": i})) for i, c in enumerate(copies)]
+    answers = await asyncio.wait_for(world.store.checkpoint_many(items), _UNBLOCKED)
+    assert answers == [True] * 5 + [LOCKED]
+    for i, c in enumerate(copies[:-1]):
+        assert await world.checkpoint(c.observer_id) == {"n": i}
+    assert await world.checkpoint(locked.observer_id) is None
+
+    async def write() -> bool:
+        return landed((await world.store.checkpoint_many([items[-1]]))[0])
+
+    task, tries = await _retried_alone(write)
+    try:
+        await _retried_at_least(tries, 2)
+        assert not task.done(), "the locked row's write ended while it was still locked"
+        await world.unlock()
+        assert await asyncio.wait_for(task, 2) is True
+    finally:
+        task.cancel()
+    assert await world.checkpoint(locked.observer_id) == {"n": 5}
+
+
+async def test_a_locked_row_neither_stalls_a_release_nor_a_take(world: World) -> None:
+    """The other batched writes the same way: a release and a take of a locked row are LOCKED,
+    the rest of their batches lands at once; a restart record fails RowLocked at once."""
+    kept, locked = await _held(world), await _held(world)
+    await world.lock(locked.observer_id)
+    answers = await asyncio.wait_for(world.store.let_go_many([kept, locked], "stopped"), _UNBLOCKED)
+    assert answers == [S.PROCESSING, LOCKED]
+    with pytest.raises(RowLocked):
+        await asyncio.wait_for(world.store.record_error(locked, "boom", RestartPolicy()), 1)
+    await world.unlock()
+    assert await world.store.let_go_many([locked], "stopped") == [S.PROCESSING]
+
+    free, busy = await world.observer(), await world.observer()
+    await world.lock(busy.observer_id)
+    reqs = [StartRequest(s, redelivered=False, running_here=False) for s in (free, busy)]
+    results = await asyncio.wait_for(world.store.take_many(reqs, Departed()), _UNBLOCKED)
+    assert isinstance(results[0], TakeResult)
+    assert results[0].decision is Decision.TAKE
+    assert results[1] is LOCKED
+    assert (await world.row(busy.observer_id))[1] is None
+    await world.unlock()
+    assert (await take(world, busy)).decision is Decision.TAKE

@@ -98,15 +98,30 @@ async def _explained(
 
 
 @pytest.mark.parametrize("size", [40, 1000])
-@pytest.mark.parametrize("statement", ["checkpoint", "let_go"])
+@pytest.mark.parametrize("statement", ["checkpoint", "let_go", "take"])
 async def test_a_batch_write_reads_only_its_own_rows(
     conn: asyncpg.Connection, statement: str, size: int
 ) -> None:
     me = await _stale_world(conn)
-    rows = await conn.fetch("SELECT id FROM observers WHERE service_id = $1 LIMIT $2", me, size)
+    rows = await conn.fetch(
+        "SELECT id, dispatch_id FROM observers WHERE service_id = $1 LIMIT $2", me, size
+    )
     ids = [r["id"] for r in rows]
     keys = [q.copy_key(i, 1) for i in ids]
-    if statement == "checkpoint":
+    if statement == "take":  # taken again by its holder (as after a lost reply)
+        seen = {
+            str(r["id"]): {
+                "epoch": 1,
+                "dispatch_id": str(r["dispatch_id"]),
+                "status": "processing",
+                "holder": str(me),
+                "detail": None,
+                "holder_key": None,
+            }
+            for r in rows
+        }
+        scans = await _explained(conn, q.TAKE, ids, me, json.dumps(seen))
+    elif statement == "checkpoint":
         states = json.dumps({k: {"n": 1} for k in keys})
         scans = await _explained(conn, q.CHECKPOINT, ids, me, states)
     else:

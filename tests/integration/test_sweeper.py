@@ -3,6 +3,7 @@ lease session it was seen without is still the one its row names, never after it
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import Awaitable, Callable
@@ -125,3 +126,30 @@ async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
     facts = await conn.fetchrow(service_queries.FACTS, [oid], uuid.uuid4())
     assert facts is not None
     assert facts["holder_lock_free"] is True
+
+
+async def test_a_services_row_locked_by_a_take_never_stalls_the_sweep(
+    db: tuple[asyncpg.Connection, ManagerStore], database_url: str
+) -> None:
+    """A take's FOR SHARE on a dead holder's row (held here by another transaction) is skipped,
+    not waited for: the sweep goes on at once, and the next one after it marks the row."""
+    conn, store = db
+    sid, _ = await _held_by_a_live_service(conn)
+    await conn.execute(
+        "UPDATE services SET lease_expires_at = clock_timestamp() - interval '1 second' "
+        "WHERE id = $1",
+        sid,
+    )
+    taker = await asyncpg.connect(asyncpg_dsn(database_url))
+    sweeper = Sweeper(store, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    try:
+        tx = taker.transaction()
+        await tx.start()
+        await taker.execute("SELECT 1 FROM services WHERE id = $1 FOR SHARE", sid)
+        await asyncio.wait_for(sweeper.once(), 1.0)
+        assert not await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+        await tx.rollback()
+        await asyncio.wait_for(sweeper.once(), 1.0)
+        assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    finally:
+        await taker.close()
