@@ -28,6 +28,10 @@ Faults (``FAULTS``, with their default weights):
   too while the process lives, so others may take its observers.
 - ``lease_kill``: the service's lease session is ended from the database side while the
   process lives (``pg_terminate_backend``; needs the right to do that).
+- ``slow_link``: every chunk on the service's database link is delayed 150-800 ms for 3-15 s,
+  nothing lost: a congested or distant link that works.
+- ``row_lock``: one observer row the service holds is locked from outside (``SELECT … FOR
+  UPDATE``) for 2-20 s, as a long report or a stuck migration would.
 - ``churn``: 1-3 observers deleted and 1-3 created.
 - ``broker_restart``: the broker application stopped for 2-10 s (``rabbitmqctl stop_app``;
   needs rights on the broker, so only with ``--broker-restart``).
@@ -48,9 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 
 from contracts.clock import set_suspend_lag
+from contracts.settings import asyncpg_dsn
 from orch.cluster import Proc, wait_for
 from orch_verify.cluster import FaultCluster
 from orch_verify.proxy import Proxy
@@ -70,6 +76,8 @@ FAULTS: dict[str, float] = {
     "isolate": 2,
     "db_partition": 2,
     "lease_kill": 2,
+    "slow_link": 2,
+    "row_lock": 2,
     "churn": 3,
     "broker_restart": 1,
 }
@@ -88,7 +96,15 @@ LENGTHS = {
     "db_partition": (1.0, 8.0),
     "broker_restart": (2.0, 10.0),
     "drain": (1.0, 3.0),
+    "slow_link": (3.0, 15.0),
+    "row_lock": (2.0, 20.0),
 }
+#: Seconds each chunk on a slow link is delayed by.
+SLOW_CHUNK = (0.15, 0.8)
+
+ROW_LOCK = """
+SELECT id FROM observers WHERE service_id = $1 AND status = 'processing' LIMIT 1 FOR UPDATE
+"""
 
 LEASE_BACKEND = """
 SELECT l.pid FROM pg_locks l JOIN services s ON s.id = $1
@@ -492,6 +508,12 @@ class Campaign:
         elif p.fault == "isolate":
             self._later(db.blip(p.length))
             self._later(mq.blip(p.length))
+        elif p.fault == "slow_link":
+            db.slow(*SLOW_CHUNK)
+            self._later(self._heal_slow(db, p.length))
+        elif p.fault == "row_lock":
+            sid = await self.cluster.service_id(proc)
+            self._later(self._lock_a_row(sid, p.length))
         else:
             raise AssertionError(f"unknown fault {p.fault}")
 
@@ -523,6 +545,20 @@ class Campaign:
     async def _heal_link(self, proxy: Proxy, after: float) -> None:
         await asyncio.sleep(after)
         proxy.heal()
+
+    async def _heal_slow(self, proxy: Proxy, after: float) -> None:
+        await asyncio.sleep(after)
+        proxy.slow(0.0, 0.0)
+
+    async def _lock_a_row(self, service_id: uuid.UUID, seconds: float) -> None:
+        """Hold one of the service's observer rows locked, on a connection of its own."""
+        conn = await asyncpg.connect(asyncpg_dsn(self.cluster.env["ORCH_DATABASE_URL"]))
+        try:
+            async with conn.transaction():
+                await conn.fetchval(ROW_LOCK, service_id)
+                await asyncio.sleep(seconds)
+        finally:
+            await conn.close()
 
     async def _restart_broker(self, after: float) -> None:
         await asyncio.sleep(after)
