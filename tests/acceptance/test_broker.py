@@ -204,3 +204,48 @@ async def test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_on
     assert max(r["n"] for r in takes) <= 2, "a neighbour was moved more than once"
     await cluster.wait_all_running(neighbours, timeout=10, fresh_after=time.time())
     assert_no_overlap(cluster.tick_dir)
+
+
+def _ticking(cluster: Cluster, ids: list[uuid.UUID], after: float) -> set[str]:
+    """Which of these observers ticked after ``after`` (epoch seconds), by their tick logs."""
+    wanted = {str(i) for i in ids}
+    return {t.observer for t in read_ticks(cluster.tick_dir) if t.at > after} & wanted
+
+
+async def test_a_deleted_work_queue_loses_no_observer(cluster: Cluster) -> None:
+    """``rabbitmqctl delete_queue`` of the work queue: every service's consumer is cancelled by
+    the broker. Each consumes again (the queue declared again), observers created afterwards
+    run, and a service drained afterwards hands its observers over (their starts published
+    anew, not nacked into the deleted queue); none runs twice."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=12)
+    b = await cluster.start_service("b", worker_count=12)
+    old = await cluster.create_recorders(6)
+    await cluster.wait_all_running(old, timeout=15)
+    await asyncio.to_thread(rabbitmqctl, "delete_queue", f"{cluster.prefix}.work")
+    deleted_at = time.time()
+    new = []
+    for i in range(4):
+        body = await cluster.create(
+            f"new-{i}", "recorder", dir=str(cluster.tick_dir), interval=0.05
+        )
+        new.append(uuid.UUID(body["id"]))
+    every = [*old, *new]
+
+    async def all_ticking(after: float) -> bool:
+        return _ticking(cluster, every, after) == {str(i) for i in every}
+
+    await wait_for(
+        lambda: all_ticking(time.time() - 0.5), timeout=15, what="every observer ticking"
+    )
+    ran_at = time.time()
+    a_id = await cluster.service_id(a)
+    async with cluster.api() as c:
+        assert (await c.post(f"/services/{a_id}/drain")).status_code == 202
+    b_id = await cluster.service_id(b)
+    await cluster.wait_all_running(every, timeout=15, on={b_id}, fresh_after=time.time())
+    await wait_for(
+        lambda: all_ticking(time.time() - 0.5), timeout=15, what="every observer ticking"
+    )
+    assert_no_overlap(cluster.tick_dir)
+    print(f"all {len(every)} observers ticking {ran_at - deleted_at:.2f} s after the delete")
