@@ -56,6 +56,10 @@ class BrokerUnavailable(Transient):
     pass
 
 
+class Unroutable(BrokerUnavailable):
+    """The broker returned a mandatory publish: the queue it names is gone (for now)."""
+
+
 class Conflict(OrchError):
     pass
 

@@ -165,10 +165,11 @@ class Sweeper:
 class Audit:
     """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
-    Only when the work queue has nothing ready and nothing was taken for ``grace`` seconds: then
-    the message of an unowned observer is not waiting for capacity nor in a busy service's
-    backlog; it sits unacked at a consumer that does not take it (a frozen service still has
-    free prefetch slots, and the broker fills them) or it was lost. A new dispatch id makes the
+    Only when nothing was taken for ``grace`` seconds, and unless every service is full with no
+    more unowned observers than starts ready in the work queue: then the message of an unowned
+    observer is not waiting for capacity nor in a busy service's backlog; it sits unacked at a
+    consumer that does not take it (a frozen service still has free prefetch slots, and the
+    broker fills them), in a queue nobody consumes, or it was lost. A new dispatch id makes the
     stuck copy stale.
 
     An observer it re-dispatched waits twice as long each time before it is re-dispatched again
@@ -189,8 +190,7 @@ class Audit:
     recent: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
 
     async def once(self) -> int:
-        if await self.publisher.work_queue_ready() > 0:
-            return 0
+        ready = await self.publisher.work_queue_ready()
         now = time.monotonic()
         self._forget(now)
         async with self.store.transaction() as tx:
@@ -201,6 +201,11 @@ class Audit:
             if await repo.taken_lately(tx, self.grace):
                 return 0
             stuck = await repo.unheld_stuck(tx, self.grace)
+            # Ready starts wait for a slot only while no service has one; and even then those
+            # beyond the queue's count are nowhere. Whatever else the queue holds, the rest is
+            # re-dispatched (a start still queued becomes stale and is dropped).
+            if ready and len(stuck) <= ready and not await repo.free_slots(tx, self.margin):
+                return 0
             ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
             pending = await redispatch(
                 tx,

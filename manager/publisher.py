@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from contracts.amqp import connect_first
 from contracts.backoff import Backoff
-from contracts.errors import BrokerUnavailable, broker_errors
+from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import Message
 from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
@@ -27,7 +27,7 @@ class Publisher:
     is lost, the publisher connects again, to the next node that answers, until closed. Until
     then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
 
-    def __init__(self, settings: CommonSettings) -> None:
+    def __init__(self, settings: CommonSettings, *, timeout: float = 10.0) -> None:
         self.settings = settings
         self.topology = settings.topology
         self._connection: AbstractConnection | None = None
@@ -38,6 +38,10 @@ class Publisher:
         self._url: str | None = None
         self._closing = False
         self.version: tuple[int, ...] = (0,)
+        self._declaring = asyncio.Lock()
+        #: Seconds a publish (with its confirm) or a probe may take: past it, the broker counts
+        #: as unavailable (a memory or disk alarm blocks publishes without closing anything).
+        self.timeout = timeout
 
     async def start(self) -> None:
         await self._open()
@@ -103,7 +107,32 @@ class Publisher:
         that has vanished goes to the work queue instead. Raises BrokerUnavailable."""
         if self._sender is None:
             raise BrokerUnavailable("publisher not started")
-        await self._sender.send(to, message)
+        try:
+            await self._sender.send(to, message)
+        except Unroutable:
+            # The work queue is gone (deleted): declare it again so that the retry lands.
+            await self._declare()
+            raise
+
+    async def _declare(self) -> None:
+        """Declare the topology again on the open channel, once at a time; a failure is logged
+        (the channel closes and the publisher reconnects, which declares it too)."""
+        async with self._declaring:
+            channel = self._channel
+            if channel is None or not self.connected:
+                return
+            try:
+                with broker_errors():
+                    async with asyncio.timeout(self.timeout):
+                        await declare_topology(
+                            channel,
+                            self.topology,
+                            version=self.version,
+                            queue_type=self.settings.queue_type,
+                            consumer_timeout_ms=self.settings.consumer_timeout_ms,
+                        )
+            except BrokerUnavailable as exc:
+                log.warning("could not declare the topology again: %s", exc)
 
     async def _raw(self) -> aiormq.abc.AbstractChannel:
         # Straight to the AMQP channel: aio-pika's declare_queue may hand back a queue object
