@@ -102,14 +102,16 @@ class Sender:
                 await exchange.publish(body, routing_key="", timeout=timeout)
         return True
 
-    async def send(self, to: Destination, message: Message) -> Destination | None:
+    async def send(
+        self, to: Destination, message: Message, *, timeout: float = 10
+    ) -> Destination | None:
         """Publish; a directed start that comes back goes to the work queue instead. Returns
         where the message went (None: returned, and nothing else to do with it)."""
-        if await self.publish(to, message):
+        if await self.publish(to, message, timeout=timeout):
             return to
         if isinstance(message, DirectedStart):
             log.info("service %s has no control queue; start sent to the work queue", to.service_id)
-            await self.publish(WORK, message.start())
+            await self.publish(WORK, message.start(), timeout=timeout)
             return WORK
         log.info(
             "service %s has no control queue; %s dropped", to.service_id, type(message).__name__

@@ -27,7 +27,9 @@ class Publisher:
     is lost, the publisher connects again, to the next node that answers, until closed. Until
     then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
 
-    def __init__(self, settings: CommonSettings, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self, settings: CommonSettings, *, timeout: float = 3.0, probe_timeout: float = 1.0
+    ) -> None:
         self.settings = settings
         self.topology = settings.topology
         self._connection: AbstractConnection | None = None
@@ -42,6 +44,8 @@ class Publisher:
         #: Seconds a publish (with its confirm) or a probe may take: past it, the broker counts
         #: as unavailable (a memory or disk alarm blocks publishes without closing anything).
         self.timeout = timeout
+        #: Seconds a probe (a passive declare) may take; past it, it counts as failed.
+        self.probe_timeout = probe_timeout
 
     async def start(self) -> None:
         await self._open()
@@ -108,7 +112,7 @@ class Publisher:
         if self._sender is None:
             raise BrokerUnavailable("publisher not started")
         try:
-            await self._sender.send(to, message)
+            await self._sender.send(to, message, timeout=self.timeout)
         except Unroutable:
             # The work queue is gone (deleted): declare it again so that the retry lands.
             await self._declare()
@@ -144,15 +148,18 @@ class Publisher:
     async def work_queue_ready(self) -> int:
         """Messages ready (not delivered) in the work queue."""
         with broker_errors():
-            raw = await self._raw()
-            ok = await raw.queue_declare(self.topology.work_queue, passive=True)
+            async with asyncio.timeout(self.probe_timeout):
+                raw = await self._raw()
+                ok = await raw.queue_declare(self.topology.work_queue, passive=True)
         return int(ok.message_count or 0)
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether a service's broker connection lives (its control queue exists)."""
         if self._connection is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
-        return await service_present(self._connection, self.topology, service_id)
+        with broker_errors():
+            async with asyncio.timeout(self.probe_timeout):
+                return await service_present(self._connection, self.topology, service_id)
 
     async def close(self) -> None:
         self._closing = True
