@@ -63,6 +63,10 @@ class BrokerUnavailable(Transient):
     pass
 
 
+class Unroutable(BrokerUnavailable):
+    """The broker returned a mandatory publish: the queue it names is gone (for now)."""
+
+
 class BrokerRefused(OrchError):
     """The broker answered no (access refused, a precondition failed): the same request again
     gets the same answer, so it is not Transient; ``reply_code`` says which no."""

@@ -13,9 +13,9 @@ from enum import StrEnum
 
 import aio_pika
 from aio_pika.abc import AbstractChannel
-from aio_pika.exceptions import DeliveryError
+from aio_pika.exceptions import DeliveryError, PublishError
 
-from contracts.errors import broker_errors
+from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import DirectedStart, Message, StartMessage
 from contracts.topology import Topology
 
@@ -61,7 +61,8 @@ class Sender:
 
     async def publish(self, to: Destination, message: Message, *, timeout: float = 10) -> bool:
         """Publish and wait for the broker's confirm. False when it was returned: the service it
-        was sent to has no control queue (any more). Raises BrokerUnavailable."""
+        was sent to has no control queue (any more). Raises BrokerUnavailable, Unroutable for a
+        start returned by the work queue (deleted): it was not delivered, so it is kept."""
         body = aio_pika.Message(
             message.to_bytes(),
             content_type="application/json",
@@ -69,9 +70,17 @@ class Sender:
         )
         with broker_errors():
             if to.route is Route.WORK:
-                await self.channel.default_exchange.publish(
-                    body, routing_key=self.topology.work_queue, timeout=timeout
-                )
+                try:
+                    await self.channel.default_exchange.publish(
+                        body,
+                        routing_key=self.topology.work_queue,
+                        mandatory=True,
+                        timeout=timeout,
+                    )
+                except PublishError as exc:  # basic.return: no such queue (any more)
+                    raise Unroutable(f"{self.topology.work_queue} returned a start") from exc
+                except DeliveryError as exc:  # basic.nack
+                    raise BrokerUnavailable(f"{self.topology.work_queue} refused a start") from exc
             elif to.route is Route.SERVICE:
                 assert to.service_id is not None
                 try:
@@ -93,14 +102,16 @@ class Sender:
                 await exchange.publish(body, routing_key="", timeout=timeout)
         return True
 
-    async def send(self, to: Destination, message: Message) -> Destination | None:
+    async def send(
+        self, to: Destination, message: Message, *, timeout: float = 10
+    ) -> Destination | None:
         """Publish; a directed start that comes back goes to the work queue instead. Returns
         where the message went (None: returned, and nothing else to do with it)."""
-        if await self.publish(to, message):
+        if await self.publish(to, message, timeout=timeout):
             return to
         if isinstance(message, DirectedStart):
             log.info("service %s has no control queue; start sent to the work queue", to.service_id)
-            await self.publish(WORK, message.start())
+            await self.publish(WORK, message.start(), timeout=timeout)
             return WORK
         log.info(
             "service %s has no control queue; %s dropped", to.service_id, type(message).__name__

@@ -40,26 +40,46 @@ def every(
     return loop
 
 
-async def on_broker(publisher: Publisher, services: Collection[uuid.UUID]) -> set[uuid.UUID]:
-    """The services whose control queue exists now: one passive declare each, all at once. A
-    lease says a process lives, not that a message sent to it arrives (one cut off from the
-    broker keeps its lease). A probe that fails counts as absent: nothing directed then."""
+async def probe(
+    publisher: Publisher, services: Collection[uuid.UUID]
+) -> dict[uuid.UUID, bool | None]:
+    """Whether each service's control queue exists now (None: the probe failed or timed out),
+    one passive declare each, all at once."""
 
-    async def present(sid: uuid.UUID) -> bool:
+    async def present(sid: uuid.UUID) -> bool | None:
         try:
             return await publisher.service_present(sid)
         except BrokerUnavailable:
-            return False
+            return None
 
     ids = list(services)
-    found = await asyncio.gather(*(present(sid) for sid in ids))
-    return {sid for sid, yes in zip(ids, found, strict=True) if yes}
+    return dict(zip(ids, await asyncio.gather(*(present(sid) for sid in ids)), strict=True))
 
 
-async def _free_slots(tx: Tx, publisher: Publisher, margin: float) -> dict[uuid.UUID, int]:
-    """Free slots of the services a directed start reaches now: a lease and a control queue."""
+async def on_broker(publisher: Publisher, services: Collection[uuid.UUID]) -> set[uuid.UUID]:
+    """The services whose control queue exists now. A lease says a process lives, not that a
+    message sent to it arrives (one cut off from the broker keeps its lease). A probe that
+    fails counts as absent: nothing directed then."""
+    return {sid for sid, yes in (await probe(publisher, services)).items() if yes}
+
+
+async def reachable(
+    store: ManagerStore, publisher: Publisher, margin: float, also: Collection[uuid.UUID] = ()
+) -> dict[uuid.UUID, bool | None]:
+    """Probes of the services a directed start may go to (a lease with free slots) and of
+    ``also``. Made outside any transaction: a probe may take up to its timeout (a broker
+    alarm), and no lock or snapshot may wait for it."""
+    async with store.transaction() as tx:
+        free = await repo.free_slots(tx, margin)
+    return await probe(publisher, {*free, *also})
+
+
+async def _free_slots(
+    tx: Tx, present: Collection[uuid.UUID], margin: float
+) -> dict[uuid.UUID, int]:
+    """Free slots of the services a directed start reaches: their lease read again here (in the
+    writing transaction), their control queue as probed just before it."""
     free = await repo.free_slots(tx, margin)
-    present = await on_broker(publisher, free)
     return {sid: n for sid, n in free.items() if sid in present}
 
 
@@ -83,16 +103,16 @@ async def redispatch(
     ids: list[uuid.UUID],
     why: str,
     *,
-    publisher: Publisher,
+    present: Collection[uuid.UUID],
     margin: float,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
     live service with room, chosen here from the leases and the control queues, not by the
-    broker."""
+    broker (``present``: the services found on the broker just before this transaction)."""
     starts = await repo.new_dispatches(tx, ids, why)
     if not starts:
         return []
-    targets = place(await _free_slots(tx, publisher, margin), len(starts))
+    targets = place(await _free_slots(tx, present, margin), len(starts))
     messages: list[tuple[Destination, Message]] = []
     for start, target in zip(starts, targets, strict=True):
         if target is None:
@@ -119,11 +139,18 @@ class Sweeper:
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
 
     async def once(self) -> int:
+        # Three short transactions around the broker probes: a probe may wait for its timeout
+        # (a broker alarm) and must not hold a transaction, its locks and snapshot meanwhile.
         async with self.store.transaction() as tx:
             for d in await repo.sweep_expired(tx):
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
                 self.metrics.swept.labels("lease_expired").inc()
-            for d in await repo.declare_gone(tx, await self._gone(tx)):
+            ended = await repo.sessions_ended(tx)
+        probed = await reachable(self.store, self.publisher, self.margin, also=ended)
+        present = {sid for sid, yes in probed.items() if yes}
+        async with self.store.transaction() as tx:
+            # declare_gone checks again that the lock is free and the row names that session.
+            for d in await repo.declare_gone(tx, self._gone(ended, probed)):
                 log.warning(
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
@@ -134,7 +161,7 @@ class Sweeper:
             )
             moving = [o.id for o in orphans if o.status == ObserverStatus.PROCESSING]
             pending = await redispatch(
-                tx, moving, "holder gone", publisher=self.publisher, margin=self.margin
+                tx, moving, "holder gone", present=present, margin=self.margin
             )
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
@@ -142,17 +169,16 @@ class Sweeper:
         await self.box.publish_now(pending)
         return len(orphans)
 
-    async def _gone(self, tx: Tx) -> list[uuid.UUID]:
-        """Services live by their lease whose process is provably gone, twice in a row."""
-        ended = await repo.sessions_ended(tx)
+    def _gone(
+        self, ended: list[uuid.UUID], probed: dict[uuid.UUID, bool | None]
+    ) -> list[uuid.UUID]:
+        """Services live by their lease whose process is provably gone, twice in a row. A probe
+        that failed or timed out proves nothing: that service is not suspected."""
         now = time.monotonic()
         seen, self.suspects = self.suspects, {}
         gone: list[uuid.UUID] = []
         for sid in ended:
-            try:
-                if await self.publisher.service_present(sid):
-                    continue
-            except BrokerUnavailable:
+            if probed.get(sid) is not False:
                 continue
             if sid in seen:
                 gone.append(sid)
@@ -165,10 +191,11 @@ class Sweeper:
 class Audit:
     """Re-dispatch live observers that nobody holds and whose start message is stuck or lost.
 
-    Only when the work queue has nothing ready and nothing was taken for ``grace`` seconds: then
-    the message of an unowned observer is not waiting for capacity nor in a busy service's
-    backlog; it sits unacked at a consumer that does not take it (a frozen service still has
-    free prefetch slots, and the broker fills them) or it was lost. A new dispatch id makes the
+    Only when nothing was taken for ``grace`` seconds, and unless every service is full with no
+    more unowned observers than starts ready in the work queue: then the message of an unowned
+    observer is not waiting for capacity nor in a busy service's backlog; it sits unacked at a
+    consumer that does not take it (a frozen service still has free prefetch slots, and the
+    broker fills them), in a queue nobody consumes, or it was lost. A new dispatch id makes the
     stuck copy stale.
 
     An observer it re-dispatched waits twice as long each time before it is re-dispatched again
@@ -189,8 +216,7 @@ class Audit:
     recent: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
 
     async def once(self) -> int:
-        if await self.publisher.work_queue_ready() > 0:
-            return 0
+        ready = await self.publisher.work_queue_ready()
         now = time.monotonic()
         self._forget(now)
         async with self.store.transaction() as tx:
@@ -201,12 +227,24 @@ class Audit:
             if await repo.taken_lately(tx, self.grace):
                 return 0
             stuck = await repo.unheld_stuck(tx, self.grace)
-            ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
+            free = await repo.free_slots(tx, self.margin)
+        # Ready starts wait for a slot only while no service has one; and even then those
+        # beyond the queue's count are nowhere. Whatever else the queue holds, the rest is
+        # re-dispatched (a start still queued becomes stale and is dropped).
+        if ready and len(stuck) <= ready and not free:
+            return 0
+        ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
+        if not ids:
+            return 0
+        present = await on_broker(self.publisher, free)  # outside any transaction
+        async with self.store.transaction() as tx:
+            # Still unheld and stuck now (read again, locked): one taken meanwhile stays.
+            ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace)))
             pending = await redispatch(
                 tx,
                 ids,
                 "audit: start message stuck or lost",
-                publisher=self.publisher,
+                present=present,
                 margin=self.margin,
             )
         for oid in ids:

@@ -75,12 +75,21 @@ class Outbox:
         return len(ids)
 
     async def relay_once(self, *, grace: float, limit: int = 500) -> int:
-        """Publish rows older than ``grace`` seconds; returns how many were published."""
+        """Publish rows older than ``grace`` seconds; returns how many were published. The
+        publish runs between two transactions: a blocked broker (an alarm) holds no
+        transaction open."""
         async with self.store.transaction() as tx:
             skip = [*self._published, *self._in_flight]
             pending = await repo.outbox_due(tx, grace=grace, limit=limit, skip=skip)
-            if not pending:
-                return 0
+        if not pending:
+            return 0
+        ids = {r.id for r in pending}
+        self._in_flight |= ids
+        try:
             done = await self._publish(pending)
-            await repo.delete_outbox(tx, done)
-            return len(done)
+            if done:
+                async with self.store.transaction() as tx:
+                    await repo.delete_outbox(tx, done)
+        finally:
+            self._in_flight -= ids
+        return len(done)

@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from contracts.amqp import connect_first
 from contracts.backoff import Backoff
-from contracts.errors import BrokerUnavailable, broker_errors
+from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import Message
 from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
@@ -27,7 +27,9 @@ class Publisher:
     is lost, the publisher connects again, to the next node that answers, until closed. Until
     then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
 
-    def __init__(self, settings: CommonSettings) -> None:
+    def __init__(
+        self, settings: CommonSettings, *, timeout: float = 3.0, probe_timeout: float = 1.0
+    ) -> None:
         self.settings = settings
         self.topology = settings.topology
         self._connection: AbstractConnection | None = None
@@ -38,6 +40,12 @@ class Publisher:
         self._url: str | None = None
         self._closing = False
         self.version: tuple[int, ...] = (0,)
+        self._declaring = asyncio.Lock()
+        #: Seconds a publish (with its confirm) or a probe may take: past it, the broker counts
+        #: as unavailable (a memory or disk alarm blocks publishes without closing anything).
+        self.timeout = timeout
+        #: Seconds a probe (a passive declare) may take; past it, it counts as failed.
+        self.probe_timeout = probe_timeout
 
     async def start(self) -> None:
         await self._open()
@@ -103,7 +111,32 @@ class Publisher:
         that has vanished goes to the work queue instead. Raises BrokerUnavailable."""
         if self._sender is None:
             raise BrokerUnavailable("publisher not started")
-        await self._sender.send(to, message)
+        try:
+            await self._sender.send(to, message, timeout=self.timeout)
+        except Unroutable:
+            # The work queue is gone (deleted): declare it again so that the retry lands.
+            await self._declare()
+            raise
+
+    async def _declare(self) -> None:
+        """Declare the topology again on the open channel, once at a time; a failure is logged
+        (the channel closes and the publisher reconnects, which declares it too)."""
+        async with self._declaring:
+            channel = self._channel
+            if channel is None or not self.connected:
+                return
+            try:
+                with broker_errors():
+                    async with asyncio.timeout(self.timeout):
+                        await declare_topology(
+                            channel,
+                            self.topology,
+                            version=self.version,
+                            queue_type=self.settings.queue_type,
+                            consumer_timeout_ms=self.settings.consumer_timeout_ms,
+                        )
+            except BrokerUnavailable as exc:
+                log.warning("could not declare the topology again: %s", exc)
 
     async def _raw(self) -> aiormq.abc.AbstractChannel:
         # Straight to the AMQP channel: aio-pika's declare_queue may hand back a queue object
@@ -115,15 +148,18 @@ class Publisher:
     async def work_queue_ready(self) -> int:
         """Messages ready (not delivered) in the work queue."""
         with broker_errors():
-            raw = await self._raw()
-            ok = await raw.queue_declare(self.topology.work_queue, passive=True)
+            async with asyncio.timeout(self.probe_timeout):
+                raw = await self._raw()
+                ok = await raw.queue_declare(self.topology.work_queue, passive=True)
         return int(ok.message_count or 0)
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether a service's broker connection lives (its control queue exists)."""
         if self._connection is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
-        return await service_present(self._connection, self.topology, service_id)
+        with broker_errors():
+            async with asyncio.timeout(self.probe_timeout):
+                return await service_present(self._connection, self.topology, service_id)
 
     async def close(self) -> None:
         self._closing = True

@@ -19,6 +19,7 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aiormq import spec
 from aiormq.exceptions import (
     AMQPChannelError,
     AMQPConnectionError,
@@ -99,6 +100,13 @@ class AmqpSession:
             )
             self.closed.set()
 
+    def _on_consumer_cancel(self, frame: spec.Basic.Cancel) -> None:
+        """The broker cancelled our work consumer (its queue was deleted), the only one on the
+        work channel: the session ends, so its deliveries settle nothing (the copies publish
+        their starts anew when they let go), and the next session declares the queue again and
+        consumes it."""
+        self._on_close(exc=ConsumerCancelled(f"consumer {frame.consumer_tag} cancelled"))
+
     async def open(self, spec: SessionSpec, *, lost: str | None = None) -> None:
         """Connect (``lost``: the node of the session before, tried last) and set up."""
         topo = self.topology
@@ -125,6 +133,8 @@ class AmqpSession:
             )
             work = await self.connection.channel(publisher_confirms=False)
             work.close_callbacks.add(self._on_close)
+            raw = await work.get_underlay_channel()
+            raw.on_consumer_cancel_callbacks.add(self._on_consumer_cancel)
             await work.set_qos(prefetch_count=spec.prefetch)
             queue = await declare_topology(
                 work,
@@ -234,11 +244,18 @@ class AmqpBroker:
         return session
 
 
+class ConsumerCancelled(Exception):
+    """Why a session ended when the broker cancelled its work consumer (a close reason, never
+    raised)."""
+
+
 def close_reason(exc: BaseException | None) -> str:
     """A short label for why a session closed: by its AMQP reply (precondition_failed is what
     the broker's consumer timeout sends), or how the connection ended."""
     if exc is None:
         return "closed_here"
+    if isinstance(exc, ConsumerCancelled):
+        return "consumer_cancelled"
     if isinstance(exc, ChannelPreconditionFailed):
         return "precondition_failed"
     if isinstance(exc, AMQPChannelError | AMQPConnectionError) and not isinstance(

@@ -7,8 +7,11 @@ Judged from the observers' own tick logs (written outside the fenced path)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import aio_pika
 import pytest
@@ -203,4 +206,102 @@ async def test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_on
     )
     assert max(r["n"] for r in takes) <= 2, "a neighbour was moved more than once"
     await cluster.wait_all_running(neighbours, timeout=10, fresh_after=time.time())
+    assert_no_overlap(cluster.tick_dir)
+
+
+def _ticking(cluster: Cluster, ids: list[uuid.UUID], after: float) -> set[str]:
+    """Which of these observers ticked after ``after`` (epoch seconds), by their tick logs."""
+    wanted = {str(i) for i in ids}
+    return {t.observer for t in read_ticks(cluster.tick_dir) if t.at > after} & wanted
+
+
+async def test_a_deleted_work_queue_loses_no_observer(cluster: Cluster) -> None:
+    """``rabbitmqctl delete_queue`` of the work queue: every service's consumer is cancelled by
+    the broker. Each consumes again (the queue declared again), observers created afterwards
+    run, and a service drained afterwards hands its observers over (their starts published
+    anew, not nacked into the deleted queue); none runs twice."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=12)
+    b = await cluster.start_service("b", worker_count=12)
+    old = await cluster.create_recorders(6)
+    await cluster.wait_all_running(old, timeout=15)
+    await asyncio.to_thread(rabbitmqctl, "delete_queue", f"{cluster.prefix}.work")
+    deleted_at = time.time()
+    new = []
+    for i in range(4):
+        body = await cluster.create(
+            f"new-{i}", "recorder", dir=str(cluster.tick_dir), interval=0.05
+        )
+        new.append(uuid.UUID(body["id"]))
+    every = [*old, *new]
+
+    async def all_ticking(after: float) -> bool:
+        return _ticking(cluster, every, after) == {str(i) for i in every}
+
+    await wait_for(
+        lambda: all_ticking(time.time() - 0.5), timeout=15, what="every observer ticking"
+    )
+    ran_at = time.time()
+    a_id = await cluster.service_id(a)
+    async with cluster.api() as c:
+        assert (await c.post(f"/services/{a_id}/drain")).status_code == 202
+    b_id = await cluster.service_id(b)
+    await cluster.wait_all_running(every, timeout=15, on={b_id}, fresh_after=time.time())
+    await wait_for(
+        lambda: all_ticking(time.time() - 0.5), timeout=15, what="every observer ticking"
+    )
+    assert_no_overlap(cluster.tick_dir)
+    print(f"all {len(every)} observers ticking {ran_at - deleted_at:.2f} s after the delete")
+
+
+@contextlib.contextmanager
+def memory_alarm() -> Iterator[None]:
+    """A memory alarm on the shared broker (publishers blocked) for a while; the watermark put
+    back exactly as it was, whatever happens."""
+    was = rabbitmqctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
+    try:
+        rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        yield
+    finally:
+        rabbitmqctl("eval", f"vm_memory_monitor:set_vm_memory_high_watermark({was}).")
+
+
+IDLE_IN_TX = (
+    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - state_change)), 0) "
+    "FROM pg_stat_activity WHERE datname = current_database() "
+    "AND state = 'idle in transaction'"
+)
+
+
+async def test_a_memory_alarm_stops_neither_the_sweeper_nor_the_api(cluster: Cluster) -> None:
+    """With publishers blocked by a memory alarm, no manager transaction waits on the broker
+    (none idle in transaction for more than 2 s), create answers promptly, and the observers
+    of a service SIGKILLed during the alarm run on the other one once it clears."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=10)
+    b = await cluster.start_service("b", worker_count=10)
+    ids = await cluster.create_recorders(4)
+    await cluster.wait_all_running(ids, timeout=15)
+    db = await cluster.connect()
+    longest = 0.0
+    with memory_alarm():
+        a.signal(signal.SIGKILL)
+        began = time.monotonic()
+        async with cluster.api() as c:
+            r = await c.post(
+                "/observers",
+                json={"name": "late", "kind": "recorder", "params": {"dir": str(cluster.tick_dir)}},
+            )
+        created_in = time.monotonic() - began
+        assert r.status_code == 201, r.text
+        ids.append(uuid.UUID(r.json()["id"]))
+        while time.monotonic() - began < 8:
+            longest = max(longest, float(await db.fetchval(IDLE_IN_TX)))
+            await asyncio.sleep(0.05)
+    cleared = time.time()
+    print(f"create answered in {created_in:.2f} s; longest idle in transaction {longest:.2f} s")
+    assert created_in < 5, f"create took {created_in:.1f} s during the alarm"
+    assert longest < 2, f"a transaction sat idle for {longest:.1f} s during the alarm"
+    b_id = await cluster.service_id(b)
+    await cluster.wait_all_running(ids, timeout=15, on={b_id}, fresh_after=cleared)
     assert_no_overlap(cluster.tick_dir)

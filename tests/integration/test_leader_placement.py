@@ -16,7 +16,15 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractConnection, AbstractQueue
 
-from contracts.messages import CONTROL_MESSAGE, AnyControl, DirectedStart, HandoffMessage
+from contracts.errors import BrokerUnavailable
+from contracts.messages import (
+    CONTROL_MESSAGE,
+    AnyControl,
+    DirectedStart,
+    HandoffMessage,
+    StartMessage,
+)
+from contracts.routing import WORK
 from contracts.settings import CommonSettings
 from contracts.topology import Topology
 from manager.background import Audit
@@ -295,3 +303,38 @@ async def test_the_audit_waits_longer_each_time_it_re_dispatches_an_observer(
     third = await next_redispatch()
     assert second - first >= 2 * grace, f"re-dispatched again after {second - first:.2f}s"
     assert third - second >= 4 * grace, f"re-dispatched a third time after {third - second:.2f}s"
+
+
+async def test_the_audit_finds_lost_starts_whatever_else_the_work_queue_holds(
+    db: tuple[asyncpg.Connection, ManagerStore], publisher: Publisher, prefix: str
+) -> None:
+    """A few starts ready in the work queue (nobody consumes it) must not turn recovery off: the
+    observers whose start is nowhere are re-dispatched all the same."""
+    conn, store = db
+    stuck = await observers(conn, 3, holder=None)
+    channel = await publisher._raw()
+    for _ in range(2):  # two starts nobody takes
+        await channel.basic_publish(b"{}", routing_key=Topology(prefix).work_queue)
+    assert await publisher.work_queue_ready() == 2
+    assert await audit(store, publisher).once() == 3
+    moved = await conn.fetchval(
+        "SELECT count(*) FROM observer_events WHERE event = 'redispatched' "
+        "AND observer_id = ANY($1)",
+        stuck,
+    )
+    assert moved == len(stuck)
+
+
+async def test_a_start_returned_by_a_deleted_work_queue_is_kept_and_lands_when_retried(
+    publisher: Publisher, services_connection: AbstractConnection, prefix: str
+) -> None:
+    """A start published while the work queue is deleted comes back (mandatory): it is not
+    counted as delivered (the outbox keeps it), and the queue is declared again so that the
+    retry lands."""
+    channel = await services_connection.channel()
+    await channel.queue_delete(Topology(prefix).work_queue)
+    start = StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4())
+    with pytest.raises(BrokerUnavailable):
+        await publisher.deliver(WORK, start)
+    await publisher.deliver(WORK, start)
+    assert await publisher.work_queue_ready() == 1
