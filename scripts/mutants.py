@@ -80,9 +80,11 @@ MUTANTS = [
     Mutant(
         "take: no compare-and-set",
         "observer_service/queries.py",
-        """ WHERE o.id = v.id AND o.epoch = v.epoch AND o.dispatch_id = v.dispatch_id
-   AND o.status = v.status AND o.service_id IS NOT DISTINCT FROM v.holder""",
-        " WHERE o.id = v.id",
+        "   AND (o.epoch = ({v} ->> 'epoch')::bigint"
+        " AND o.dispatch_id = ({v} ->> 'dispatch_id')::uuid\n"
+        "        AND o.status = {v} ->> 'status'\n"
+        "        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid) IS TRUE",
+        "   AND true",
         (
             f"{FENCES}::test_a_take_that_lost_the_race_is_refused",
             f"{FENCES}::test_concurrent_takes_have_one_winner",
@@ -105,7 +107,7 @@ MUTANTS = [
     Mutant(
         "self-fencing: the deadline never fences",
         "observer_service/lease.py",
-        "        if not self.deadline.valid():\n            self.fence",
+        "        if not self._fenced and not self.deadline.valid():\n            self.fence",
         "        if False:\n            self.fence",
         (
             f"{CORE}::test_a_suspend_past_the_lease_fences",
@@ -163,7 +165,7 @@ MUTANTS = [
     Mutant(
         "departure proof: a take ignores the key it found free",
         "observer_service/queries.py",
-        "   AND (v.holder_key IS NULL\n",
+        "   AND ({v} ->> 'holder_key' IS NULL\n",
         "   AND (true\n",
         (f"{FENCES}::test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free",),
     ),
@@ -185,8 +187,8 @@ MUTANTS = [
     Mutant(
         "intake: a take's database error leaves the start unsettled",
         "observer_service/intake.py",
-        "                result = await while_leased(partial(self.takes.submit, request), alive)",
-        "                result = await self.takes.submit(request)",
+        "                result = await while_leased(partial(self._submit_take, request), alive)",
+        "                result = await self._submit_take(request)",
         (f"{CORE}::test_a_take_that_meets_a_database_error_is_retried_and_runs",),
     ),
     Mutant(
@@ -223,8 +225,8 @@ MUTANTS = [
     Mutant(
         "guard: kind code resumes unchecked",
         "observer_service/guard.py",
-        "                    while (parked := gate()) is not None:",
-        "                    while (parked := None) is not None:",
+        "                while (parked := gate()) is not None:",
+        "                while (parked := None) is not None:",
         (
             f"{CORE}::test_kind_code_never_resumes_after_the_lease_is_lost",
             f"{FAULTS}::test_frozen_copy_makes_no_side_effect_after_waking",
@@ -242,7 +244,10 @@ MUTANTS = [
         "observer_service/service.py",
         "        if hung:\n            self.clean = False",
         "        if False:\n            self.clean = False",
-        (f"{FAULTS}::test_shutdown_timeout_never_releases_a_running_copy",),
+        (
+            f"{CORE}::test_a_graceful_stop_never_releases_a_copy_that_has_not_stopped",
+            f"{FAULTS}::test_shutdown_timeout_never_releases_a_running_copy",
+        ),
     ),
     Mutant(
         "settle: the first stop reason decides the write",
@@ -254,8 +259,8 @@ MUTANTS = [
     Mutant(
         "sweeper: declares gone a service back on a new session",
         "manager/queries.py",
-        '"AND pg_try_advisory_xact_lock(lock_key) RETURNING id, name"',
-        '"RETURNING id, name"',
+        '"AND NOT is_deleted AND stalled_since IS NULL AND pg_try_advisory_xact_lock(lock_key) "',
+        '"AND NOT is_deleted AND stalled_since IS NULL "',
         (
             "tests/integration/test_sweeper.py::test_a_service_back_on_a_new_session_is_not_declared_gone",
         ),

@@ -17,7 +17,7 @@ from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.settings import asyncpg_dsn
 from observer_service import queries as q
-from observer_service.ports import Checkpoint, StartRequest, TakeResult
+from observer_service.ports import Checkpoint, Locked, StartRequest, TakeResult
 from observer_service.store import PgLeaseDatabase, PgStore
 from observer_service.take import Decision, Departed
 
@@ -78,9 +78,14 @@ async def row_of(pool: asyncpg.Pool, oid: uuid.UUID) -> dict[str, Any]:
 async def take(
     store: PgStore, start: StartMessage, *, redelivered: bool = False, departed: Any = None
 ) -> Any:
+    """One take, retried while its row is skipped as locked (by a concurrent take), as the
+    service's intake retries it."""
     req = StartRequest(start, redelivered=redelivered, running_here=False)
-    (result,) = await store.take_many([req], departed or Departed())
-    return result
+    while True:
+        (result,) = await store.take_many([req], departed or Departed())
+        if not isinstance(result, Locked):
+            return result
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

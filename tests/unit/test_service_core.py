@@ -76,6 +76,19 @@ async def cleans(ctx: ObserverContext) -> None:
                 await asyncio.sleep(0.02)
 
 
+async def stubborn(ctx: ObserverContext) -> None:
+    """Takes 3 s to stop, whatever it is asked."""
+    try:
+        while True:
+            TICKS[ctx.observer_id] = TICKS.get(ctx.observer_id, 0) + 1
+            await ctx.sleep(0.01)
+    finally:
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            with contextlib.suppress(BaseException):
+                await asyncio.sleep(0.02)
+
+
 async def blocks(ctx: ObserverContext) -> None:
     while True:
         await ctx.sleep(0.01)
@@ -94,6 +107,7 @@ KINDS = {
     ),
     "slow": KindSpec("slow", slow_stop),
     "cleans": KindSpec("cleans", cleans),
+    "stubborn": KindSpec("stubborn", stubborn),
 }
 
 
@@ -469,6 +483,17 @@ async def test_reading_the_lease_is_pure_and_its_own_schedule_fences() -> None:
         assert not h.lease.fenced, "reading the lease fenced"
         await until(lambda: h.lease.fenced)
         h.lease_db.available = True
+
+
+async def test_a_graceful_stop_never_releases_a_copy_that_has_not_stopped() -> None:
+    """Past the shutdown timeout (1 s here) the copy still runs: its row stays held and the
+    service leaves unclean (the process exits, and others take it as from a crash)."""
+    async with harness() as h:
+        row, _ = await h.started("stubborn")
+        h.service.request_stop()
+        await until(lambda: not h.service.clean, timeout=5)
+        assert row.service_id == h.service.id, "a copy still running was released"
+        assert row.status is S.PROCESSING
 
 
 async def test_a_delete_runs_the_kinds_cleanup_to_its_end() -> None:
