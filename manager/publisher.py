@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 
 import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractConnection
@@ -28,9 +29,17 @@ class Publisher:
     then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
 
     def __init__(
-        self, settings: CommonSettings, *, timeout: float = 3.0, probe_timeout: float = 1.0
+        self,
+        settings: CommonSettings,
+        *,
+        timeout: float = 3.0,
+        probe_timeout: float = 1.0,
+        died: Callable[[asyncio.Task[None]], None] | None = None,
     ) -> None:
         self.settings = settings
+        #: Told when the reconnect task dies of anything but a stop: without it the manager
+        #: would never publish again, so its owner stops the process loudly.
+        self._died = died
         self.topology = settings.topology
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
@@ -83,7 +92,16 @@ class Publisher:
             return
         log.warning("broker connection lost (%s): connecting again", exc or "closed")
         self._sender = None
-        self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+        task = asyncio.get_running_loop().create_task(self._reconnect(), name="broker-reconnect")
+        task.add_done_callback(self._reconnect_ended)
+        self._reconnecting = task
+
+    def _reconnect_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("reconnecting to the broker failed for good (%r)", task.exception())
+        if self._died is not None:
+            self._died(task)
 
     async def _reconnect(self) -> None:
         old = self._connection
@@ -163,10 +181,11 @@ class Publisher:
 
     async def close(self) -> None:
         self._closing = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
+        task = self._reconnecting
+        if task is not None and not task.done():  # one that died was told to the owner
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reconnecting
+                await task
         if self._connection is not None:
             with broker_errors():
                 await self._connection.close()

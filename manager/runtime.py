@@ -40,7 +40,7 @@ class ManagerRuntime:
         self.metrics = metrics or ManagerMetrics(refresh=settings.metrics_refresh)
         self.kinds = kinds if kinds is not None else load_kinds(settings.kind_module_list)
         self.store = ManagerStore(settings)
-        self.publisher = Publisher(settings)
+        self.publisher = Publisher(settings, died=self._died)
         self.outbox = Outbox(self.store, self.publisher)
         #: Single creates of this process, written and published together (``manager.intake``).
         self.creates = GroupCommit(self._create_rows, self.outbox.publish_now)

@@ -338,3 +338,29 @@ async def test_a_start_returned_by_a_deleted_work_queue_is_kept_and_lands_when_r
         await publisher.deliver(WORK, start)
     await publisher.deliver(WORK, start)
     assert await publisher.work_queue_ready() == 1
+
+
+async def test_a_publisher_whose_reconnect_dies_tells_its_owner(
+    servers: Servers, database_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug met while connecting again must not leave a manager that never publishes again
+    and never exits: the owner is told (the manager's runtime then stops the process)."""
+    died: asyncio.Queue[asyncio.Task[None]] = asyncio.Queue()
+    p = Publisher(
+        CommonSettings(database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix),
+        died=died.put_nowait,
+    )
+    await p.start()
+    try:
+
+        async def broken_open() -> None:
+            raise RuntimeError("a bug in connecting")
+
+        monkeypatch.setattr(p, "_open", broken_open)
+        assert p._connection is not None
+        await p._connection.close()  # the broker connection is lost: it connects again
+        task = await asyncio.wait_for(died.get(), 5)
+        assert isinstance(task.exception(), RuntimeError)
+        assert task.get_name() == "broker-reconnect"
+    finally:
+        await p.close()
