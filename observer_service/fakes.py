@@ -318,9 +318,10 @@ class FakeLeaseSession:
         self.db.expired = False
         return self.db.draining
 
-    async def renew(self, ttl: float, timeout: float) -> Renewal | None:
+    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
         self._up()
         self.db.renewals += 1
+        self.db.stalled = stalled
         if self.db.expired:
             return None
         self.db.key = self.lock_key
@@ -359,6 +360,8 @@ class FakeLeaseDatabase:
         self.deleting: list[uuid.UUID] = []
         self.joins: list[int] = []
         self.renewals = 0
+        #: What the last renewal said: kind code blocked the loop lately.
+        self.stalled = False
         self.left: bool | None = None
         self.sessions: list[FakeLeaseSession] = []
 

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from contracts.errors import LeaseLost
 from contracts.witness import STALL, Witness
-from observer_service.stalls import LoopBlocked, StallWatch, Step
+from observer_service.stalls import MARK_AFTER, LoopBlocked, StallWatch, Step
 
 T = TypeVar("T")
 
@@ -116,8 +116,11 @@ class _Guarded:
         timing = self._timing
         assert timing is not None
         watch = timing.watch
-        took = time.monotonic() - step.started
+        ended = time.monotonic()
+        took = ended - step.started
         watch.step = None
+        if took > MARK_AFTER and not watch.process_paused(step.started):
+            watch.long_step(ended)
         witness = timing.witness
         if took <= watch.threshold and (witness is None or took < STALL):
             return 0.0

@@ -58,6 +58,10 @@ class Listener(Protocol):
         """The copies running here."""
         ...
 
+    def stalled_lately(self) -> bool:
+        """Kind code blocked the event loop lately (the renewal keeps the service marked)."""
+        ...
+
     def superseded(self, copies: Collection[Copy]) -> None:
         """These copies were taken by another service while the lease session was down: stop
         them before they resume."""
@@ -214,7 +218,9 @@ class LeaseKeeper:
         session = await self._connect()
         before = set(self.listener.copies())  # each one's take committed before this renewal
         renewal = await session.renew(
-            self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
+            self.timings.ttl,
+            timeout=max(0.05, self.deadline.remaining()),
+            stalled=self.listener.stalled_lately(),
         )
         if renewal is None:
             self.fence("the lease had expired in the database")
@@ -274,7 +280,9 @@ class LeaseKeeper:
                 session = self._session
                 assert session is not None
                 renewal = await session.renew(
-                    self.timings.ttl, timeout=max(0.05, self.deadline.remaining())
+                    self.timings.ttl,
+                    timeout=max(0.05, self.deadline.remaining()),
+                    stalled=self.listener.stalled_lately(),
                 )
             self.listener.renewal_took(self.clock.now() - sent)
         except DatabaseUnavailable as exc:

@@ -153,7 +153,9 @@ class LeaseSession(Protocol):
 
     async def join(self, ttl: float) -> bool: ...
 
-    async def renew(self, ttl: float, timeout: float) -> Renewal | None: ...
+    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
+        """Renew; ``stalled``: kind code blocked the loop lately, keep the service marked."""
+        ...
 
     async def held(self, timeout: float) -> set[Copy]:
         """The copies the database says this service holds, read after the last renewal

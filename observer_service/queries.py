@@ -259,15 +259,17 @@ ON CONFLICT (id) DO UPDATE
 RETURNING s.draining
 """
 
-# $1 me, $2 ttl, $3 the renewing session's lock key. Only an unexpired lease is renewed: one found
-# expired (a suspend, a pause longer than the lease) may have had its observers taken, so the
-# service fences and rejoins instead. The observers being stopped come as JSON text: a uuid[]
-# would cost a new session two more round trips (asyncpg introspects the array type), and a
-# session is renewed on a slow link too.
+# $1 me, $2 ttl, $3 the renewing session's lock key, $4 kind code blocked the loop lately (the
+# stall mark stays: a service whose kinds block its loop is never taken over fast). Only an
+# unexpired lease is renewed: one found expired (a suspend, a pause longer than the lease) may
+# have had its observers taken, so the service fences and rejoins instead. The observers being
+# stopped come as JSON text: a uuid[] would cost a new session two more round trips (asyncpg
+# introspects the array type), and a session is renewed on a slow link too.
 RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
-       last_heartbeat_at = clock_timestamp(), modified_at = now(), stalled_since = NULL
+       last_heartbeat_at = clock_timestamp(), modified_at = now(),
+       stalled_since = CASE WHEN $4 THEN coalesce(stalled_since, clock_timestamp()) END
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
 RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE service_id = $1 AND {sql_in("status", STOPPING)}),

@@ -390,6 +390,9 @@ class ObserverService:
     def copies(self) -> Collection[Copy]:
         return [r.copy for r in self.runners.values()]
 
+    def stalled_lately(self) -> bool:
+        return self.stalls.stalled_lately()
+
     def superseded(self, copies: Collection[Copy]) -> None:
         gone = set(copies)
         self._stop_where(lambda r: r.copy in gone, StopReason.SUPERSEDED)

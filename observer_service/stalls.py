@@ -20,6 +20,7 @@ its lease session ended, so no taker may treat it as gone before its lease expir
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -35,6 +36,10 @@ WATCH_EVERY = 0.05
 #: A step this long marks the service stalled, seconds: past any step of a healthy kind, and
 #: short next to the sweeps a fast takeover needs (two, 0.25 s apart).
 MARK_AFTER = 0.1
+#: Seconds a service stays marked stalled after a long step ended (its renewals keep the mark):
+#: a kind that blocked the loop once is likely to again, and the next block may begin just as
+#: the service is cut off, before the watchdog's own mark could land.
+REMEMBER = 60.0
 #: A watchdog wake-up this late means the whole process was stopped (SIGSTOP, a paused VM),
 #: not the loop blocked by kind code: the thread runs beside a blocked loop, not a stopped one.
 PROCESS_PAUSE = 0.5
@@ -84,6 +89,8 @@ class StallWatch:
         self._writes = writes
         #: Set by the guard around each step of kind code; read by the watchdog thread.
         self.step: Step | None = None
+        #: When the last step longer than MARK_AFTER ended (monotonic).
+        self.last_long = -math.inf
         #: The watchdog's last wake-up, and when the last whole-process pause it saw ended.
         self._beat = 0.0
         self._paused_until = 0.0
@@ -97,6 +104,18 @@ class StallWatch:
             return False
         now = time.monotonic()
         return self._paused_until > since or now - self._beat > PROCESS_PAUSE
+
+    def long_step(self, ended: float) -> None:
+        """The guard saw a step longer than MARK_AFTER end."""
+        self.last_long = ended
+
+    def stalled_lately(self) -> bool:
+        """A step blocks the loop now, or one did within REMEMBER seconds."""
+        now = time.monotonic()
+        step = self.step
+        return now - self.last_long < REMEMBER or (
+            step is not None and now - step.started > MARK_AFTER
+        )
 
     def blamed(self, seconds: float, *, lease_valid: bool) -> bool:
         """A step of ``seconds`` after which the lease is gone cost the lease."""

@@ -371,10 +371,10 @@ class PgLeaseSession:
             row = await self.conn.fetchrow(q.JOIN, self.service_id, *self.row, self.lock_key, ttl)
         return bool(row["draining"])
 
-    async def renew(self, ttl: float, timeout: float) -> Renewal | None:
+    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
         with self._errors():
             row = await self.conn.fetchrow(
-                q.RENEW, self.service_id, ttl, self.lock_key, timeout=timeout
+                q.RENEW, self.service_id, ttl, self.lock_key, stalled, timeout=timeout
             )
         if row is None:
             return None

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FENCES = "tests/integration/test_fences.py"
 CORE = "tests/unit/test_service_core.py"
+GUARD = "tests/unit/test_deadline_and_guard.py"
 FAULTS = "tests/acceptance/test_faults.py"
 ONCE = "tests/acceptance/test_exactly_once.py"
 BROKER = "tests/acceptance/test_broker.py"
@@ -110,6 +111,7 @@ MUTANTS = [
         "        if not self._fenced and not self.deadline.valid():\n            self.fence",
         "        if False:\n            self.fence",
         (
+            f"{CORE}::test_reading_the_lease_is_pure_and_its_own_schedule_fences",
             f"{CORE}::test_a_suspend_past_the_lease_fences",
             f"{ONCE}::test_freeze_longer_than_the_lease",
         ),
@@ -228,6 +230,7 @@ MUTANTS = [
         "                while (parked := gate()) is not None:",
         "                while (parked := None) is not None:",
         (
+            f"{GUARD}::test_the_guard_abandons_the_kind_before_it_resumes_on_a_lost_lease",
             f"{CORE}::test_kind_code_never_resumes_after_the_lease_is_lost",
             f"{FAULTS}::test_frozen_copy_makes_no_side_effect_after_waking",
         ),

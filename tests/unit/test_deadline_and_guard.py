@@ -43,7 +43,7 @@ def test_the_suspend_aware_clock_counts_what_the_monotonic_one_missed(tmp_path: 
         assert abs(clock.now() - time.clock_gettime(time.CLOCK_BOOTTIME)) < 1
 
 
-async def test_the_guard_throws_lease_lost_in_before_the_kind_resumes() -> None:
+async def test_the_guard_abandons_the_kind_before_it_resumes_on_a_lost_lease() -> None:
     lost = False
     after: list[str] = []
 

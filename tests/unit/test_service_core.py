@@ -496,6 +496,18 @@ async def test_a_graceful_stop_never_releases_a_copy_that_has_not_stopped() -> N
         assert row.status is S.PROCESSING
 
 
+async def test_a_service_whose_kind_blocked_the_loop_keeps_itself_marked_stalled() -> None:
+    """Its renewals tell the database, so no taker treats it as gone before its lease expires
+    (a next block may start just as it is cut off, before the watchdog's own mark lands)."""
+    async with harness(loop_stall=5.0) as h:
+        await h.started()
+        await until(lambda: h.lease_db.renewals > 1)
+        assert not h.lease_db.stalled, "a service whose kinds never blocked is not marked"
+        row = h.store.add("blocks", params={"block": 0.15})
+        await h.run(row)
+        await until(lambda: h.lease_db.stalled)
+
+
 async def test_a_delete_runs_the_kinds_cleanup_to_its_end() -> None:
     async with harness() as h:
         row, delivery = await h.started("cleans")
