@@ -24,6 +24,7 @@ from observer_service.ports import LOCKED, Checkpoint, Copy, StartRequest, Store
 from observer_service.retry import landed, while_leased
 from observer_service.store import PgStore
 from observer_service.take import Decision, Departed
+from observer_service.taking import take_many
 from orch.cluster import wait_for
 
 T = TypeVar("T")
@@ -178,7 +179,7 @@ async def take(
     w: World, start: StartMessage, *, redelivered: bool = False, room: bool = True, **kw: Any
 ) -> TakeResult:
     req = StartRequest(start, redelivered=redelivered, running_here=False, room=room)
-    (result,) = await w.store.take_many([req], kw.get("departed") or Departed())
+    (result,) = await take_many(w.store, [req], kw.get("departed") or Departed())
     assert isinstance(result, TakeResult), result
     return result
 
@@ -393,7 +394,7 @@ async def test_a_locked_row_neither_stalls_a_release_nor_a_take(world: World) ->
     free, busy = await world.observer(), await world.observer()
     await world.lock(busy.observer_id)
     reqs = [StartRequest(s, redelivered=False, running_here=False) for s in (free, busy)]
-    results = await asyncio.wait_for(world.store.take_many(reqs, Departed()), _UNBLOCKED)
+    results = await asyncio.wait_for(take_many(world.store, reqs, Departed()), _UNBLOCKED)
     assert isinstance(results[0], TakeResult)
     assert results[0].decision is Decision.TAKE
     assert results[1] is LOCKED
