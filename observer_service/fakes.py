@@ -29,13 +29,12 @@ from observer_service.ports import (
     OnControl,
     OnStart,
     Renewal,
+    Seen,
     SessionSpec,
     Settling,
-    StartRequest,
-    Taken,
-    TakeResult,
+    Written,
 )
-from observer_service.take import Decision, Departed, Facts, decide
+from observer_service.take import Decision
 
 
 class ManualClock(Clock):
@@ -82,13 +81,15 @@ class FakeService:
     lock_free: bool = False
     #: The lock key of its lease session: a new one for a new session.
     key: int = field(default_factory=lambda: next(_service_keys))
+    #: Seconds until its lease expires, as a facts read reports it.
+    remaining: float = 0.0
 
 
 class InMemoryStore:
     """Observer rows in a dict. ``available`` False makes every call raise DatabaseUnavailable;
-    ``hold`` (an event) makes take_many wait until it is set, to open a race on purpose; the
-    rows in ``locked`` are locked by another transaction: a batch answers LOCKED for them, a
-    single write raises RowLocked."""
+    ``hold`` (an event) makes each facts read of a take wait until it is set, to open a race on
+    purpose; the rows in ``locked`` are locked by another transaction: a batch answers LOCKED
+    for them, a single write raises RowLocked. The take loop itself is ``taking.take_many``."""
 
     def __init__(self, me: uuid.UUID, clock: Clock | None = None) -> None:
         self.me = me
@@ -97,7 +98,7 @@ class InMemoryStore:
         self.services: dict[uuid.UUID, FakeService] = {}
         self.available = True
         self.hold: asyncio.Event | None = None
-        #: This many take_many calls commit and then raise, as a lost reply would.
+        #: This many take compare-and-sets commit and then raise, as a lost reply would.
         self.lose_replies = 0
         self.calls: list[str] = []
         self.locked: set[uuid.UUID] = set()
@@ -120,65 +121,76 @@ class InMemoryStore:
             and row.status in HELD
         )
 
-    async def take_many(
-        self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult | Locked]:
+    async def read_facts(self, observer_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Seen]:
         if self.hold is not None:
             await self.hold.wait()
-        self._up("take_many")
-        out: list[TakeResult | Locked] = []
-        for req in requests:
-            row = self.rows.get(req.observer_id)
+        self._up("read_facts")
+        out: dict[uuid.UUID, Seen] = {}
+        for oid in observer_ids:
+            row = self.rows.get(oid)
             if row is None:
-                facts = Facts(exists=False)
-            else:
-                holder = self.services.get(row.service_id) if row.service_id else None
-                key = holder.key if holder is not None and row.service_id != self.me else None
-                lock_free, off_broker = departed.facts(
-                    key, lock_free=holder is not None and holder.lock_free
-                )
-                facts = Facts(
-                    exists=True,
-                    status=row.status,
-                    dispatch_current=row.dispatch_id == req.start.dispatch_id,
-                    holder=row.service_id,
-                    holder_live=holder is not None and holder.live,
-                    holder_lock_free=lock_free,
-                    holder_off_broker=off_broker,
-                )
-            decision = decide(
-                facts,
-                me=self.me,
-                redelivered=req.redelivered,
-                running_here=req.running_here,
-                room=req.room,
+                continue
+            holder = self.services.get(row.service_id) if row.service_id else None
+            other_live = holder is not None and holder.live and row.service_id != self.me
+            out[oid] = Seen(
+                observer_id=row.id,
+                status=row.status,
+                dispatch_id=row.dispatch_id,
+                epoch=row.epoch,
+                holder=row.service_id,
+                holder_live=holder is not None and holder.live,
+                holder_lock_free=other_live and holder is not None and holder.lock_free,
+                holder_key=None if holder is None else holder.key,
+                holder_remaining=0.0 if holder is None else holder.remaining,
+                name=f"obs-{row.id.hex[:6]}",
+                kind=row.kind,
+                params=row.params,
+                checkpoint=row.checkpoint,
+                restart_policy=row.restart_policy,
             )
-            if row is not None and row.id in self.locked and decision in _WRITES:
-                out.append(LOCKED)
-            elif row is not None and decision is Decision.TAKE:
-                row.status, row.service_id, row.epoch = (
-                    ObserverStatus.PROCESSING,
-                    self.me,
-                    row.epoch + 1,
-                )
+        return out
+
+    def _as_seen(self, seen: Seen) -> Row | None:
+        """The row, if it is still as ``seen`` (and a live holder taken from still names the
+        lock key seen): what the compare-and-set's WHERE asks of it."""
+        row = self.rows.get(seen.observer_id)
+        if row is None or (row.epoch, row.dispatch_id, row.status, row.service_id) != (
+            seen.epoch,
+            seen.dispatch_id,
+            seen.status,
+            seen.holder,
+        ):
+            return None
+        if seen.holder_live and seen.holder not in (None, self.me):
+            holder = self.services.get(seen.holder) if seen.holder else None
+            if holder is None or holder.key != seen.holder_key:
+                return None
+        return row
+
+    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+        self._up("compare_and_set")
+        epochs: dict[uuid.UUID, int] = {}
+        locked: set[uuid.UUID] = set()
+        for seen in {r.observer_id: r for r in rows}.values():
+            row = self._as_seen(seen)
+            if row is None:
+                continue
+            if row.id in self.locked:
+                locked.add(row.id)
+                continue
+            if decision is Decision.TAKE:
+                row.status, row.service_id = ObserverStatus.PROCESSING, self.me
+                row.epoch += 1
                 row.events.append("taken")
-                out.append(TakeResult(decision, _taken(row, req)))
-            elif row is not None and decision is Decision.COMPLETE_STOP:
+            elif decision is Decision.COMPLETE_STOP:
                 row.status, row.service_id = STOPPED[row.status], None
-                out.append(TakeResult(decision))
             else:
-                holder = self.services.get(row.service_id) if row and row.service_id else None
-                out.append(
-                    TakeResult(
-                        decision,
-                        holder=None if row is None else row.service_id,
-                        holder_key=None if holder is None else holder.key,
-                    )
-                )
+                raise ValueError(f"{decision} is not a write")
+            epochs[row.id] = row.epoch
         if self.lose_replies:
             self.lose_replies -= 1
             raise DatabaseUnavailable("connection lost before the reply")
-        return out
+        return Written(epochs, frozenset(locked))
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
         self._up("checkpoint_many")
@@ -265,23 +277,6 @@ class InMemoryStore:
     async def held_count(self) -> int:
         self._up("held_count")
         return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
-
-
-#: The decisions a take writes (a locked row makes them LOCKED).
-_WRITES = frozenset({Decision.TAKE, Decision.COMPLETE_STOP})
-
-
-def _taken(row: Row, req: StartRequest) -> Taken:
-    return Taken(
-        observer_id=row.id,
-        name=f"obs-{row.id.hex[:6]}",
-        kind=row.kind,
-        params=row.params,
-        checkpoint=row.checkpoint,
-        restart_policy=row.restart_policy,
-        epoch=row.epoch,
-        dispatch_id=req.start.dispatch_id,
-    )
 
 
 # ------------------------------------------------------------------------------------ lease

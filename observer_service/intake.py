@@ -49,6 +49,7 @@ from observer_service.runner import Runner, refused, run_observer
 from observer_service.settle import Disposition, Settler
 from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
+from observer_service.taking import take_many
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Intake:
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
         self.metrics.take_batch.observe(len(requests))
-        return await self.store.take_many(requests, self.departed)
+        return await take_many(self.store, requests, self.departed)
 
     async def _holder_gone(self, result: TakeResult) -> bool:
         """Whether the holder, whose database session has ended, is off the broker too. One

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
-from observer_service.take import Decision, Departed
+from observer_service.take import Decision
 
 
 class Locked(Enum):
@@ -86,6 +86,41 @@ class TakeResult:
 
 
 @dataclass(frozen=True)
+class Seen:
+    """An observer row and its holder as one facts read saw them: what the take rule decides
+    from, and what a compare-and-set requires the row still to be."""
+
+    observer_id: uuid.UUID
+    status: ObserverStatus
+    dispatch_id: uuid.UUID
+    epoch: int
+    holder: uuid.UUID | None
+    #: The holder's lease has not expired and it is not deleted.
+    holder_live: bool
+    #: Another live holder's lease-session lock was free at the read (else False).
+    holder_lock_free: bool
+    #: The lock key of the holder's lease session.
+    holder_key: int | None
+    #: Seconds until the holder's lease expires (0 when unknown or none).
+    holder_remaining: float
+    name: str
+    kind: str
+    params: dict[str, Any]
+    checkpoint: Any
+    restart_policy: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a compare-and-set made of the rows it was given: the new epoch of each it wrote,
+    and those it found as seen but locked by another transaction. Any other row had changed
+    since it was seen (the loop reads it again)."""
+
+    epochs: dict[uuid.UUID, int]
+    locked: frozenset[uuid.UUID]
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     observer_id: uuid.UUID
     epoch: int
@@ -109,17 +144,27 @@ class Renewal:
     draining: bool
 
 
-class Store(Protocol):
+class TakeRows(Protocol):
+    """The two statements of a take; the loop over them is ``taking.take_many``, one for every
+    store. Neither waits for a locked row."""
+
+    me: uuid.UUID
+
+    async def read_facts(self, observer_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Seen]:
+        """Each existing observer and its holder, by id; a free holder lock is tried here."""
+        ...
+
+    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+        """Write ``decision`` (one of ``take.WRITES``) to every row still as seen; a take from a
+        live holder also needs the holder to still name the lock key seen."""
+        ...
+
+
+class Store(TakeRows, Protocol):
     """The service's reads and writes of observer rows. Every write for a running copy is fenced
     by its epoch and holder. Raises DatabaseUnavailable when the database is (RowLocked when a
     row is locked by another transaction); a batch answers LOCKED for a row it skipped as
     locked, and never waits for one."""
-
-    me: uuid.UUID
-
-    async def take_many(
-        self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult | Locked]: ...
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]: ...
 

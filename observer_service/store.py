@@ -30,11 +30,10 @@ from observer_service.ports import (
     ErrorRecord,
     Locked,
     Renewal,
-    StartRequest,
-    Taken,
-    TakeResult,
+    Seen,
+    Written,
 )
-from observer_service.take import Decision, Departed, Facts, decide
+from observer_service.take import Decision
 
 log = logging.getLogger(__name__)
 
@@ -44,114 +43,41 @@ class PgStore:
         self.pool = pool
         self.me = me
 
-    async def take_many(
-        self, requests: Sequence[StartRequest], departed: Departed
-    ) -> list[TakeResult | Locked]:
-        """Decide on every start message with one read, then write every take (and every delete
-        of an unrun observer) with one compare-and-set each. A row that changed in between is
-        read and decided again; one locked by another transaction is LOCKED. ``departed``:
-        holder sessions proven over, updated with every lock found free."""
-        results: dict[int, TakeResult | Locked] = {}
-        todo = list(enumerate(requests))
-        while todo:
-            with database_errors():
-                rows = await self.pool.fetch(q.FACTS, [r.observer_id for _, r in todo], self.me)
-            by_id = {row["id"]: row for row in rows}
-            writes: dict[Decision, list[tuple[int, StartRequest, asyncpg.Record]]] = {
-                Decision.TAKE: [],
-                Decision.COMPLETE_STOP: [],
-            }
-            for i, req in todo:
-                row = by_id.get(req.observer_id)
-                decision = self._decide(req, row, departed)
-                if row is not None and decision in writes:
-                    writes[decision].append((i, req, row))
-                    continue
-                results[i] = TakeResult(
-                    decision,
-                    holder=None if row is None else row["service_id"],
-                    holder_key=None if row is None else row["holder_key"],
-                    holder_remaining=0.0 if row is None else float(row["holder_remaining"] or 0),
-                )
-            todo = []
-            for decision, sql in (
-                (Decision.TAKE, q.TAKE),
-                (Decision.COMPLETE_STOP, q.COMPLETE_STOP),
-            ):
-                batch = writes[decision]
-                if not batch:
-                    continue
-                done, seen = await self._compare_and_set(sql, batch)
-                for i, req, row in batch:
-                    epoch = done.get(req.observer_id)
-                    if epoch is None and req.observer_id in seen:
-                        results[i] = LOCKED  # as seen, but locked: not decided again here
-                    elif epoch is None:
-                        todo.append((i, req))  # changed meanwhile: decide again
-                    elif decision is Decision.TAKE:
-                        results[i] = TakeResult(decision, _taken(row, epoch, req))
-                    else:
-                        results[i] = TakeResult(decision)
-        return [results[i] for i in range(len(requests))]
+    async def read_facts(self, observer_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Seen]:
+        """Every observer and its holder with one read (``queries.FACTS``): a live holder's
+        lock is tried for the statement only, so a free one proves its session over."""
+        with database_errors():
+            rows = await self.pool.fetch(q.FACTS, list(observer_ids), self.me)
+        return {row["id"]: _seen(row) for row in rows}
 
-    def _decide(
-        self, req: StartRequest, row: asyncpg.Record | None, departed: Departed
-    ) -> Decision:
-        if row is None:
-            return decide(Facts(exists=False), me=self.me, redelivered=False, running_here=False)
-        other = row["service_id"] not in (None, self.me)
-        lock_free, off_broker = departed.facts(
-            row["holder_key"] if other else None, lock_free=bool(row["holder_lock_free"])
-        )
-        facts = Facts(
-            exists=True,
-            status=ObserverStatus(row["status"]),
-            dispatch_current=row["dispatch_id"] == req.start.dispatch_id,
-            holder=row["service_id"],
-            holder_live=bool(row["holder_live"]),
-            holder_lock_free=lock_free,
-            holder_off_broker=off_broker,
-        )
-        return decide(
-            facts,
-            me=self.me,
-            redelivered=req.redelivered,
-            running_here=req.running_here,
-            room=req.room,
-        )
+    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+        """One statement for the batch (``queries.TAKE`` or ``COMPLETE_STOP``), which skips a
+        locked row: the new epoch of every row written, and every row found as seen."""
+        sql = _CAS[decision]
 
-    async def _compare_and_set(
-        self, sql: str, batch: list[tuple[int, StartRequest, asyncpg.Record]]
-    ) -> tuple[dict[uuid.UUID, int], set[uuid.UUID]]:
-        """The new epoch of every row written, and every row found as it was seen."""
-
-        def detail(row: asyncpg.Record) -> str | None:
-            return f"from {row['service_id']}" if row["service_id"] else None
-
-        def key(row: asyncpg.Record) -> int | None:
+        def key(r: Seen) -> int | None:
             """The lock key found free, for a take from a live holder: the write holds only
             while the holder's row still names it (the holder has not come back on a new
             session meanwhile)."""
-            return (
-                row["holder_key"] if row["holder_live"] and row["service_id"] != self.me else None
-            )
+            return r.holder_key if r.holder_live and r.holder != self.me else None
 
         seen = {
-            str(r["id"]): {
-                "epoch": r["epoch"],
-                "dispatch_id": str(r["dispatch_id"]),
-                "status": r["status"],
-                "holder": None if r["service_id"] is None else str(r["service_id"]),
-                "detail": detail(r),
+            str(r.observer_id): {
+                "epoch": r.epoch,
+                "dispatch_id": str(r.dispatch_id),
+                "status": r.status.value,
+                "holder": None if r.holder is None else str(r.holder),
+                "detail": f"from {r.holder}" if r.holder else None,
                 "holder_key": key(r),
             }
-            for _, _, r in batch
+            for r in rows
         }
         with database_errors():
-            rows = await self.pool.fetch(
-                sql, [r["id"] for _, _, r in batch], self.me, json.dumps(seen)
+            found = await self.pool.fetch(
+                sql, [r.observer_id for r in rows], self.me, json.dumps(seen)
             )
-        return {r["id"]: r["epoch"] for r in rows if r["written"]}, {r["id"] for r in rows}
+        epochs = {r["id"]: r["epoch"] for r in found if r["written"]}
+        return Written(epochs, frozenset(r["id"] for r in found) - epochs.keys())
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
         """One statement for every checkpoint; one row per copy (observer and epoch), the
@@ -316,16 +242,26 @@ def _answers(
     return out
 
 
-def _taken(row: asyncpg.Record, epoch: int, req: StartRequest) -> Taken:
-    return Taken(
+#: The statement that writes each decision of a take.
+_CAS = {Decision.TAKE: q.TAKE, Decision.COMPLETE_STOP: q.COMPLETE_STOP}
+
+
+def _seen(row: asyncpg.Record) -> Seen:
+    return Seen(
         observer_id=row["id"],
+        status=ObserverStatus(row["status"]),
+        dispatch_id=row["dispatch_id"],
+        epoch=row["epoch"],
+        holder=row["service_id"],
+        holder_live=bool(row["holder_live"]),
+        holder_lock_free=bool(row["holder_lock_free"]),
+        holder_key=row["holder_key"],
+        holder_remaining=float(row["holder_remaining"] or 0),
         name=row["name"],
         kind=row["kind"],
         params=json.loads(row["params"]),
         checkpoint=json.loads(row["checkpoint"]) if row["checkpoint"] else None,
         restart_policy=json.loads(row["restart_policy"]) if row["restart_policy"] else None,
-        epoch=epoch,
-        dispatch_id=req.start.dispatch_id,
     )
 
 

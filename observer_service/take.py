@@ -1,6 +1,6 @@
 """The take rule: what a service does with a start message, decided from the observer's row.
 
-Pure so that every branch has a unit test; ``Store.take_many`` supplies the facts and writes the
+Pure so that every branch has a unit test; ``taking.take_many`` supplies the facts and writes the
 decision with a compare-and-set.
 """
 
@@ -29,6 +29,10 @@ class Decision(Enum):
     NO_ROOM = "wait: no free slot"
     #: The holder's database session has ended; ask the broker whether its process is gone too.
     PROBE = "probe: is the holder gone from the broker too?"
+
+
+#: The decisions a take writes, each with a compare-and-set on the row as it was seen.
+WRITES = frozenset({Decision.TAKE, Decision.COMPLETE_STOP})
 
 
 @dataclass(frozen=True)

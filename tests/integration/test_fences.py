@@ -16,10 +16,10 @@ import pytest
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.settings import asyncpg_dsn
-from observer_service import queries as q
-from observer_service.ports import Checkpoint, Locked, StartRequest, TakeResult
+from observer_service.ports import Checkpoint, Locked, StartRequest, TakeResult, Written
 from observer_service.store import PgLeaseDatabase, PgStore
 from observer_service.take import Decision, Departed
+from observer_service.taking import take_many
 
 ROW_FIELDS = "status, service_id, epoch, checkpoint, restart_count, last_error"
 
@@ -82,7 +82,7 @@ async def take(
     service's intake retries it."""
     req = StartRequest(start, redelivered=redelivered, running_here=False)
     while True:
-        (result,) = await store.take_many([req], departed or Departed())
+        (result,) = await take_many(store, [req], departed or Departed())
         if not isinstance(result, Locked):
             return result
         await asyncio.sleep(0.01)
@@ -172,10 +172,9 @@ async def test_a_take_that_lost_the_race_is_refused(pool: asyncpg.Pool) -> None:
     a = PgStore(pool, await service(pool))
     b = PgStore(pool, await service(pool))
     start = await observer(pool)
-    seen = await pool.fetchrow(q.FACTS, [start.observer_id], a.me)
+    seen = (await a.read_facts([start.observer_id]))[start.observer_id]
     assert (await take(b, start)).decision is Decision.TAKE
-    req = StartRequest(start, redelivered=False, running_here=False)
-    assert await a._compare_and_set(q.TAKE, [(0, req, seen)]) == ({}, set())
+    assert await a.compare_and_set(Decision.TAKE, [seen]) == Written({}, frozenset())
     assert (await row_of(pool, start.observer_id))["service_id"] == b.me
 
 
@@ -355,12 +354,11 @@ async def test_a_takeover_lands_only_while_the_holder_keeps_the_key_found_free(
             "SELECT dispatch_id FROM observers WHERE id = $1", x["observer_id"]
         ),
     )
-    seen = await pool.fetchrow(q.FACTS, [start.observer_id], b.me)
+    seen = (await b.read_facts([start.observer_id]))[start.observer_id]
     await pool.execute(
         "UPDATE services SET lock_key = lock_key + 1 WHERE id = $1", a.me
     )  # A's renewal on its new session
-    req = StartRequest(start, redelivered=True, running_here=False)
-    assert await b._compare_and_set(q.TAKE, [(0, req, seen)]) == ({}, set())
+    assert await b.compare_and_set(Decision.TAKE, [seen]) == Written({}, frozenset())
     assert (await row_of(pool, start.observer_id))["service_id"] == a.me
 
 

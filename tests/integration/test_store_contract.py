@@ -20,10 +20,19 @@ from contracts.settings import asyncpg_dsn
 from contracts.statuses import ObserverStatus as S
 from observer_service.fakes import FakeService, InMemoryStore
 from observer_service.intake import checkpoint_json
-from observer_service.ports import LOCKED, Checkpoint, Copy, StartRequest, Store, TakeResult
+from observer_service.ports import (
+    LOCKED,
+    Checkpoint,
+    Copy,
+    StartRequest,
+    Store,
+    TakeResult,
+    Written,
+)
 from observer_service.retry import landed, while_leased
 from observer_service.store import PgStore
 from observer_service.take import Decision, Departed
+from observer_service.taking import take_many
 from orch.cluster import wait_for
 
 T = TypeVar("T")
@@ -42,6 +51,9 @@ class World(Protocol):
     async def service(self, *, live: bool = True, lock_free: bool = False) -> uuid.UUID: ...
 
     async def row(self, observer_id: uuid.UUID) -> tuple[S, uuid.UUID | None, int]: ...
+
+    async def new_session(self, service_id: uuid.UUID) -> None:
+        """The service comes back on a new lease session: its row names a new lock key."""
 
     async def checkpoint(self, observer_id: uuid.UUID) -> Any: ...
 
@@ -62,8 +74,13 @@ class FakeWorld:
 
     async def service(self, *, live: bool = True, lock_free: bool = False) -> uuid.UUID:
         sid = uuid.uuid4()
-        self.store.services[sid] = FakeService(live=live, lock_free=lock_free)
+        self.store.services[sid] = FakeService(
+            live=live, lock_free=lock_free, remaining=60.0 if live else -1.0
+        )
         return sid
+
+    async def new_session(self, service_id: uuid.UUID) -> None:
+        self.store.services[service_id].key += 1
 
     async def row(self, observer_id: uuid.UUID) -> tuple[S, uuid.UUID | None, int]:
         r = self.store.rows[observer_id]
@@ -132,6 +149,11 @@ class PgWorld:
             self._locks.append(conn)
         return sid
 
+    async def new_session(self, service_id: uuid.UUID) -> None:
+        await self.pool.execute(
+            "UPDATE services SET lock_key = lock_key + 1 WHERE id = $1", service_id
+        )
+
     async def row(self, observer_id: uuid.UUID) -> tuple[S, uuid.UUID | None, int]:
         r = await self.pool.fetchrow(
             "SELECT status, service_id, epoch FROM observers WHERE id = $1", observer_id
@@ -178,7 +200,7 @@ async def take(
     w: World, start: StartMessage, *, redelivered: bool = False, room: bool = True, **kw: Any
 ) -> TakeResult:
     req = StartRequest(start, redelivered=redelivered, running_here=False, room=room)
-    (result,) = await w.store.take_many([req], kw.get("departed") or Departed())
+    (result,) = await take_many(w.store, [req], kw.get("departed") or Departed())
     assert isinstance(result, TakeResult), result
     return result
 
@@ -244,6 +266,93 @@ async def test_a_stop_nobody_runs_is_completed(world: World, status: S, final: S
     start = await world.observer(status=status)
     assert (await take(world, start)).decision is Decision.COMPLETE_STOP
     assert (await world.row(start.observer_id))[0] is final
+
+
+# ------------------------------------------------- the take's two ports, under the one loop
+async def _seen(world: World, start: StartMessage) -> Any:
+    seen = await world.store.read_facts([start.observer_id])
+    return seen[start.observer_id]
+
+
+async def test_the_facts_read_reports_each_row_and_its_holder(world: World) -> None:
+    holder = await world.service(lock_free=True)
+    held = await world.observer(status=S.PROCESSING, holder=holder, epoch=3)
+    free = await world.observer()
+    missing = uuid.uuid4()
+    seen = await world.store.read_facts([held.observer_id, free.observer_id, missing])
+    assert set(seen) == {held.observer_id, free.observer_id}
+    h, f = seen[held.observer_id], seen[free.observer_id]
+    assert (h.status, h.epoch, h.holder, h.dispatch_id) == (
+        S.PROCESSING,
+        3,
+        holder,
+        held.dispatch_id,
+    )
+    assert h.holder_live
+    assert h.holder_lock_free
+    assert h.holder_key is not None
+    assert 0 < h.holder_remaining <= 60, "the holder's lease time left"
+    assert (f.status, f.epoch, f.holder, f.holder_live, f.holder_key) == (
+        S.CREATED,
+        0,
+        None,
+        False,
+        None,
+    )
+    assert (f.kind, f.params, f.checkpoint) == ("ticker", {}, None)
+
+
+async def test_a_held_lock_and_an_expired_lease_are_reported(world: World) -> None:
+    locked = await world.observer(status=S.PROCESSING, holder=await world.service(), epoch=1)
+    gone = await world.observer(status=S.PROCESSING, holder=await world.service(live=False))
+    seen = await world.store.read_facts([locked.observer_id, gone.observer_id])
+    assert seen[locked.observer_id].holder_live
+    assert not seen[locked.observer_id].holder_lock_free
+    assert not seen[gone.observer_id].holder_live
+    assert not seen[gone.observer_id].holder_lock_free
+
+
+async def test_a_compare_and_set_lands_on_rows_as_seen(world: World) -> None:
+    a, b = await world.observer(), await world.observer(status=S.ON_DELETING)
+    sa, sb = await _seen(world, a), await _seen(world, b)
+    assert await world.store.compare_and_set(Decision.TAKE, [sa]) == Written(
+        {a.observer_id: 1}, frozenset()
+    )
+    assert await world.row(a.observer_id) == (S.PROCESSING, world.store.me, 1)
+    done = await world.store.compare_and_set(Decision.COMPLETE_STOP, [sb])
+    assert set(done.epochs) == {b.observer_id}
+    assert not done.locked
+    assert await world.row(b.observer_id) == (S.DELETED, None, 0)
+
+
+async def test_a_compare_and_set_skips_a_row_changed_since_it_was_seen(world: World) -> None:
+    start = await world.observer()
+    seen = await _seen(world, start)
+    assert (await take(world, start)).decision is Decision.TAKE  # epoch 1 meanwhile
+    assert await world.store.compare_and_set(Decision.TAKE, [seen]) == Written({}, frozenset())
+    assert await world.row(start.observer_id) == (S.PROCESSING, world.store.me, 1)
+
+
+async def test_a_compare_and_set_answers_a_locked_row_as_locked(world: World) -> None:
+    free, busy = await world.observer(), await world.observer()
+    seen = [await _seen(world, free), await _seen(world, busy)]
+    await world.lock(busy.observer_id)
+    written = await asyncio.wait_for(world.store.compare_and_set(Decision.TAKE, seen), _UNBLOCKED)
+    assert written == Written({free.observer_id: 1}, frozenset({busy.observer_id}))
+    assert await world.row(busy.observer_id) == (S.CREATED, None, 0)
+
+
+async def test_a_takeover_needs_the_holder_still_on_the_key_seen(world: World) -> None:
+    holder = await world.service(lock_free=True)
+    start = await world.observer(status=S.PROCESSING, holder=holder, epoch=3)
+    seen = await _seen(world, start)
+    await world.new_session(holder)
+    assert await world.store.compare_and_set(Decision.TAKE, [seen]) == Written({}, frozenset())
+    assert await world.row(start.observer_id) == (S.PROCESSING, holder, 3)
+    again = await _seen(world, start)
+    assert await world.store.compare_and_set(Decision.TAKE, [again]) == Written(
+        {start.observer_id: 4}, frozenset()
+    )
 
 
 async def _held(world: World) -> Copy:
@@ -393,7 +502,7 @@ async def test_a_locked_row_neither_stalls_a_release_nor_a_take(world: World) ->
     free, busy = await world.observer(), await world.observer()
     await world.lock(busy.observer_id)
     reqs = [StartRequest(s, redelivered=False, running_here=False) for s in (free, busy)]
-    results = await asyncio.wait_for(world.store.take_many(reqs, Departed()), _UNBLOCKED)
+    results = await asyncio.wait_for(take_many(world.store, reqs, Departed()), _UNBLOCKED)
     assert isinstance(results[0], TakeResult)
     assert results[0].decision is Decision.TAKE
     assert results[1] is LOCKED

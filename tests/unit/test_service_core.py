@@ -631,7 +631,7 @@ async def test_a_take_that_meets_a_database_error_is_retried_and_runs() -> None:
         row = h.store.add("tick")
         h.store.available = False
         taking = asyncio.create_task(h.run(row))
-        await until(lambda: h.store.calls.count("take_many") >= 3)
+        await until(lambda: h.store.calls.count("read_facts") >= 3)
         h.store.available = True
         delivery = await asyncio.wait_for(taking, 2)
         await h.running(row)
