@@ -20,6 +20,7 @@ from contracts.clock import set_suspend_lag
 from contracts.messages import HandoffMessage, StartMessage
 from contracts.settings import asyncpg_dsn
 from orch_bench.ticklog import failover_gaps, largest_gaps, read_ticks
+from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import (
     LEASE_BACKEND,
@@ -70,15 +71,22 @@ async def test_database_blips_strand_nothing_and_spend_no_restarts(cluster: Clus
     assert_no_overlap(cluster.tick_dir)
 
 
-async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
-    """With a 5 s lease, a 2 s outage is retried through: nothing is stopped or moved."""
+async def _recorders_behind_a_proxy(cluster: Cluster, n: int) -> tuple[Proxy, list[uuid.UUID]]:
+    """A manager, and one service with a 5 s lease whose database link goes through a proxy,
+    running ``n`` recorders."""
     await cluster.start_manager()
     proxy = await cluster.proxy(cluster.database_url)
     await cluster.start_service(
         "a", worker_count=20, database_url=via(cluster.database_url, proxy), lease_ttl=5
     )
-    ids = await _kind_observers(cluster, 4, "recorder", "rec", interval=0.05)
+    ids = await _kind_observers(cluster, n, "recorder", "rec", interval=0.05)
     await cluster.wait_all_running(ids, timeout=15)
+    return proxy, ids
+
+
+async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
+    """With a 5 s lease, a 2 s outage is retried through: nothing is stopped or moved."""
+    proxy, ids = await _recorders_behind_a_proxy(cluster, 4)
     await quiet(0.5, "a renewal or two before the blip")
     await proxy.blip(2.0)
     await _none_stranded(cluster, ids, time.time())
@@ -93,13 +101,7 @@ async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
 async def test_a_slow_database_link_keeps_the_lease(cluster: Cluster) -> None:
     """Every chunk on the service's database link delayed 150-800 ms, nothing lost: several
     round trips per renewal still fit in the lease, so nothing is fenced or moved."""
-    await cluster.start_manager()
-    proxy = await cluster.proxy(cluster.database_url)
-    await cluster.start_service(
-        "a", worker_count=10, database_url=via(cluster.database_url, proxy), lease_ttl=5
-    )
-    ids = await _kind_observers(cluster, 6, "recorder", "rec", interval=0.05)
-    await cluster.wait_all_running(ids, timeout=15)
+    proxy, ids = await _recorders_behind_a_proxy(cluster, 6)
     proxy.slow(0.15, 0.8)
     try:
         await quiet(20, "the link stays slow")
