@@ -266,7 +266,11 @@ async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> No
     await cluster.start_manager()
     await cluster.start_service("a", worker_count=2)
     await cluster.wait_all_running([row["id"]], timeout=15)
-    assert await cluster.q("SELECT count(*) FROM outbox", one=True) == 0
+
+    async def relayed() -> bool:  # deleted once confirmed, in the relay's next transaction
+        return bool(await cluster.q("SELECT count(*) FROM outbox", one=True) == 0)
+
+    await wait_for(relayed, timeout=5, what="the relayed record deleted")
 
 
 async def test_pause_keeps_the_checkpoint_and_resume_goes_on_from_it(cluster: Cluster) -> None:
