@@ -10,6 +10,7 @@ import json
 import secrets
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,9 +181,22 @@ async def _settle_and_judge(
         failed = await failed_now()
         return live <= running | set(failed) and not (deleted & running)
 
-    with contextlib.suppress(TimeoutError):  # judged as it is: what is missing is lost
-        await wait_for(settled, timeout=options.settle, what="every live observer running", every=1)
-    await asyncio.sleep(1.0)  # a copy that should not run gets a moment to show itself
+    # Settled, and still settled a second later: a copy that should not run gets that moment to
+    # show itself, and a copy that stopped in it (a kind that blocks the loop costs its service
+    # the lease again) is waited for, not judged lost. Past ``settle`` seconds it is judged as
+    # it is: what is missing then is lost.
+    deadline = time.monotonic() + options.settle
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await wait_for(
+                settled,
+                timeout=max(1.0, deadline - time.monotonic()),
+                what="every live observer running",
+                every=1,
+            )
+        await asyncio.sleep(1.0)
+        if time.monotonic() >= deadline or await settled():
+            break
     records = list(await asyncio.to_thread(reader.read))
     failed = await failed_now()
     restarts = await cluster.q(
