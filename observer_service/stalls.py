@@ -154,8 +154,8 @@ class StallWatch:
                 marked = True
                 try:
                     self._writes.mark_stalled()
-                except Exception:  # a write from a thread: it must not end the watch
-                    log.exception("could not mark the service stalled")
+                except Exception as exc:  # a write from a thread: it must not end the watch
+                    log.warning("could not mark the service stalled: %r", exc)
             if not told and blocked > self.threshold:
                 told = True
                 log.warning("the event loop has been blocked for %.1fs by %s", blocked, step.label)
