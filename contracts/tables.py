@@ -66,6 +66,9 @@ class Service(Base):
     #: cleared by its next renewal: such a process cannot notice that its session ended, so no
     #: one takes its observers before its lease expires (the fast takeover waits).
     stalled_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: When the service last came back after losing its lease: for a while after, the leader
+    #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
+    rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index(

@@ -176,13 +176,16 @@ REDISPATCH = (
     "dispatched_at = now(), modified_at = now() WHERE o.id = ANY(:ids) "
     "RETURNING o.id, o.dispatch_id"
 )
-# Free slots of every service that surely lives (lease valid for :m more seconds) and takes work.
+# Free slots of every service that surely lives (lease valid for :m more seconds), takes work,
+# and keeps its lease: not stalled by kind code, and not back from a lost lease within :p seconds
+# (one that cannot keep a lease would take the observer only to lose it again).
 FREE_SLOTS = f"""
 SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
                                 WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS free
   FROM services s
- WHERE NOT s.is_deleted AND NOT s.draining
+ WHERE NOT s.is_deleted AND NOT s.draining AND s.stalled_since IS NULL
    AND s.lease_expires_at > clock_timestamp() + make_interval(secs => :m)
+   AND (s.rejoined_at IS NULL OR s.rejoined_at < clock_timestamp() - make_interval(secs => :p))
 """
 
 # ------------------------------------------------------------------------ leader: the audit
@@ -206,7 +209,8 @@ LOADS = f"""
 SELECT s.id, s.worker_count, count(o.id) AS running FROM services s
   LEFT JOIN observers o ON o.service_id = s.id AND {sql_in("o.status", HELD)}
  WHERE {live_service("s")} AND NOT s.draining
-   AND s.created_at < now() - make_interval(secs => :age)
+   AND s.created_at < now() - make_interval(secs => :age) AND s.stalled_since IS NULL
+   AND (s.rejoined_at IS NULL OR s.rejoined_at < now() - make_interval(secs => :age))
  GROUP BY s.id, s.worker_count
 """
 PICK_TO_MOVE = (

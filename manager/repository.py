@@ -393,9 +393,15 @@ async def new_dispatches(tx: Tx, ids: list[uuid.UUID], why: str) -> list[StartMe
     return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
 
 
+#: A service back from a lost lease gets no directed start for this many margins (two lease
+#: lengths with the default margin of half a lease): it must show that it keeps its lease first.
+PROBATION_MARGINS = 4
+
+
 async def free_slots(tx: Tx, margin: float) -> dict[uuid.UUID, int]:
-    """Free slots of the services whose lease outlives ``margin`` seconds and that take work."""
-    rows = await tx.rows(q.FREE_SLOTS, m=margin)
+    """Free slots of the services whose lease outlives ``margin`` seconds, that take work and
+    that keep their lease (not stalled, not back from a lost lease lately)."""
+    rows = await tx.rows(q.FREE_SLOTS, m=margin, p=PROBATION_MARGINS * margin)
     return {r.id: int(r.free) for r in rows if r.free > 0}
 
 
@@ -417,7 +423,8 @@ async def where_moved(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
 
 
 async def loads(tx: Tx, min_age: float) -> list[Row]:
-    """Services taking work, at least ``min_age`` seconds old: id, worker_count, running."""
+    """Services taking work, at least ``min_age`` seconds old and as long back from a lost
+    lease, not stalled: id, worker_count, running."""
     return await tx.rows(q.LOADS, age=min_age)
 
 

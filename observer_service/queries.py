@@ -247,7 +247,8 @@ HELD_COUNT = f"SELECT count(*) FROM observers WHERE service_id = $1 AND {sql_in(
 
 # ------------------------------------------------------------------------------------ lease
 # $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 lock key, $8 ttl: register,
-# or come back after a fence (with the new session's lock key).
+# or come back after a fence (with the new session's lock key; ``rejoined_at`` keeps the leader's
+# directed starts and moves away for a while: see manager FREE_SLOTS).
 JOIN = """
 INSERT INTO services AS s (id, name, worker_count, host, pid, version, lock_key,
                            lease_expires_at)
@@ -255,7 +256,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() + make_interval(secs => $8
 ON CONFLICT (id) DO UPDATE
    SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
        is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now(),
-       stalled_since = NULL
+       stalled_since = NULL, rejoined_at = clock_timestamp()
 RETURNING s.draining
 """
 

@@ -171,6 +171,37 @@ async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
     assert await publisher.work_queue_ready() == 1
 
 
+@pytest.mark.parametrize(
+    "weak", ["rejoined_at = now()", "stalled_since = now()"], ids=["rejoined", "stalled"]
+)
+async def test_directed_starts_avoid_a_service_that_does_not_keep_its_lease(
+    db: tuple[asyncpg.Connection, ManagerStore],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+    weak: str,
+) -> None:
+    """Both leases are live and both control queues exist, but the service with more room just
+    came back from a lost lease (or its kind code blocks its loop): it gets no directed start
+    and no move until it has kept its lease a while. The work queue stays open to it."""
+    conn, store = db
+    good = await service(conn, worker_count=5)
+    flaky = await service(conn, worker_count=20)
+    await conn.execute(f"UPDATE services SET {weak} WHERE id = $1", flaky)
+    await join_broker(services_connection, prefix, good)
+    flaky_queue = await join_broker(services_connection, prefix, flaky)
+    await observers(conn, 6, holder=None)
+    assert await audit(store, publisher).once() == 6
+    routes = await conn.fetch("SELECT route, service_id FROM outbox")
+    assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
+        [("service", good)] * 5 + [("work", None)]
+    ), f"placed on a service that does not keep its lease (good={good}, flaky={flaky})"
+    assert await received(flaky_queue) == []
+    await observers(conn, 4, holder=good)
+    assert await rebalancer(store, publisher, min_age=30).once() == 0, "moved work to it"
+    assert await handoffs_to(conn, flaky) == 0
+
+
 async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
     db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
