@@ -416,3 +416,52 @@ async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their
     assert max(moves.values()) < 5, f"the neighbours waited for the locked row to move: {moves}"
     await cluster.wait_all_running(ids, timeout=20, on={b_id}, fresh_after=killed)
     assert_no_overlap(cluster.tick_dir)
+
+
+# ---------------------------------------------------------------- a crash met by a blip
+async def test_a_crash_met_by_a_blip_moves_only_what_the_dead_held(cluster: Cluster) -> None:
+    """One service is SIGKILLed; 0.4 s later another's database links are reset, new ones
+    refused for 0.5 s, and every chunk delayed 150 ms for a few seconds. Every observer is
+    back within the lease plus 2 s, and only the dead service's observers move."""
+    ttl = 5.0  # the default lease
+    await cluster.start_manager(lease_ttl=ttl)
+    proxy = await cluster.proxy(cluster.database_url)
+    a = await cluster.start_service("a", worker_count=20, lease_ttl=ttl)
+    b_url = via(cluster.database_url, proxy)
+    b = await cluster.start_service("b", worker_count=20, database_url=b_url, lease_ttl=ttl)
+    c = await cluster.start_service("c", worker_count=20, lease_ttl=ttl)
+    ids = await cluster.create_recorders(30, interval=0.05)
+    await cluster.wait_all_running(ids, timeout=20)
+    a_id = await cluster.service_id(a)
+    held = {
+        r["id"]: (r["service_id"], r["epoch"])
+        for r in await cluster.q(
+            "SELECT id, service_id, epoch FROM observers WHERE id = ANY($1)", ids
+        )
+    }
+    on_a = {o for o, (s, _) in held.items() if s == a_id}
+    assert on_a, f"no observer on the service to kill: {held}"
+    assert len(on_a) < len(ids), f"every observer on one service: {held}"
+    killed = time.time()
+    a.signal(signal.SIGKILL)
+    await asyncio.sleep(0.4)  # the fault's own shape: the blip follows the crash by 0.4 s
+    proxy.slow(0.15, 0.15)
+    await proxy.blip(0.5)
+    await quiet(3, "the link stays slow a while")
+    proxy.slow(0, 0)
+    await cluster.wait_all_running(ids, timeout=20, fresh_after=time.time())
+    settled = time.time()
+    gaps = largest_gaps(read_ticks(cluster.tick_dir), killed, settled)
+    bound = ttl + 2
+    late = {o: round(g, 2) for o, g in gaps.items() if g > bound}
+    assert len(gaps) == len(ids)
+    assert not late, f"observers back later than the lease plus 2 s: {late}"
+    after = {
+        r["id"]: r["epoch"]
+        for r in await cluster.q("SELECT id, epoch FROM observers WHERE id = ANY($1)", ids)
+    }
+    moved = {o for o in ids if after[o] != held[o][1]}
+    assert moved == on_a, f"moved {len(moved)}, of which {len(moved - on_a)} the dead did not hold"
+    assert b.alive
+    assert c.alive
+    assert_no_overlap(cluster.tick_dir)
