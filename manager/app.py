@@ -13,17 +13,19 @@ from contracts import __version__
 from manager import problems
 from manager.api import console, health, observers, services, views
 from manager.auth import Authenticator, parse_tokens
-from manager.http import BodyLimit, HeadAsGet, Measure
+from manager.http import BodyLimit, HeadAsGet, Measure, RelativeRedirects, TokenFirst
 from manager.metrics import ManagerMetrics
 from manager.runtime import ManagerRuntime
 from manager.settings import ManagerSettings
 
 DESCRIPTION = """Keeps infinite tasks (observers) running exactly once on a pool of services.
 
-Every call but `/healthz`, `/readyz`, `/metrics`, `/openapi.json` (and the console's files)
-needs an API token (`Authorization: Bearer …`): the `read` role may look, the `admin` role may
-also change things. Every error is a problem document (RFC 9457): `type`, `title`, `status`,
-`detail`, and `errors` with the field paths of a validation error."""
+Every call but `/healthz`, `/readyz`, `/metrics` (unless `ORCH_METRICS_AUTH=token`),
+`/openapi.json` (and the console's files) needs an API token (`Authorization: Bearer …`): the
+`read` role may look, the `admin` role may also change things. A request with a body is 401
+before its body is read when it has no valid token. Every error is a problem document
+(RFC 9457): `type`, `title`, `status`, `detail`, and `errors` with the field paths of a
+validation error."""
 
 
 def create_app(
@@ -56,12 +58,22 @@ def create_app(
     )
     app.state.verify_report = settings.verify_report
     app.state.auth = Authenticator(parse_tokens(settings.api_tokens), enabled=settings.auth == "on")
+    body_limits = {"/observers/batch": settings.max_batch_body_bytes}
     app.add_middleware(
         BodyLimit,
         limit=settings.max_body_bytes,
         timeout=settings.body_timeout,
-        paths={"/observers/batch": settings.max_batch_body_bytes},
+        paths=body_limits,
     )
+    # Outside the body limit: no body is read for a caller without a token.
+    app.add_middleware(
+        TokenFirst,
+        auth=app.state.auth,
+        limit=settings.max_body_bytes,
+        timeout=settings.body_timeout,
+        paths=body_limits,
+    )
+    app.add_middleware(RelativeRedirects)
     app.add_middleware(console.ConsoleHeaders)
     app.add_middleware(HeadAsGet)
     # Outermost: it measures every answer, the body limit's 413 included.

@@ -3,8 +3,10 @@ digests (``ORCH_API_TOKENS``). ``read`` may look; ``admin`` may also change thin
 
 A request without a valid token gets 401, one whose token lacks the role gets 403. Tokens are
 compared in constant time, and what a request did is logged with the token's name, never with
-the token. ``/healthz``, ``/readyz``, ``/metrics`` and the console's own files stay open; the
-console asks for a token and sends it as a bearer header (no cookie, so no CSRF).
+the token. ``/healthz``, ``/readyz``, ``/metrics`` (``ORCH_METRICS_AUTH``) and the console's own
+files stay open; the console asks for a token and sends it as a bearer header (no cookie, so no
+CSRF). A request with a body is checked once before its body is read (``manager.http.TokenFirst``)
+and again, with its role, by its route.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The API's HTTP edge: the server's protocol (bounded request heads, read within a time), and
-ASGI middleware: bounded request bodies, HEAD answered as GET without a body, and the measure of
-every request (latency histogram by route template, and an access line that names who made it)."""
+"""The API's HTTP edge: the server's protocol (bounded request heads, read within a time, a
+bounded number of connections, answers taken within a time), and ASGI middleware: the token of a
+request with a body checked before the body is read, bounded request bodies, relative redirects,
+HEAD answered as GET without a body, and the measure of every request (latency histogram by
+route template, and an access line that names who made it)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,141 @@ import json
 import logging
 import time
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from manager.auth import Authenticator
 from manager.metrics import ManagerMetrics
 from manager.problems import MEDIA_TYPE, problem, problem_of
 
 access = logging.getLogger("manager.access")
+log = logging.getLogger(__name__)
+
+#: Methods whose body nothing reads (the body limit lets them through; no route takes one).
+BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def bearer(scope: Scope) -> str | None:
+    """The token of ``Authorization: Bearer …``, as FastAPI's HTTPBearer reads it."""
+    raw = _header(scope, b"authorization")
+    if raw is None:
+        return None
+    scheme, _, token = raw.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+def _declared_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+async def drain(receive: Receive, *, budget: int, timeout: float) -> None:
+    """Read and drop up to ``budget`` bytes of a body refused before it was read (nothing of it
+    is kept), so that a client still sending reads the answer rather than a reset connection.
+    Past the budget or the time, the connection is closed on it."""
+    left = budget
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while left > 0:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                left -= len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+
+
+class TokenFirst:
+    """The token of a request with a body is checked before a byte of the body is read: without
+    a known token it is 401, the body never parsed nor kept (the route's own check, later, says
+    403 for a token without the role). What a client sends of a body within ``limit`` is read and
+    dropped first (within ``min(timeout, 2)`` s), so that it reads the 401 rather than a reset; a
+    body declared larger is not read at all, nor one that waits for ``100 Continue`` (it never
+    comes: such a client sends no body). Every route that takes a body needs a token, so this
+    refuses nothing the routes would let in."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        auth: Authenticator,
+        limit: int,
+        timeout: float,
+        paths: dict[str, int] | None = None,
+    ) -> None:
+        self.app = app
+        self.auth = auth
+        self.limit = limit
+        self.timeout = timeout
+        self.paths = paths or {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] in BODILESS
+            or not self.auth.enabled
+            or self.auth.identify(bearer(scope)) is not None
+        ):
+            await self.app(scope, receive, send)
+            return
+        limit = self.paths.get(scope["path"], self.limit)
+        declared = _declared_length(scope)
+        waits = (_header(scope, b"expect") or b"").lower() == b"100-continue"
+        if not waits and (declared is None or declared <= limit):
+            await drain(receive, budget=limit, timeout=min(self.timeout, 2.0))
+        await problem(
+            401,
+            "a valid API token is needed (Authorization: Bearer …)",
+            headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
+        )(scope, receive, send)
+
+
+def relative(location: str) -> str:
+    """A Location on this server, whatever Host the request named: its path and query only,
+    one leading slash (``//host`` and ``/\\host`` would name another host to a browser)."""
+    parts = urlsplit(location)
+    path = "/" + parts.path.lstrip("/\\")
+    return f"{path}?{parts.query}" if parts.query else path
+
+
+class RelativeRedirects:
+    """Every redirect's Location is relative: Starlette builds an absolute one from the
+    request's Host header (``/observers/`` → ``http://<Host>/observers``), which a client sent;
+    a relative one leads to this server whatever Host said."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start" and 300 <= message["status"] < 400:
+                message = {
+                    **message,
+                    "headers": [
+                        (k, relative(v.decode("latin-1")).encode("latin-1"))
+                        if k.lower() == b"location"
+                        else (k, v)
+                        for k, v in message.get("headers", [])
+                    ],
+                }
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 class BodyLimit:
@@ -36,7 +165,7 @@ class BodyLimit:
         self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if scope["type"] != "http" or scope["method"] in BODILESS:
             await self.app(scope, receive, send)
             return
         limit = self.paths.get(scope["path"], self.limit)
@@ -89,19 +218,9 @@ class BodyLimit:
         return 4 * max(limit, 1 << 20)
 
     async def _drain(self, receive: Receive, budget: int | None = None) -> None:
-        """Read and drop the rest of a body refused as too large, so that a client still
-        sending reads the 413 rather than a reset connection. Bounded in bytes and in time:
-        past either, the connection is closed on it."""
+        """The rest of a body refused as too large, read and dropped (see :func:`drain`)."""
         left = budget if budget is not None else 1 << 62
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(min(self.timeout, 2.0)):
-                while left > 0:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return
-                    left -= len(message.get("body", b""))
-                    if not message.get("more_body", False):
-                        return
+        await drain(receive, budget=left, timeout=min(self.timeout, 2.0))
 
     async def _answer(
         self, scope: Scope, receive: Receive, send: Send, code: int, limit: int
@@ -203,12 +322,22 @@ class GuardedHttpTools(HttpToolsProtocol):
     - A request answered before its body was all read (a GET the app never reads the body of,
       one refused with 413) has the header timeout to send the rest, then its connection is
       closed: it is not read on for ever.
+    - Any byte between requests starts the head's clock, not only the first byte of a request
+      line: llhttp skips the empty lines (CRLF) before one without a callback, and uvicorn stops
+      its keep-alive timer on any byte, so a connection that sent a CRLF after an answer was
+      held for ever.
+    - An answer the client does not take (the write buffer over its high-water mark for
+      ``send_timeout`` seconds) ends the connection: a client that never reads holds no task.
+    - At most ``max_connections`` connections at once in this process: one past it is answered
+      503 and closed before anything of it is read.
 
     Configure a subclass with :func:`guarded_http` and pass it as ``http=`` to uvicorn.Config."""
 
     max_header_bytes: ClassVar[int] = 32 << 10
     max_headers: ClassVar[int] = 100
     header_timeout: ClassVar[float] = 10.0
+    send_timeout: ClassVar[float] = 30.0
+    max_connections: ClassVar[int] = 1000
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,13 +351,21 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head_size = 0
         self._head_fields = 0
         self._refused = False
+        self._send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._warn_full()
+            self._refuse(503, f"more than {self.max_connections} connections open; try again")
+            return
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -236,6 +373,14 @@ class GuardedHttpTools(HttpToolsProtocol):
             return
         self._head_received += len(data)
         super().data_received(data)
+        if (
+            self._in_head
+            and not self._refused
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            # Bytes after an answer that began no request (a CRLF calls no callback), and
+            # uvicorn's keep-alive timer stopped on them: the head's clock starts.
+            self._arm()
         if not self._refused and self._head_received > self.max_header_bytes:
             what = "request head" if self._in_head else "chunk framing or trailers"
             self._refuse(431, f"{what} larger than {self.max_header_bytes} bytes")
@@ -282,6 +427,36 @@ class GuardedHttpTools(HttpToolsProtocol):
             # still come, on a connection the client may reuse, but within the header timeout.
             self._arm()
         super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_late)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()
+
+    def _send_late(self) -> None:
+        """The client took nothing of an answer for ``send_timeout`` s: cut (a close would wait
+        for a buffer that never drains)."""
+        self._send_timer = None
+        self.transport.abort()
+
+    #: When a refused connection was last logged (one warning a minute, not one a connection).
+    _full_warned: ClassVar[float] = -float("inf")
+
+    def _warn_full(self) -> None:
+        now = time.monotonic()
+        if now - GuardedHttpTools._full_warned >= 60:
+            GuardedHttpTools._full_warned = now
+            log.warning(
+                "refusing connections: %d open, ORCH_MAX_CONNECTIONS is %d (warned once a minute)",
+                len(self.connections) - 1,
+                self.max_connections,
+            )
 
     def _check(self) -> None:
         if self._head_fields > self.max_headers:
@@ -341,7 +516,12 @@ class GuardedHttpTools(HttpToolsProtocol):
 
 
 def guarded_http(
-    *, max_header_bytes: int, max_headers: int, header_timeout: float
+    *,
+    max_header_bytes: int,
+    max_headers: int,
+    header_timeout: float,
+    send_timeout: float = GuardedHttpTools.send_timeout,
+    max_connections: int = GuardedHttpTools.max_connections,
 ) -> type[GuardedHttpTools]:
     """A :class:`GuardedHttpTools` with these limits (uvicorn makes the protocol from a class)."""
     return type(
@@ -351,5 +531,29 @@ def guarded_http(
             "max_header_bytes": max_header_bytes,
             "max_headers": max_headers,
             "header_timeout": header_timeout,
+            "send_timeout": send_timeout,
+            "max_connections": max_connections,
         },
     )
+
+
+def room_for(connections: int) -> None:
+    """Raise this process's open-file limit (its soft limit, up to the hard one) so that
+    ``connections`` fit beside the database pool, the broker and the files; warn when the hard
+    limit is too low (a connection past it fails at accept, not with a 503)."""
+    import resource
+
+    wanted = connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+            soft = top
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "the open-file limit is %d: ORCH_MAX_CONNECTIONS=%d needs about %d (ulimit -n)",
+            soft,
+            connections,
+            wanted,
+        )

@@ -3,14 +3,19 @@
 Counters of what this replica did (re-dispatches, moves, sweeps, requests) are counted as it
 happens. The state of the cluster (observers by status and kind, services, outbox) is read from
 the database when scraped, at most once every ``ORCH_METRICS_REFRESH`` seconds, by whichever
-replica is scraped: every replica shows the same cluster. No observer id is ever a label.
+replica is scraped: every replica shows the same cluster. No observer id is ever a label, and a
+service's id is one only for a caller with a token (``render``): that id is what a broker
+control message names.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
-from prometheus_client import Info, generate_latest
+from prometheus_client import CollectorRegistry, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from contracts import __version__
 from contracts.metrics import Metrics
@@ -49,6 +54,11 @@ class ManagerMetrics(Metrics):
             "orch_service_heartbeat_age_seconds",
             "Seconds since each live service renewed its lease",
             *per_service,
+        )
+        self._by_name = _ByName(
+            self.registry,
+            summed={"orch_service_capacity", "orch_service_running"},
+            oldest={"orch_service_heartbeat_age_seconds"},
         )
         self.outbox_backlog = m.gauge("orch_outbox_backlog", "Outbox records not yet confirmed")
         self.outbox_age = m.gauge(
@@ -98,5 +108,36 @@ class ManagerMetrics(Metrics):
         self.outbox_backlog.set(state.outbox_backlog)
         self.outbox_age.set(state.outbox_age or 0.0)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *, service_ids: bool = True) -> bytes:
+        """The exposition; without ``service_ids``, each service's series by its name only."""
+        return generate_latest(self.registry if service_ids else self._by_name)
+
+
+class _ByName(Collector):
+    """A registry's metrics with the ``service_id`` label dropped: two live services of one name
+    are one series (their capacity and what they run added up, the older lease shown)."""
+
+    def __init__(self, registry: CollectorRegistry, *, summed: set[str], oldest: set[str]) -> None:
+        self.registry = registry
+        self.summed = summed
+        self.oldest = oldest
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name not in self.summed | self.oldest:
+                yield family
+                continue
+            by_name: dict[str, float] = {}
+            for sample in family.samples:
+                name, value = sample.labels.get("service", ""), sample.value
+                if name in by_name:
+                    value = (
+                        by_name[name] + value
+                        if family.name in self.summed
+                        else max(by_name[name], value)
+                    )
+                by_name[name] = value
+            out = GaugeMetricFamily(family.name, family.documentation, labels=["service"])
+            for name, value in sorted(by_name.items()):
+                out.add_metric([name], value)
+            yield out

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from contracts.settings import CommonSettings
 
@@ -35,6 +36,16 @@ class ManagerSettings(CommonSettings):
     header_timeout: float = Field(default=10.0, gt=0, le=300)
     #: An idle keep-alive connection is closed after this many seconds.
     keep_alive_timeout: int = Field(default=5, ge=1, le=300)
+    #: An answer the client takes nothing of for this many seconds (its write buffer full)
+    #: ends the connection.
+    send_timeout: float = Field(default=30.0, gt=0, le=3600)
+    #: Connections one manager process holds at once (each of ORCH_WORKERS): one more is
+    #: answered 503 and closed before anything of it is read.
+    max_connections: int = Field(default=1000, ge=1, le=1_000_000)
+    #: Addresses (or networks) of the proxies whose X-Forwarded-For and X-Forwarded-Proto are
+    #: believed, comma-separated; ``*`` for any. Empty (the default): nobody's, loopback
+    #: included: the client is the peer of the TCP connection.
+    forwarded_allow_ips: str = ""
     #: Serve Swagger UI at /docs and ReDoc at /redoc. Off by default: they load their scripts
     #: from a CDN (pinned versions with subresource integrity), which an offline site cannot
     #: reach. /openapi.json is served either way, with no token.
@@ -77,8 +88,29 @@ class ManagerSettings(CommonSettings):
     access_log: bool = False
     #: Serve Prometheus metrics at /metrics and measure requests.
     metrics: bool = True
+    #: ``open``: /metrics needs no token, and shows services by name only (a service id is
+    #: shown to a caller with a valid token). ``token``: /metrics needs a token (any role).
+    metrics_auth: Literal["open", "token"] = "open"
     #: The database figures at /metrics are refreshed at most this often, seconds.
     metrics_refresh: float = Field(default=5.0, ge=0)
+
+    @property
+    def forwarded_allow_list(self) -> list[str]:
+        return [e.strip() for e in self.forwarded_allow_ips.split(",") if e.strip()]
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _forwarded(cls, value: str) -> str:
+        for entry in (e.strip() for e in value.split(",")):
+            if entry and entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(
+                        f"{entry!r} is not an address or a network (ORCH_FORWARDED_ALLOW_IPS is "
+                        "a comma-separated list of them, or *)"
+                    ) from None
+        return value
 
     @model_validator(mode="after")
     def _auth(self) -> Self:

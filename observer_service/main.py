@@ -117,7 +117,19 @@ async def serve(
         witness=witness,
     )
     if settings.metrics_port is not None:
-        service.metrics.serve(settings.metrics_port)
+        try:
+            service.metrics.serve(
+                settings.metrics_port,
+                settings.metrics_host,
+                timeout=settings.metrics_timeout,
+                max_connections=settings.metrics_max_connections,
+            )
+        except OSError as exc:
+            await pool.close()
+            raise StartupError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} "
+                f"(ORCH_METRICS_HOST, ORCH_METRICS_PORT): {exc}"
+            ) from exc
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)

@@ -22,6 +22,13 @@ class ServiceSettings(CommonSettings):
     witness_dir: str | None = None
     #: Serve Prometheus metrics on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65_535)
+    #: The address the metrics port listens on: loopback unless set (``0.0.0.0`` where a
+    #: Prometheus on another host, or another container or pod, scrapes it).
+    metrics_host: str = "127.0.0.1"
+    #: A metrics connection has this many seconds for its whole exchange, then is closed.
+    metrics_timeout: float = Field(default=5.0, gt=0, le=300)
+    #: Metrics connections open at once; one more is answered 503 and closed.
+    metrics_max_connections: int = Field(default=16, ge=1, le=10_000)
     #: Warn at start when the broker is too old for the per-queue consumer timeout (``orch up``
     #: turns it off for its services: it warns once itself).
     broker_advice: bool = True

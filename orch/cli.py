@@ -158,9 +158,10 @@ async def _serve_manager(
     import uvicorn
 
     from manager.app import create_app
-    from manager.http import guarded_http
+    from manager.http import guarded_http, room_for
     from manager.runtime import ManagerRuntime
 
+    room_for(settings.max_connections)
     runtime = ManagerRuntime(settings, kinds, replica=replica)
     config = uvicorn.Config(
         create_app(settings, runtime=runtime),
@@ -173,8 +174,14 @@ async def _serve_manager(
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
             header_timeout=settings.header_timeout,
+            send_timeout=settings.send_timeout,
+            max_connections=settings.max_connections,
         ),
         timeout_keep_alive=settings.keep_alive_timeout,
+        # X-Forwarded-For/-Proto only from the proxies named (uvicorn's default believes any
+        # process on loopback, FORWARDED_ALLOW_IPS from the environment aside).
+        proxy_headers=bool(settings.forwarded_allow_list),
+        forwarded_allow_ips=settings.forwarded_allow_list or [],
     )
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from contracts.errors import NotFound, Transient
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
+from manager.auth import Authenticator, Unauthenticated
+from manager.http import bearer
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
@@ -23,16 +25,26 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(state: RuntimeDep) -> Response:
+async def metrics(request: Request, state: RuntimeDep) -> Response:
     """Prometheus metrics; the cluster's state is read from the database at most every
-    ``ORCH_METRICS_REFRESH`` seconds (and kept as it was while the database is away)."""
+    ``ORCH_METRICS_REFRESH`` seconds (and kept as it was while the database is away).
+
+    ``ORCH_METRICS_AUTH=open``: no token needed, and services are shown by name; a caller with
+    a valid token (any role) also sees their ids. ``token``: a valid token is needed (401)."""
     if not state.settings.metrics:
         raise NotFound("metrics are off (ORCH_METRICS=false)")
+    auth: Authenticator = request.app.state.auth
+    known = not auth.enabled or auth.identify(bearer(request.scope)) is not None
+    if not known and state.settings.metrics_auth == "token":
+        raise Unauthenticated(
+            "a valid API token is needed for /metrics (ORCH_METRICS_AUTH=token): "
+            "Authorization: Bearer …"
+        )
     try:
         await state.metrics.refresh(state.store, leads=state.leadership.is_leader)
     except Transient as exc:
         log.warning("metrics: cluster state not refreshed: %s", exc)
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.render(service_ids=known), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/readyz", operation_id="ready", responses={503: {"description": "not ready"}})

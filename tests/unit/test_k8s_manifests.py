@@ -250,3 +250,20 @@ def test_pods_run_unprivileged_with_resources() -> None:
             assert context["capabilities"]["drop"] == ["ALL"], name
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]), name
             assert "memory" in c["resources"]["limits"], name
+
+
+def test_a_metrics_port_a_pod_declares_listens_beyond_the_pod() -> None:
+    # A service's metrics listen on loopback unless ORCH_METRICS_HOST says otherwise; a pod
+    # whose metrics Prometheus scrapes (a declared containerPort) must say so.
+    assert ServiceSettings.model_fields["metrics_host"].default == "127.0.0.1"
+    declared = 0
+    for name, container in _containers():
+        env = _env(container)
+        if "ORCH_METRICS_PORT" not in env:
+            continue
+        port = int(env["ORCH_METRICS_PORT"])
+        if port in {p["containerPort"] for p in container.get("ports", [])}:
+            declared += 1
+            settings = _settings_of(container, ServiceSettings)
+            assert settings.metrics_host == "0.0.0.0", f"{name}: set ORCH_METRICS_HOST=0.0.0.0"
+    assert declared, "the observer service declares its metrics port"
