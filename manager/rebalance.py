@@ -193,6 +193,8 @@ class Rebalancer:
                 to = [t for d, t in moves if d == donor]
                 picked = await repo.pick_to_move(tx, donor, recent=recent, n=len(to))
                 handoffs += [(o, donor, t) for o, t in zip(picked, to, strict=False)]
+            marked = await repo.record_handoffs(tx, handoffs)
+            handoffs = [h for h in handoffs if h[0] in marked]
             pending = await repo.add_outbox(
                 tx,
                 [
