@@ -188,6 +188,10 @@ async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
     await join_broker(services_connection, prefix, cut)
     assert await r.once() == 3, "its control queue is back: it receives its share"
     assert await handoffs_to(conn, cut) == 3
+    # Each move is recorded on its row with its message: what the holder checks before it
+    # hands over (a handoff published by anyone else is not recorded there).
+    recorded = await conn.fetch("SELECT handoff_to FROM observers WHERE service_id = $1", donor)
+    assert sorted(str(r["handoff_to"]) for r in recorded) == sorted([str(cut)] * 3 + ["None"] * 3)
 
 
 async def test_min_age_counts_from_the_control_queue_reappearing(
