@@ -222,6 +222,10 @@ RECORD_HANDOFFS = (
     f"WHERE o.id = m.id AND o.service_id = m.source AND o.status = {_v(S.PROCESSING)} "
     "RETURNING o.id"
 )
+# Moves the leader gave up on: no record of them stays on their rows.
+CLEAR_HANDOFFS = (
+    "UPDATE observers SET handoff_to = NULL WHERE id = ANY(:ids) AND handoff_to IS NOT NULL"
+)
 
 # --------------------------------------------------------------------------- leader election
 LEADER_ACQUIRE = """

@@ -444,6 +444,11 @@ async def record_handoffs(
     return set(ids)
 
 
+async def clear_handoffs(tx: Tx, ids: list[uuid.UUID]) -> None:
+    """Forget the recorded moves of these observers (their handoffs did not land in time)."""
+    await tx.rows(q.CLEAR_HANDOFFS, ids=ids)
+
+
 # ---------------------------------------------------------------------- leader: retention
 @dataclass(frozen=True)
 class Pruned:
