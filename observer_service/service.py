@@ -109,6 +109,9 @@ class ObserverService:
         #: When the last undrain arrived (clock time): a renewal that still reads the old
         #: ``draining`` flag (its query ran before the undrain committed) must not drain again.
         self._undrained_at: float | None = None
+        #: When this service last began to drain: a renewal that still reads the flag unset (its
+        #: query ran before the drain committed) must not undrain it.
+        self._drained_at: float | None = None
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
@@ -329,6 +332,7 @@ class ObserverService:
         if self.draining:
             return
         self.draining = True
+        self._drained_at = self.clock.now()
         log.warning("draining: handing over %d observers", len(self.runners))
         if self.session is not None:
             self.spawn(self._consuming(self.session, on=False), "stop-consuming")
@@ -452,23 +456,25 @@ class ObserverService:
         self._stop_where(lambda r: r.copy in gone, StopReason.SUPERSEDED)
 
     async def _renewals(self) -> None:
-        """What renewals learn: own observers being deleted (a missed broadcast), a drain; and
-        now and then, whether the rows we hold are the copies we run."""
+        """What renewals learn: own observers being deleted (a missed broadcast), a drain or an
+        undrain; and now and then, whether the rows we hold are the copies we run."""
         checked = self.clock.now()
         while True:
             renewal = await self.lease.renewals.get()
             for oid in renewal.deleting:
                 self.cancel(oid)
-            if renewal.draining and not self._just_undrained():
+            if renewal.draining and not self._lately(self._undrained_at):
                 self.drain()
+            elif not renewal.draining and self.draining and not self._lately(self._drained_at):
+                self.undrain()  # its broadcast was missed: the row says so all the same
             if self.clock.now() - checked >= self.config.check_every:
                 checked = self.clock.now()
                 await self._check_held()
 
-    def _just_undrained(self) -> bool:
-        """Within a lease's length of an undrain: a renewal's ``draining`` may predate it. (The
-        renewal only backs up the drain broadcast, which is acted on whenever it comes.)"""
-        since = self._undrained_at
+    def _lately(self, since: float | None) -> bool:
+        """Within a lease's length of ``since`` (an undrain, a drain): a renewal's ``draining``
+        may predate it. (The renewal only backs up the broadcasts, which are acted on whenever
+        the database confirms them.)"""
         return since is not None and self.clock.now() - since < self.lease.timings.ttl
 
     async def _check_held(self) -> None:

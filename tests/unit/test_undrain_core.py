@@ -54,6 +54,21 @@ async def test_a_renewal_that_read_the_old_flag_does_not_drain_again() -> None:
         assert h.broker.session.consuming
 
 
+async def test_a_missed_undrain_broadcast_is_made_up_for_by_a_renewal() -> None:
+    """The row no longer says draining; no undrain message came: a renewal undrains it, once a
+    lease's length has passed since the drain (one read before it may not)."""
+    async with harness() as h:
+        h.store.draining = True
+        await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
+        await until(lambda: not h.broker.session.consuming)
+        h.store.draining = False  # the API undid it; its broadcast was lost
+        await h.lease.renewals.put(Renewal(deleting=[], draining=False))
+        await until(lambda: h.lease.renewals.empty())
+        assert h.service.draining, "a renewal within a lease of the drain undrained it"
+        await until(lambda: h.broker.session.consuming, timeout=3 * h.lease.timings.ttl)
+        assert not h.service.draining
+
+
 @pytest.mark.parametrize("advise", [True, False])
 async def test_the_broker_advice_can_be_left_to_orch_up(
     advise: bool, caplog: pytest.LogCaptureFixture
