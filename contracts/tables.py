@@ -107,6 +107,11 @@ class Observer(Base):
     modified_at: Mapped[datetime] = _now()
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     dispatched_at: Mapped[datetime] = _now()
+    #: The service the leader asked the holder to hand this observer to, written in the same
+    #: transaction as the handoff message; cleared by every take. A holder hands over only what
+    #: is recorded here: a handoff message alone proves nothing (anyone on the broker can send
+    #: one).
+    handoff_to: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
 
     __table_args__ = (
         CheckConstraint(

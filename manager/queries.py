@@ -217,6 +217,19 @@ PICK_TO_MOVE = (
     f"SELECT id FROM observers WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
     "AND NOT (id = ANY(:recent)) ORDER BY started_at DESC LIMIT :n"
 )
+# The moves decided, recorded on the rows in the transaction that writes their handoff
+# messages: only a row still running on its donor is marked (and only those are sent).
+RECORD_HANDOFFS = (
+    "UPDATE observers o SET handoff_to = m.target, modified_at = now() "
+    "FROM unnest(CAST(:ids AS uuid[]), CAST(:froms AS uuid[]), CAST(:tos AS uuid[])) "
+    "AS m(id, source, target) "
+    f"WHERE o.id = m.id AND o.service_id = m.source AND o.status = {_v(S.PROCESSING)} "
+    "RETURNING o.id"
+)
+# Moves the leader gave up on: no record of them stays on their rows.
+CLEAR_HANDOFFS = (
+    "UPDATE observers SET handoff_to = NULL WHERE id = ANY(:ids) AND handoff_to IS NOT NULL"
+)
 
 # --------------------------------------------------------------------------- leader election
 LEADER_ACQUIRE = """

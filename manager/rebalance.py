@@ -105,6 +105,9 @@ class Ledger:
     landing: float
     sent: dict[uuid.UUID, Move] = field(default_factory=dict)  # observer -> move
     landed: dict[uuid.UUID, float] = field(default_factory=dict)  # observer -> when moved
+    #: The observers whose moves the last ``update`` forgot: their rows' record of the move
+    #: (``observers.handoff_to``) is cleared, so a handoff sent later by anyone finds none.
+    forgotten: list[uuid.UUID] = field(default_factory=list)
 
     def record(self, moves: Iterable[tuple[uuid.UUID, uuid.UUID]], now: float) -> None:
         """(observer, target) handoffs just asked for."""
@@ -114,7 +117,8 @@ class Ledger:
         """Settle the moves from where their observers are; returns how many are in motion and
         not yet given up on (a round waits for them)."""
         where = {s.observer_id: s for s in seen}
-        in_motion = forgotten = 0
+        in_motion = 0
+        self.forgotten = []
         for o, move in list(self.sent.items()):
             s = where.get(o)
             if s is not None and s.holder == move.to:
@@ -122,12 +126,14 @@ class Ledger:
                 del self.sent[o]
             elif s is None or now - move.at >= self.landing:
                 del self.sent[o]
-                forgotten += 1
+                self.forgotten.append(o)
             elif s.in_motion:
                 in_motion += 1
         self.landed = {o: t for o, t in self.landed.items() if now - t < self.cooldown}
-        if forgotten:
-            log.info("rebalance: %d moves did not reach their target; forgotten", forgotten)
+        if self.forgotten:
+            log.info(
+                "rebalance: %d moves did not reach their target; forgotten", len(self.forgotten)
+            )
         return in_motion
 
     def recent(self) -> list[uuid.UUID]:
@@ -178,7 +184,10 @@ class Rebalancer:
             if self.ledger.sent:
                 where = await repo.where_moved(tx, list(self.ledger.sent))
                 seen = [Seen(r.id, r.service_id, r.in_motion) for r in where]
-            if self.ledger.update(seen, now):
+            in_motion = self.ledger.update(seen, now)
+            if self.ledger.forgotten:
+                await repo.clear_handoffs(tx, self.ledger.forgotten)
+            if in_motion:
                 return 0  # the previous round is still landing
             loads = [
                 Load(r.id, r.worker_count, r.running) for r in await repo.loads(tx, self.min_age)
@@ -193,6 +202,8 @@ class Rebalancer:
                 to = [t for d, t in moves if d == donor]
                 picked = await repo.pick_to_move(tx, donor, recent=recent, n=len(to))
                 handoffs += [(o, donor, t) for o, t in zip(picked, to, strict=False)]
+            marked = await repo.record_handoffs(tx, handoffs)
+            handoffs = [h for h in handoffs if h[0] in marked]
             pending = await repo.add_outbox(
                 tx,
                 [

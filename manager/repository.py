@@ -435,6 +435,27 @@ async def pick_to_move(
     return await tx.values(q.PICK_TO_MOVE, s=donor, recent=recent, n=n)
 
 
+async def record_handoffs(
+    tx: Tx, handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]]
+) -> set[uuid.UUID]:
+    """Mark each (observer, from, to) move on its row (``observers.handoff_to``), which is what
+    the holder checks before it hands over; the observers still running on their donor."""
+    if not handoffs:
+        return set()
+    ids = await tx.values(
+        q.RECORD_HANDOFFS,
+        ids=[o for o, _, _ in handoffs],
+        froms=[d for _, d, _ in handoffs],
+        tos=[t for _, _, t in handoffs],
+    )
+    return set(ids)
+
+
+async def clear_handoffs(tx: Tx, ids: list[uuid.UUID]) -> None:
+    """Forget the recorded moves of these observers (their handoffs did not land in time)."""
+    await tx.rows(q.CLEAR_HANDOFFS, ids=ids)
+
+
 # ---------------------------------------------------------------------- leader: retention
 @dataclass(frozen=True)
 class Pruned:

@@ -73,6 +73,10 @@ class Admission:
     def ids(self) -> set[uuid.UUID]:
         return set(self._admitting)
 
+    def admits(self, observer_id: uuid.UUID) -> bool:
+        """A start of this observer is being admitted."""
+        return observer_id in self._admitting
+
     @contextlib.asynccontextmanager
     async def admitting(self, observer_id: uuid.UUID) -> AsyncIterator[_Admitting]:
         """Hold the admission of one observer; waits while paused or while another start of the

@@ -23,8 +23,10 @@ from contracts.statuses import HELD, STOPPED, ObserverStatus
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
+    ControlFacts,
     Copy,
     ErrorRecord,
+    Holding,
     Locked,
     OnControl,
     OnStart,
@@ -65,6 +67,8 @@ class Row:
     restart_count: int = 0
     restarted_at: float | None = None
     last_error: str | None = None
+    #: The move the leader recorded (``observers.handoff_to``): cleared by every take.
+    handoff_to: uuid.UUID | None = None
     events: list[str] = field(default_factory=list)
 
     @property
@@ -102,6 +106,8 @@ class InMemoryStore:
         self.lose_replies = 0
         self.calls: list[str] = []
         self.locked: set[uuid.UUID] = set()
+        #: This service's row says draining (what a renewal, and a control check, read).
+        self.draining = False
 
     def add(self, kind: str = "ticker", **fields: Any) -> Row:
         row = Row(id=uuid.uuid4(), kind=kind, **fields)
@@ -181,6 +187,7 @@ class InMemoryStore:
             if decision is Decision.TAKE:
                 row.status, row.service_id = ObserverStatus.PROCESSING, self.me
                 row.epoch += 1
+                row.handoff_to = None
                 row.events.append("taken")
             elif decision is Decision.COMPLETE_STOP:
                 row.status, row.service_id = STOPPED[row.status], None
@@ -220,7 +227,7 @@ class InMemoryStore:
                 out.append(LOCKED)
                 continue
             row.status = STOPPED.get(row.status, row.status)
-            row.service_id = None
+            row.service_id = row.handoff_to = None
             row.events.append(f"{row.status.value}: {detail}")
             out.append(row.status)
         return out
@@ -277,6 +284,14 @@ class InMemoryStore:
     async def held_count(self) -> int:
         self._up("held_count")
         return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
+
+    async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
+        self._up("control_facts")
+        found = (self.rows[i] for i in observer_ids if i in self.rows)
+        return ControlFacts(
+            draining=self.draining,
+            observers={r.id: Holding(r.status, r.service_id, r.epoch, r.handoff_to) for r in found},
+        )
 
 
 # ------------------------------------------------------------------------------------ lease
@@ -351,7 +366,7 @@ class FakeLeaseDatabase:
         self.key: int | None = None
         self.available = True
         self.expired = False
-        self.draining = False
+        self._draining = False
         self.deleting: list[uuid.UUID] = []
         self.joins: list[int] = []
         self.renewals = 0
@@ -359,6 +374,19 @@ class FakeLeaseDatabase:
         self.stalled = False
         self.left: bool | None = None
         self.sessions: list[FakeLeaseSession] = []
+
+    @property
+    def draining(self) -> bool:
+        """The service row's flag: the store's, where there is one (one row, as in the
+        database)."""
+        return self._draining if self.store is None else self.store.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if self.store is None:
+            self._draining = value
+        else:
+            self.store.draining = value
 
     async def connect(self, on_end: Callable[[], None]) -> FakeLeaseSession:
         if not self.available:

@@ -61,6 +61,11 @@ class ServiceMetrics(Metrics):
             "Steps of kind code that blocked the event loop past ORCH_LOOP_STALL, by kind",
             "kind",
         )
+        self.control_refused = m.counter(
+            "orch_control_refused_total",
+            "Control messages not acted on: the database did not confirm them, by type",
+            "type",
+        )
         self.reconnects = m.counter(
             "orch_broker_reconnects_total", "Broker sessions opened after the first"
         )

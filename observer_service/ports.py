@@ -144,6 +144,26 @@ class Renewal:
     draining: bool
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What a control check reads of one observer row: who holds it, at which epoch, and the
+    move the leader recorded for it."""
+
+    status: ObserverStatus
+    holder: uuid.UUID | None
+    epoch: int
+    handoff_to: uuid.UUID | None
+
+
+@dataclass(frozen=True)
+class ControlFacts:
+    """What the database says when a control message arrives (``control.py``): whether this
+    service's row says draining, and the rows of the observers the messages name."""
+
+    draining: bool
+    observers: dict[uuid.UUID, Holding]
+
+
 class TakeRows(Protocol):
     """The two statements of a take; the loop over them is ``taking.take_many``, one for every
     store. Neither waits for a locked row."""
@@ -186,6 +206,10 @@ class Store(TakeRows, Protocol):
     async def reconcile(self, running: set[uuid.UUID]) -> int: ...
 
     async def held_count(self) -> int: ...
+
+    async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
+        """This service's draining flag and the named observers' rows, with one read by key."""
+        ...
 
 
 class LeaseSession(Protocol):

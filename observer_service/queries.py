@@ -130,7 +130,7 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
-    "modified_at = now()",
+    "handoff_to = NULL, modified_at = now()",
     f"{_AS_SEEN} ->> 'detail' AS detail",
     events=(event(Event.TAKEN), "u.detail"),
 )
@@ -169,7 +169,8 @@ CHECKPOINT = skipping_locked(
 # to stop.
 LET_GO = skipping_locked(
     lambda _: _MY_BATCH,
-    f"status = {sql_stopped('o.status')}, service_id = NULL, modified_at = now()",
+    f"status = {sql_stopped('o.status')}, service_id = NULL, handoff_to = NULL, "
+    "modified_at = now()",
     "o.status",
     events=(_let_go_event("u.status"), "$4::text"),
 )
@@ -244,6 +245,16 @@ RECONCILE = with_events(
 HELD_COPIES = f"SELECT id, epoch FROM observers WHERE service_id = $1 AND {sql_in('status', HELD)}"
 
 HELD_COUNT = f"SELECT count(*) FROM observers WHERE service_id = $1 AND {sql_in('status', HELD)}"
+
+# --------------------------------------------------------------------------------- control
+# $1 observer ids, $2 me: what a control message is checked against before it is acted on
+# (``observer_service.control``): this service's draining flag and each named observer's row,
+# all by primary key. One row at least (the flag), one per observer found.
+CONTROL_FACTS = """
+SELECT (SELECT draining FROM services WHERE id = $2) AS draining,
+       o.id, o.status, o.service_id, o.epoch, o.handoff_to
+  FROM (SELECT 1) AS one LEFT JOIN observers o ON o.id = ANY($1::uuid[])
+"""
 
 # ------------------------------------------------------------------------------------ lease
 # $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 lock key, $8 ttl: register,

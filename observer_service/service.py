@@ -36,6 +36,7 @@ from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
 from contracts.witness import Witness
 from observer_service.admission import Admission
+from observer_service.control import ControlChecks, cancel_confirmed, handoff_confirmed
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
@@ -108,9 +109,13 @@ class ObserverService:
         #: When the last undrain arrived (clock time): a renewal that still reads the old
         #: ``draining`` flag (its query ran before the undrain committed) must not drain again.
         self._undrained_at: float | None = None
+        #: When this service last began to drain: a renewal that still reads the flag unset (its
+        #: query ran before the drain committed) must not undrain it.
+        self._drained_at: float | None = None
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
+        self.checks = ControlChecks(store)
         self._let_go = Batcher(self._let_go_batch)
         self.stalls = StallWatch(
             config.loop_stall,
@@ -164,6 +169,7 @@ class ObserverService:
                 ("take-writer", self.intake.takes.run()),
                 ("checkpoint-writer", self.checkpoints.run()),
                 ("let-go-writer", self._let_go.run()),
+                ("control-checks", self.checks.reads.run()),
                 ("broker", self._broker_loop()),
                 ("renewals", self._renewals()),
                 ("recovery", self._recovery()),
@@ -326,6 +332,7 @@ class ObserverService:
         if self.draining:
             return
         self.draining = True
+        self._drained_at = self.clock.now()
         log.warning("draining: handing over %d observers", len(self.runners))
         if self.session is not None:
             self.spawn(self._consuming(self.session, on=False), "stop-consuming")
@@ -350,6 +357,10 @@ class ObserverService:
 
     # ----------------------------------------------------------------- control
     async def _on_control(self, body: bytes) -> None:
+        """A control message. Anyone on the broker can send one, so a drain, undrain, cancel or
+        handoff is acted on only once the database confirms it (``control.py``), in a task of
+        its own: a check waits for the database, the control queue does not. A directed start
+        goes to the take, which is its check."""
         try:
             control = CONTROL_MESSAGE.validate_json(body)
         except ValidationError as exc:
@@ -358,20 +369,67 @@ class ObserverService:
         if isinstance(control, DirectedStart):
             await self.intake.admit(control.start(), DIRECTED)
         elif isinstance(control, HandoffMessage):
-            runner = self.runners.get(control.observer_id)
-            if runner is not None:
-                runner.ctx.logger.info("handing over to %s", control.to)
-                runner.stop(StopReason.HANDOFF, to=control.to)
-        elif isinstance(control, DrainMessage):
+            if control.observer_id in self.runners:
+                self.spawn(self._handoff_checked(control), f"check-handoff-{control.observer_id}")
+        elif isinstance(control, DrainMessage | UndrainMessage):
             if control.service_id == self.id:
-                self.drain()
-        elif isinstance(control, UndrainMessage):
-            if control.service_id == self.id:
-                self.undrain()
+                self.spawn(self._drain_checked(control), f"check-{control.type}")
         elif isinstance(control, CancelMessage):
-            self.cancel(control.observer_id)
+            oid = control.observer_id
+            if oid in self.runners or self.admission.admits(oid):
+                self.spawn(self._cancel_checked(oid), f"check-cancel-{oid}")
+
+    def _refused(self, kind: str, what: str) -> None:
+        self.metrics.control_refused.labels(kind).inc()
+        log.warning("%s ignored: the database does not confirm it", what)
+
+    async def _drain_checked(self, control: DrainMessage | UndrainMessage) -> None:
+        drain = isinstance(control, DrainMessage)
+        facts = await self.checks.facts([], moot=lambda: self.stopping)
+        if facts is None:
+            return
+        if facts.draining != drain:
+            self._refused(control.type, f"{control.type} message")
+        elif drain:
+            self.drain()
+        else:
+            self.undrain()
+
+    async def _cancel_checked(self, observer_id: uuid.UUID) -> None:
+        runner = self.runners.get(observer_id)
+        copy = None if runner is None else runner.copy
+
+        def moot() -> bool:
+            if runner is not None:
+                return self.runners.get(observer_id) is not runner
+            return observer_id not in self.runners and not self.admission.admits(observer_id)
+
+        facts = await self.checks.facts([observer_id], moot=moot)
+        if facts is None or moot():
+            return
+        if not cancel_confirmed(facts.observers.get(observer_id), self.id, copy):
+            self._refused("cancel", f"cancel of {observer_id}")
+        elif runner is not None:
+            runner.stop(StopReason.CANCEL)
+        else:
+            self.cancel(observer_id)
+
+    async def _handoff_checked(self, control: HandoffMessage) -> None:
+        oid = control.observer_id
+        runner = self.runners.get(oid)
+        if runner is None:
+            return
+        facts = await self.checks.facts([oid], moot=lambda: self.runners.get(oid) is not runner)
+        if facts is None or self.runners.get(oid) is not runner:
+            return
+        if not handoff_confirmed(facts.observers.get(oid), self.id, runner.copy, control.to):
+            self._refused("handoff", f"handoff of {oid} to {control.to}")
+            return
+        runner.ctx.logger.info("handing over to %s", control.to)
+        runner.stop(StopReason.HANDOFF, to=control.to)
 
     def cancel(self, observer_id: uuid.UUID) -> None:
+        """Stop this observer's copy (or the start being admitted): the database says so."""
         runner = self.runners.get(observer_id)
         if runner is not None:
             runner.stop(StopReason.CANCEL)
@@ -398,23 +456,25 @@ class ObserverService:
         self._stop_where(lambda r: r.copy in gone, StopReason.SUPERSEDED)
 
     async def _renewals(self) -> None:
-        """What renewals learn: own observers being deleted (a missed broadcast), a drain; and
-        now and then, whether the rows we hold are the copies we run."""
+        """What renewals learn: own observers being deleted (a missed broadcast), a drain or an
+        undrain; and now and then, whether the rows we hold are the copies we run."""
         checked = self.clock.now()
         while True:
             renewal = await self.lease.renewals.get()
             for oid in renewal.deleting:
                 self.cancel(oid)
-            if renewal.draining and not self._just_undrained():
+            if renewal.draining and not self._lately(self._undrained_at):
                 self.drain()
+            elif not renewal.draining and self.draining and not self._lately(self._drained_at):
+                self.undrain()  # its broadcast was missed: the row says so all the same
             if self.clock.now() - checked >= self.config.check_every:
                 checked = self.clock.now()
                 await self._check_held()
 
-    def _just_undrained(self) -> bool:
-        """Within a lease's length of an undrain: a renewal's ``draining`` may predate it. (The
-        renewal only backs up the drain broadcast, which is acted on whenever it comes.)"""
-        since = self._undrained_at
+    def _lately(self, since: float | None) -> bool:
+        """Within a lease's length of ``since`` (an undrain, a drain): a renewal's ``draining``
+        may predate it. (The renewal only backs up the broadcasts, which are acted on whenever
+        the database confirms them.)"""
         return since is not None and self.clock.now() - since < self.lease.timings.ttl
 
     async def _check_held(self) -> None:

@@ -26,8 +26,10 @@ from observer_service import queries as q
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
+    ControlFacts,
     Copy,
     ErrorRecord,
+    Holding,
     Locked,
     Renewal,
     Seen,
@@ -148,6 +150,20 @@ class PgStore:
         with database_errors():
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
 
+    async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
+        with database_errors():
+            rows = await self.pool.fetch(q.CONTROL_FACTS, list(observer_ids), self.me)
+        return ControlFacts(
+            draining=bool(rows[0]["draining"]),
+            observers={
+                r["id"]: Holding(
+                    ObserverStatus(r["status"]), r["service_id"], r["epoch"], r["handoff_to"]
+                )
+                for r in rows
+                if r["id"] is not None
+            },
+        )
+
 
 class ThreadWrites:
     """The writes the watchdog thread makes while the service's event loop is blocked: on a
@@ -215,6 +231,7 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
         await conn.fetch(cas, [], nobody, "{}")
     await conn.fetch(q.CHECKPOINT, [], nobody, "{}")
     await conn.fetch(q.LET_GO, [], nobody, "{}", "")
+    await conn.fetch(q.CONTROL_FACTS, [], nobody)
 
 
 A = TypeVar("A")

@@ -275,6 +275,39 @@ MUTANTS = [
         "return bool(self._ended) or lock_free, (True if self._gone else None)",
         (f"{FENCES}::test_a_holder_back_on_a_new_session_is_not_covered_by_an_old_proof",),
     ),
+    Mutant(
+        "control: a drain or undrain acted on without the database's word",
+        "observer_service/service.py",
+        "        if facts.draining != drain:",
+        "        if False:",
+        (
+            "tests/unit/test_control_checks.py::test_a_forged_drain_is_ignored_and_a_real_one_acted_on",
+        ),
+    ),
+    Mutant(
+        "control: a cancel acted on without the database's word",
+        "observer_service/control.py",
+        "    return (row.holder, row.epoch) != (me, copy.epoch)",
+        "    return True",
+        ("tests/unit/test_control_checks.py::test_a_forged_cancel_stops_nothing",),
+    ),
+    Mutant(
+        "control: a handoff acted on whatever the leader recorded",
+        "observer_service/control.py",
+        "        and row.handoff_to == to\n",
+        "\n",
+        ("tests/unit/test_control_checks.py::test_a_forged_handoff_hands_nothing_over",),
+    ),
+    Mutant(
+        "take: a recorded handoff survives the take",
+        "observer_service/queries.py",
+        '"handoff_to = NULL, modified_at = now()",',
+        '"modified_at = now()",',
+        (
+            "tests/integration/test_store_contract.py::"
+            "test_a_take_and_a_release_clear_a_recorded_handoff[postgresql]",
+        ),
+    ),
 ]
 
 

@@ -266,6 +266,8 @@ async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
     a, oid = await _one_slow(cluster)
     a_id = await cluster.service_id(a)
     b_id = await cluster.service_id(cluster.procs[-1])
+    # What the leader's rebalance does: record the move on the row, then send the handoff.
+    await cluster.q("UPDATE observers SET handoff_to = $2 WHERE id = $1", oid, b_id)
     conn = await aio_pika.connect(cluster.amqp_url)
     async with conn:
         channel = await conn.channel()

@@ -219,6 +219,10 @@ async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
     await join_broker(services_connection, prefix, cut)
     assert await r.once() == 3, "its control queue is back: it receives its share"
     assert await handoffs_to(conn, cut) == 3
+    # Each move is recorded on its row with its message: what the holder checks before it
+    # hands over (a handoff published by anyone else is not recorded there).
+    recorded = await conn.fetch("SELECT handoff_to FROM observers WHERE service_id = $1", donor)
+    assert sorted(str(r["handoff_to"]) for r in recorded) == sorted([str(cut)] * 3 + ["None"] * 3)
 
 
 async def test_min_age_counts_from_the_control_queue_reappearing(
@@ -266,6 +270,30 @@ async def test_rounds_go_on_after_moves_that_never_landed(
     assert await r.once() == 0, "the moves are between holders: the round waits"
     await asyncio.sleep(0.5)
     assert await r.once() > 0, "a round waited for moves that cannot land any more"
+
+
+async def test_a_move_given_up_on_leaves_no_record_on_its_row(
+    db: tuple[asyncpg.Connection, ManagerStore],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """A recorded move is what a holder hands over on; one the leader forgot (its handoff never
+    came through) must not wait on the row for a handoff that anyone could send later."""
+    conn, store = db
+    donor = await service(conn, worker_count=10)
+    target = await service(conn, worker_count=10)
+    await join_broker(services_connection, prefix, donor)
+    off = await join_broker(services_connection, prefix, target)
+    await observers(conn, 6, holder=donor)
+    r = rebalancer(store, publisher, landing=0.2)
+    assert await r.once() == 3
+    recorded = "SELECT count(*) FROM observers WHERE handoff_to IS NOT NULL"
+    assert await conn.fetchval(recorded) == 3
+    await off.delete()  # the target leaves the broker: the next round plans nothing
+    await asyncio.sleep(0.2)
+    assert await r.once() == 0
+    assert await conn.fetchval(recorded) == 0
 
 
 async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(

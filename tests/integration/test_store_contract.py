@@ -23,7 +23,9 @@ from observer_service.intake import checkpoint_json
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
+    ControlFacts,
     Copy,
+    Holding,
     StartRequest,
     Store,
     TakeResult,
@@ -62,6 +64,12 @@ class World(Protocol):
 
     async def unlock(self) -> None: ...
 
+    async def drain(self, draining: bool) -> None:
+        """The API marks this service's row draining (or not)."""
+
+    async def record_handoff(self, observer_id: uuid.UUID, to: uuid.UUID) -> None:
+        """The leader records a move of this observer (``observers.handoff_to``)."""
+
 
 class FakeWorld:
     def __init__(self) -> None:
@@ -94,6 +102,12 @@ class FakeWorld:
 
     async def checkpoint(self, observer_id: uuid.UUID) -> Any:
         return self.store.rows[observer_id].checkpoint
+
+    async def drain(self, draining: bool) -> None:
+        self.store.draining = draining
+
+    async def record_handoff(self, observer_id: uuid.UUID, to: uuid.UUID) -> None:
+        self.store.rows[observer_id].handoff_to = to
 
 
 class PgWorld:
@@ -180,6 +194,16 @@ class PgWorld:
             "SELECT checkpoint FROM observers WHERE id = $1", observer_id
         )
         return None if text is None else json.loads(text)
+
+    async def drain(self, draining: bool) -> None:
+        await self.pool.execute(
+            "UPDATE services SET draining = $2 WHERE id = $1", self.store.me, draining
+        )
+
+    async def record_handoff(self, observer_id: uuid.UUID, to: uuid.UUID) -> None:
+        await self.pool.execute(
+            "UPDATE observers SET handoff_to = $2 WHERE id = $1", observer_id, to
+        )
 
 
 @pytest.fixture(params=["memory", "postgresql"])
@@ -384,6 +408,36 @@ async def test_the_restart_budget_fails_the_row_when_spent(world: World) -> None
     assert second is not None
     assert second.failed
     assert (await world.row(copy.observer_id))[:2] == (S.FAILED, None)
+
+
+async def test_a_control_check_reads_the_flag_and_the_rows_named(world: World) -> None:
+    me = world.store.me
+    held = await world.observer(status=S.ON_DELETING, holder=me, epoch=3)
+    free = await world.observer()
+    target = uuid.uuid4()
+    await world.record_handoff(held.observer_id, target)
+    facts = await world.store.control_facts([held.observer_id, free.observer_id, uuid.uuid4()])
+    assert not facts.draining
+    assert facts.observers == {
+        held.observer_id: Holding(S.ON_DELETING, me, 3, target),
+        free.observer_id: Holding(S.CREATED, None, 0, None),
+    }
+    await world.drain(True)
+    assert await world.store.control_facts([]) == ControlFacts(draining=True, observers={})
+
+
+async def test_a_take_and_a_release_clear_a_recorded_handoff(world: World) -> None:
+    start = await world.observer()
+    await world.record_handoff(start.observer_id, uuid.uuid4())
+    result = await take(world, start)
+    assert result.taken is not None
+    facts = await world.store.control_facts([start.observer_id])
+    assert facts.observers[start.observer_id].handoff_to is None
+    target = uuid.uuid4()
+    await world.record_handoff(start.observer_id, target)
+    assert await world.store.let_go_many([result.taken.copy], "handed over") == [S.PROCESSING]
+    facts = await world.store.control_facts([start.observer_id])
+    assert facts.observers[start.observer_id] == Holding(S.PROCESSING, None, 1, None)
 
 
 async def test_reconcile_and_held_count(world: World) -> None:

@@ -98,7 +98,7 @@ async def _explained(
 
 
 @pytest.mark.parametrize("size", [40, 1000])
-@pytest.mark.parametrize("statement", ["checkpoint", "let_go", "take"])
+@pytest.mark.parametrize("statement", ["checkpoint", "let_go", "take", "control"])
 async def test_a_batch_write_reads_only_its_own_rows(
     conn: asyncpg.Connection, statement: str, size: int
 ) -> None:
@@ -121,6 +121,8 @@ async def test_a_batch_write_reads_only_its_own_rows(
             for r in rows
         }
         scans = await _explained(conn, q.TAKE, ids, me, json.dumps(seen))
+    elif statement == "control":  # the check of a burst of cancels
+        scans = await _explained(conn, q.CONTROL_FACTS, ids, me)
     elif statement == "checkpoint":
         states = json.dumps({k: {"n": 1} for k in keys})
         scans = await _explained(conn, q.CHECKPOINT, ids, me, states)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from manager.settings import ManagerSettings
@@ -38,7 +41,7 @@ def test_long_running_services_are_started_again_when_they_exit() -> None:
     services = _compose()["services"]
     assert isinstance(services, dict)
     for name, spec in services.items():
-        one_shot = name.startswith(("migrate", "broker-policy"))
+        one_shot = name.startswith(("migrate", "broker-policy", "broker-users"))
         assert (spec.get("restart") == "unless-stopped") != one_shot, name
 
 
@@ -92,6 +95,7 @@ def test_the_default_profile_is_the_single_broker_setup() -> None:
         "postgres",
         "rabbitmq",
         "migrate",
+        "broker-users",
         "broker-policy",
         "manager",
         "observer-service",
@@ -104,7 +108,7 @@ def test_the_rabbitmq_cluster_profile_clusters_three_nodes_with_quorum_queues() 
     from contracts.settings import CommonSettings
 
     profile = _services_in("rabbitmq-cluster")
-    nodes = {n: s for n, s in profile.items() if s.get("image", "").startswith("rabbitmq:")}
+    nodes = {n: s for n, s in profile.items() if _is_broker_node(s)}
     assert len(nodes) == 3
     hosts = {s["hostname"] for s in nodes.values()}
     assert len(hosts) == 3, "each node needs a hostname of its own (it is its node name)"
@@ -132,6 +136,111 @@ def test_the_rabbitmq_cluster_profile_clusters_three_nodes_with_quorum_queues() 
         assert CommonSettings(amqp_url=filled, queue_type="quorum").amqp_url == filled
 
 
+def _is_broker_node(service: dict[str, Any]) -> bool:
+    """A RabbitMQ node (not a one-shot that only runs the image's rabbitmqctl)."""
+    return str(service.get("image", "")).startswith("rabbitmq:") and "entrypoint" not in service
+
+
+#: The user each process connects to the broker as, by its command.
+ROLE_USERS = {
+    "migrate": "orch-manager",
+    "manager": "orch-manager",
+    "service": "orch-service",
+    "broker-policy": "admin",
+}
+
+
+def test_each_process_connects_as_its_role_on_the_systems_own_vhost() -> None:
+    """One vhost for the system, one broker user per role (deploy/rabbitmq-users.sh makes them
+    before anything connects); the administrator only sets the policy."""
+    services = _compose()["services"]
+    assert isinstance(services, dict)
+    setups = {n: s for n, s in services.items() if n.startswith("broker-users")}
+    assert set(setups) == {"broker-users", "broker-users-cluster"}
+    for setup in setups.values():
+        assert setup["entrypoint"] == ["sh", "/deploy/rabbitmq-users.sh"]
+        assert any(m.startswith("./deploy/rabbitmq-users.sh:") for m in setup["volumes"])
+    vhosts = {s["environment"]["VHOST"] for s in setups.values()}
+    assert vhosts == {"orchestrator"}
+    for name, service in services.items():
+        if "build" not in service:
+            continue
+        env = service["environment"]
+        user = ROLE_USERS[service["command"][0]]
+        for url in env["ORCH_AMQP_URL"].split(","):
+            parts = re.match(r"amqp://([^:]+):[^@]+@[^/]+/(.*)$", url)
+            assert parts is not None, f"{name}: {url}"
+            assert parts.groups() == (user, "orchestrator"), f"{name} connects as {parts.groups()}"
+        assert {s["environment"]["PREFIX"] for s in setups.values()} == {env["ORCH_PREFIX"]}
+        if service["command"][0] != "migrate":  # the one that never touches the broker
+            needs = set(service.get("depends_on", ()))
+            assert needs & set(setups), f"{name} may connect before its user exists"
+    for name, service in services.items():
+        if _is_broker_node(service):
+            assert service["environment"]["RABBITMQ_DEFAULT_USER"] == "admin", name
+
+
+def _permissions(tmp_path: Path, prefix: str) -> dict[str, tuple[str, str, str]]:
+    """What deploy/rabbitmq-users.sh grants, by user: (configure, write, read), run against a
+    rabbitmqctl that only writes down what it is asked."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "rabbitmqctl"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" >> {calls}; printf "\\n" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "PREFIX": prefix,
+        "MANAGER_PASSWORD": "m",
+        "SERVICE_PASSWORD": "s",
+    }
+    subprocess.run(["sh", str(ROOT / "deploy" / "rabbitmq-users.sh")], env=env, check=True)
+    granted = {}
+    for line in calls.read_text().splitlines():
+        args = line.split("\0")[:-1]
+        if args[:2] == ["-q", "set_permissions"]:
+            assert args[2:4] == ["-p", "orchestrator"]
+            granted[args[4]] = (args[5], args[6], args[7])
+    return granted
+
+
+@pytest.mark.parametrize("prefix", ["orch", "t1.2"])
+def test_the_broker_users_get_only_their_roles_names(tmp_path: Path, prefix: str) -> None:
+    granted = _permissions(tmp_path, prefix)
+    assert set(granted) == {"orch-manager", "orch-service"}
+    shared = [f"{prefix}.{n}" for n in ("work", "errors", "dead-letter", "control")]
+    own = f"{prefix}.control.{uuid.uuid4()}"
+    outside = [
+        f"{prefix}.other",
+        f"{prefix}.control.x",
+        f"{prefix}.workers",
+        f"x{prefix}.work",
+        "amq.gen-1",
+        "amq.topic",
+        "other.work",
+    ]
+    if "." in prefix:  # an escaped dot: "t1x2.work" is not ours
+        outside.append(prefix.replace(".", "x") + ".work")
+
+    def allows(regex: str, name: str) -> bool:
+        return re.search(regex, name) is not None
+
+    manager, service = granted["orch-manager"], granted["orch-service"]
+    for perms, extra in ((manager, []), (service, [own])):
+        configure, write, _read = perms
+        for name in [*shared, *extra]:
+            assert allows(configure, name), name
+            assert allows(write, name), name
+        assert allows(write, "amq.default"), "starts are published to the default exchange"
+        for name in outside:
+            assert not any(allows(r, name) for r in perms), name
+    # The manager consumes nothing and owns no control queue: read only what its
+    # declarations need (the work queue's dead-lettering, the error queue's binding).
+    assert not any(allows(r, own) for r in manager)
+    assert not allows(manager[2], f"{prefix}.control")
+    assert allows(service[2], own)
+    assert allows(service[2], f"{prefix}.work")
+
+
 def test_servers_keep_their_data_in_volumes() -> None:
     compose = _compose()
     services, declared = compose["services"], compose["volumes"]
@@ -144,9 +253,9 @@ def test_servers_keep_their_data_in_volumes() -> None:
         named = {target: source for source, target, *_ in mounts if not source.startswith(".")}
         volumes += named.values()
         for image, data_dir in data_dirs.items():
-            if service.get("image", "").startswith(image):
+            if service.get("image", "").startswith(image) and "entrypoint" not in service:
                 assert data_dir in named, f"{name} keeps its data in the container"
-        if service.get("image", "").startswith("rabbitmq:"):
+        if _is_broker_node(service):
             assert "hostname" in service, f"{name}: its node name (its data's name) must not change"
     assert set(volumes) == set(declared), "a volume is used but not declared, or not used"
     assert len(volumes) == len(set(volumes)), "two services share a data volume"

@@ -56,7 +56,7 @@ def _secret_example() -> dict[str, str]:
     (generator,) = _kustomization()["secretGenerator"]
     (env_file,) = generator["envs"]
     text = (K8S / f"{env_file}.example").read_text()
-    return dict(re.findall(r"^(ORCH_[A-Z_]+)=(.*)$", text, re.M))
+    return dict(re.findall(r"^([A-Z_]+)=(.*)$", text, re.M))
 
 
 def _orch_runs(argv: list[str]) -> list[list[str]]:
@@ -175,6 +175,23 @@ def test_the_example_config_is_accepted_and_spans_clusters() -> None:
     url = _secret_example()["ORCH_DATABASE_URL"]
     assert "target_session_attrs=read-write" in url
     assert re.match(r"postgresql://[^/]*@[^/,]+,[^/]+/", url), "several PostgreSQL hosts"
+
+
+def test_each_role_connects_to_the_broker_as_its_own_user_on_one_vhost() -> None:
+    """deploy/rabbitmq-users.sh makes the vhost and the users (README, "Security")."""
+    from manager.auth import Role, new_token
+
+    _, entry = new_token("k8s", Role("admin"))
+    manager = _settings_of(_container("orch-manager"), ManagerSettings, api_tokens=entry)
+    service = _settings_of(_container("orch-observer-service"), ServiceSettings)
+    users: dict[str, set[str]] = {}
+    for role, settings in (("manager", manager), ("service", service)):
+        for url in settings.amqp_url.split(","):
+            found = re.match(r"amqp://([^:]+):[^@]+@[^/]+/(.+)$", url)
+            assert found is not None, url
+            assert found[2] == "orchestrator", f"{role} is not on the system's own vhost"
+            users.setdefault(role, set()).add(found[1])
+    assert users == {"manager": {"orch-manager"}, "service": {"orch-service"}}
 
 
 async def test_manager_probes_ask_routes_that_need_no_token() -> None:

@@ -307,6 +307,7 @@ async def test_handoff_releases_and_sends_a_directed_start() -> None:
     async with harness() as h:
         row, delivery = await h.started()
         target = uuid.uuid4()
+        row.handoff_to = target  # what the leader records with its message
         await h.broker.session.control(HandoffMessage(observer_id=row.id, to=target).to_bytes())
         await until(lambda: delivery.outcome == "ack")
         assert (row.status, row.service_id) == (S.PROCESSING, None)
@@ -316,6 +317,7 @@ async def test_handoff_releases_and_sends_a_directed_start() -> None:
 async def test_drain_releases_and_requeues_and_takes_no_more() -> None:
     async with harness() as h:
         row, delivery = await h.started()
+        h.store.draining = True  # what the API writes before its broadcast
         await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
         await until(lambda: delivery.outcome == "requeue")
         assert row.service_id is None
@@ -332,11 +334,15 @@ async def test_delete_while_stopping_for_another_reason_ends_deleted(during: str
         await until(lambda: row.id in h.service.runners)
         session = h.broker.session
         if during == "drain":
+            h.store.draining = True
             await session.control(DrainMessage(service_id=h.service.id).to_bytes())
         elif during == "handoff":
-            await session.control(HandoffMessage(observer_id=row.id, to=uuid.uuid4()).to_bytes())
+            row.handoff_to = uuid.uuid4()
+            await session.control(HandoffMessage(observer_id=row.id, to=row.handoff_to).to_bytes())
         else:
             await session.close()
+        if during != "channel":
+            await until(lambda: h.service.runners[row.id].stop_reason is not None)
         row.status = S.ON_DELETING
         await session.control(CancelMessage(observer_id=row.id).to_bytes())
         await h.stopped(row)
@@ -352,9 +358,11 @@ async def test_pause_wins_over_a_handoff() -> None:
         row = h.store.add("slow")
         await h.run(row)
         await until(lambda: row.id in h.service.runners)
+        row.handoff_to = uuid.uuid4()
         await h.broker.session.control(
-            HandoffMessage(observer_id=row.id, to=uuid.uuid4()).to_bytes()
+            HandoffMessage(observer_id=row.id, to=row.handoff_to).to_bytes()
         )
+        await until(lambda: h.service.runners[row.id].stop_reason is not None)
         row.status = S.PAUSING
         await h.stopped(row)
         assert row.status is S.PAUSED

@@ -15,9 +15,11 @@ from tests.unit.test_service_core import harness, until
 async def test_an_undrained_service_consumes_and_runs_again() -> None:
     async with harness() as h:
         _row, delivery = await h.started()
+        h.store.draining = True
         await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
         await until(lambda: delivery.outcome == "requeue")
         assert not h.broker.session.consuming
+        h.store.draining = False
         await h.broker.session.control(UndrainMessage(service_id=h.service.id).to_bytes())
         await until(lambda: h.broker.session.consuming)
         assert not h.service.draining
@@ -29,6 +31,7 @@ async def test_an_undrained_service_consumes_and_runs_again() -> None:
 
 async def test_an_undrain_for_another_service_changes_nothing() -> None:
     async with harness() as h:
+        h.store.draining = True
         await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
         await until(lambda: not h.broker.session.consuming)
         other = UndrainMessage(service_id=h.store.add("tick").id)  # some other id
@@ -39,12 +42,31 @@ async def test_an_undrain_for_another_service_changes_nothing() -> None:
 
 async def test_a_renewal_that_read_the_old_flag_does_not_drain_again() -> None:
     async with harness() as h:
+        h.store.draining = True
         await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
+        await until(lambda: h.service.draining)
+        h.store.draining = False
         await h.broker.session.control(UndrainMessage(service_id=h.service.id).to_bytes())
+        await until(lambda: h.broker.session.consuming)
         await h.lease.renewals.put(Renewal(deleting=[], draining=True))  # read before it
         await until(lambda: h.lease.renewals.empty())
         assert not h.service.draining
         assert h.broker.session.consuming
+
+
+async def test_a_missed_undrain_broadcast_is_made_up_for_by_a_renewal() -> None:
+    """The row no longer says draining; no undrain message came: a renewal undrains it, once a
+    lease's length has passed since the drain (one read before it may not)."""
+    async with harness() as h:
+        h.store.draining = True
+        await h.broker.session.control(DrainMessage(service_id=h.service.id).to_bytes())
+        await until(lambda: not h.broker.session.consuming)
+        h.store.draining = False  # the API undid it; its broadcast was lost
+        await h.lease.renewals.put(Renewal(deleting=[], draining=False))
+        await until(lambda: h.lease.renewals.empty())
+        assert h.service.draining, "a renewal within a lease of the drain undrained it"
+        await until(lambda: h.broker.session.consuming, timeout=3 * h.lease.timings.ttl)
+        assert not h.service.draining
 
 
 @pytest.mark.parametrize("advise", [True, False])

@@ -1,0 +1,64 @@
+#!/bin/sh
+# The orchestrator's own RabbitMQ vhost, and one user per role with the least permissions that
+# role needs (README, "Security"). Idempotent: run it again after a change of password.
+#
+# Runs rabbitmqctl, which must reach the node (on it: `kubectl exec -i rabbit-0 -- sh -s <
+# deploy/rabbitmq-users.sh`, with the variables below in the environment; compose runs it as
+# the one-shot service `broker-users`).
+#
+#   VHOST             the vhost (default: orchestrator)
+#   PREFIX            the names' prefix: the processes' ORCH_PREFIX (default: orch)
+#   MANAGER_USER      the user the managers connect as (default: orch-manager), its
+#   MANAGER_PASSWORD  password
+#   SERVICE_USER      the user the observer services connect as (default: orch-service), its
+#   SERVICE_PASSWORD  password
+#   OPERATOR_USER     an existing user given every permission on the vhost, for
+#                     `orch broker-policy` and people (optional)
+#
+# What each role does on the broker, and so the permissions it gets (configure, write, read are
+# regular expressions over exchange and queue names; `amq.default` is the default exchange):
+#   both   declare <p>.work (dead-lettering to <p>.dead-letter), <p>.errors bound to
+#          <p>.dead-letter, and <p>.control, at every start and broker session
+#   manager  publishes starts (default exchange -> <p>.work), broadcasts (<p>.control),
+#          directed starts and handoffs (default exchange -> <p>.control.<id>), errors
+#          (<p>.dead-letter); consumes nothing
+#   service  consumes <p>.work and its own exclusive <p>.control.<id>, which it declares and
+#          binds to <p>.control; publishes starts, directed starts (handoff), cancels and errors
+# Passive declarations (is a service's control queue there?) need no permission.
+set -eu
+
+vhost=${VHOST:-orchestrator}
+prefix=${PREFIX:-orch}
+manager=${MANAGER_USER:-orch-manager}
+service=${SERVICE_USER:-orch-service}
+: "${MANAGER_PASSWORD:?set MANAGER_PASSWORD}"
+: "${SERVICE_PASSWORD:?set SERVICE_PASSWORD}"
+
+p=$(printf '%s' "$prefix" | sed 's/[].[\\*^$()+?{}|]/\\&/g')
+shared="$p\\.(work|errors|dead-letter|control)"
+own="$p\\.control\\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+if ! rabbitmqctl -q list_vhosts name | grep -qxF "$vhost"; then
+    rabbitmqctl -q add_vhost "$vhost"
+fi
+
+user() {  # name password: made, or its password set
+    if rabbitmqctl -q list_users | cut -f1 | grep -qxF "$1"; then
+        rabbitmqctl -q change_password "$1" "$2"
+    else
+        rabbitmqctl -q add_user "$1" "$2"
+    fi
+}
+
+user "$manager" "$MANAGER_PASSWORD"
+rabbitmqctl -q set_permissions -p "$vhost" "$manager" \
+    "^$shared\$" "^(amq\\.default|$shared)\$" "^$p\\.(work|errors|dead-letter)\$"
+
+user "$service" "$SERVICE_PASSWORD"
+rabbitmqctl -q set_permissions -p "$vhost" "$service" \
+    "^($shared|$own)\$" "^(amq\\.default|$shared|$own)\$" "^($shared|$own)\$"
+
+if [ -n "${OPERATOR_USER:-}" ]; then
+    rabbitmqctl -q set_permissions -p "$vhost" "$OPERATOR_USER" ".*" ".*" ".*"
+fi
+echo "vhost $vhost: users $manager and $service set"
