@@ -1,5 +1,6 @@
-"""Revision 0009 (2026-12-02): ``services.rejoined_at``, when a service last came back after
-losing its lease, so that the leader places no work on a service that cannot keep one."""
+"""Revision 0009, after 0008 (2026-12-02): ``services.rejoined_at``, when a service last came
+back after losing its lease, so that the leader places no work on a service that cannot keep
+one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0006"
+down_revision = "0008"
 
 
 def upgrade() -> None:
