@@ -382,12 +382,15 @@ def verify(
     faults: Annotated[
         str | None,
         typer.Option(
-            help="faults and weights, e.g. kill,freeze=2 (default: all but broker restarts)"
+            help="faults and weights, e.g. kill,freeze=2 (default: all but broker restarts, alarms)"
         ),
     ] = None,
     every: Annotated[float, typer.Option(min=0.05, help="mean seconds between faults")] = 0.9,
     broker_restart: Annotated[
-        bool, typer.Option(help="also restart the broker (needs rabbitmqctl rights on it)")
+        bool,
+        typer.Option(
+            help="also restart the broker and raise its memory alarm (needs rabbitmqctl rights)"
+        ),
     ] = False,
     services: Annotated[int, typer.Option(min=1, max=20, help="service processes")] = 3,
     worker_count: Annotated[int, typer.Option(min=1, help="slots per service")] = 40,

@@ -32,9 +32,16 @@ Faults (``FAULTS``, with their default weights):
   nothing lost: a congested or distant link that works.
 - ``row_lock``: one observer row the service holds is locked from outside (``SELECT … FOR
   UPDATE``) for 2-20 s, as a long report or a stuck migration would.
+- ``crash_blip``: SIGKILL a service, and 0.4 s later reset the next service's database links,
+  refuse new ones for 0.5 s and delay every chunk by 150 ms for 3 s: a crash met by a blip,
+  where only what the dead service held may move.
+- ``queue_deleted``: the work queue is deleted (by an operator, a policy, a broker bug); the
+  services declare it again and the audit re-dispatches what it held.
 - ``churn``: 1-3 observers deleted and 1-3 created.
 - ``broker_restart``: the broker application stopped for 2-10 s (``rabbitmqctl stop_app``;
   needs rights on the broker, so only with ``--broker-restart``).
+- ``alarm``: a broker memory alarm for 2-10 s (``rabbitmqctl set_vm_memory_high_watermark``;
+  publishers block), then the watermark put back; only with ``--broker-restart`` too.
 """
 
 from __future__ import annotations
@@ -52,11 +59,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import asyncpg
 import httpx
 
 from contracts.clock import set_suspend_lag
 from contracts.settings import asyncpg_dsn
+from contracts.topology import Topology
 from orch.cluster import Proc, wait_for
 from orch_verify.cluster import FaultCluster
 from orch_verify.proxy import Proxy
@@ -78,13 +87,16 @@ FAULTS: dict[str, float] = {
     "lease_kill": 2,
     "slow_link": 2,
     "row_lock": 2,
+    "crash_blip": 2,
+    "queue_deleted": 1,
     "churn": 3,
     "broker_restart": 1,
+    "alarm": 1,
 }
 #: Faults aimed at one service slot.
-SERVICE_FAULTS = frozenset(FAULTS) - {"leader", "churn", "broker_restart"}
-#: What needs rights beyond the cluster's own: chosen explicitly.
-OPT_IN = frozenset({"broker_restart"})
+SERVICE_FAULTS = frozenset(FAULTS) - {"leader", "churn", "broker_restart", "alarm", "queue_deleted"}
+#: What needs rights beyond the cluster's own (it touches the whole broker): chosen explicitly.
+OPT_IN = frozenset({"broker_restart", "alarm"})
 
 #: Lengths drawn for the faults that last, seconds.
 LENGTHS = {
@@ -98,9 +110,12 @@ LENGTHS = {
     "drain": (1.0, 3.0),
     "slow_link": (3.0, 15.0),
     "row_lock": (2.0, 20.0),
+    "alarm": (2.0, 10.0),
 }
 #: Seconds each chunk on a slow link is delayed by.
 SLOW_CHUNK = (0.15, 0.8)
+
+WATERMARK = "vm_memory_monitor:get_vm_memory_high_watermark()."
 
 ROW_LOCK = """
 SELECT id FROM observers WHERE service_id = $1 AND status = 'processing' LIMIT 1 FOR UPDATE
@@ -124,7 +139,7 @@ def parse_faults(text: str | None, *, broker_restart: bool = False) -> dict[str,
     means every fault at its default weight, ``broker_restart`` only when asked for; ``none``
     means no fault at all (a run that only measures the kinds)."""
     if text == "none":
-        return {"broker_restart": FAULTS["broker_restart"]} if broker_restart else {}
+        return {k: FAULTS[k] for k in OPT_IN} if broker_restart else {}
     if not text:
         weights = {k: w for k, w in FAULTS.items() if k not in OPT_IN}
     else:
@@ -140,7 +155,8 @@ def parse_faults(text: str | None, *, broker_restart: bool = False) -> dict[str,
             if weights[name] < 0:
                 raise ValueError(f"the weight of {name} must not be negative")
     if broker_restart:
-        weights.setdefault("broker_restart", FAULTS["broker_restart"])
+        for name in OPT_IN:
+            weights.setdefault(name, FAULTS[name])
     if not any(weights.values()):
         raise ValueError("no fault has a weight above zero")
     return weights
@@ -269,6 +285,8 @@ class Campaign:
     #: How many of each fault were applied (not skipped).
     done: Counter[str] = field(default_factory=Counter)
     broker_down: bool = False
+    #: The broker's memory watermark before this run raised an alarm (None: no alarm raised).
+    watermark: str | None = None
     #: Seconds a create or delete is tried again while managers answer 5xx or nothing.
     api_patience: float = 30.0
     #: Creates and deletes the managers did not accept (each a finding, like an exit).
@@ -454,6 +472,17 @@ class Campaign:
             self.broker_down = True
             await asyncio.to_thread(rabbitmqctl, "stop_app")
             self._later(self._restart_broker(p.length))
+        elif p.fault == "alarm":
+            if self.broker_down or self.watermark is not None:
+                self.note(p.describe(), skipped="the broker is down or alarmed already")
+                return
+            self.note(p.describe())
+            self.watermark = await asyncio.to_thread(rabbitmqctl, "eval", WATERMARK)
+            await asyncio.to_thread(rabbitmqctl, "set_vm_memory_high_watermark", "0.000001")
+            self._later(self._end_alarm(p.length))
+        elif p.fault == "queue_deleted":
+            self.note(p.describe())
+            await self._delete_work_queue()
         else:
             slot = self.slots[p.slot]
             if slot.busy or slot.proc is None or not slot.proc.alive:
@@ -477,9 +506,11 @@ class Campaign:
             await self.cluster.q("SELECT pg_terminate_backend($1)", backend)
             return
         self.note(what)
-        if p.fault == "kill":
+        if p.fault in ("kill", "crash_blip"):
             self._end(proc, signal.SIGKILL)
             self._later(self._refill(slot))
+            if p.fault == "crash_blip":
+                self._later(self._blip_next(slot))
         elif p.fault == "term":
             self._end(proc, signal.SIGTERM)
             self._later(self._refill(slot))
@@ -559,6 +590,45 @@ class Campaign:
                 await asyncio.sleep(seconds)
         finally:
             await conn.close()
+
+    async def _blip_next(self, dead: Slot) -> None:
+        """The crash's follow-up: the next slot's database link reset, refused 0.5 s and slow."""
+        await asyncio.sleep(0.4)
+        at = self.slots.index(dead)
+        others = [self.slots[(at + i) % len(self.slots)] for i in range(1, len(self.slots))]
+        other = next((s for s in others if s.db and s.proc and s.proc.alive and not s.busy), None)
+        if other is None or other.db is None or other.proc is None:
+            self.note("crash_blip: no other service to blip", skipped="no other service up")
+            return
+        self.note(f"crash_blip: blip {other.name} (pid {other.proc.pid})")
+        other.db.slow(0.15, 0.15)
+        await other.db.blip(0.5)
+        await self._heal_slow(other.db, 3.0)
+
+    async def _delete_work_queue(self) -> None:
+        connection = await aio_pika.connect(self.cluster.env["ORCH_AMQP_URL"])
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(Topology(self.cluster.env["ORCH_PREFIX"]).work_queue)
+
+    async def _end_alarm(self, after: float) -> None:
+        await asyncio.sleep(after)
+        await self.end_alarm()
+
+    async def end_alarm(self) -> None:
+        """Put the broker's memory watermark back if this run raised an alarm (also when the
+        run fails)."""
+        if self.watermark is None:
+            return
+        was = self.watermark.strip()
+        # {relative, 0.4} or {absolute, N} or a bare float, as the broker reports it.
+        if was.startswith("{absolute,"):
+            args = ["set_vm_memory_high_watermark", "absolute", was.split(",")[1].strip(" }")]
+        else:
+            args = ["set_vm_memory_high_watermark", was.removeprefix("{relative,").strip(" }")]
+        await asyncio.to_thread(rabbitmqctl, *args)
+        self.watermark = None
+        self.note("broker alarm cleared")
 
     async def _restart_broker(self, after: float) -> None:
         await asyncio.sleep(after)
@@ -653,6 +723,7 @@ class Campaign:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.start_broker()
+        await self.end_alarm()
         for slot in self.slots:
             if slot.proc is not None:
                 slot.proc.signal(signal.SIGCONT)
@@ -679,6 +750,14 @@ class Campaign:
         except (OSError, subprocess.SubprocessError) as exc:
             self.say(f"THE BROKER COULD NOT BE STARTED AGAIN: {exc!r}; run rabbitmqctl start_app")
             raise
+        finally:
+            try:
+                await self.end_alarm()
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.say(
+                    f"THE BROKER'S MEMORY ALARM COULD NOT BE CLEARED: {exc!r}; run "
+                    f"rabbitmqctl set_vm_memory_high_watermark {self.watermark}"
+                )
 
     def alive_pids(self) -> set[int]:
         """Every service process alive now (a slot's, or one whose start was not seen)."""

@@ -45,6 +45,9 @@ def test_a_seed_draws_the_same_schedule_every_time() -> None:
 def test_faults_are_drawn_by_weight_and_broker_restarts_only_when_asked() -> None:
     assert "broker_restart" not in parse_faults(None)
     assert "broker_restart" in parse_faults(None, broker_restart=True)
+    assert "alarm" not in parse_faults(None), "an alarm blocks every publisher on the broker"
+    assert "alarm" in parse_faults(None, broker_restart=True)
+    assert {"crash_blip", "queue_deleted"} <= set(parse_faults(None))
     drawn = {p.fault for p in plan(1, 300, parse_faults("kill,freeze=2,churn=0"))}
     assert drawn == {"kill", "freeze"}
     assert set(FAULTS) >= {p.fault for p in plan(1, 300, parse_faults(None))}
