@@ -23,8 +23,9 @@ parameters named like secrets (``api_key``, ``token``, ``password``, ``secret``,
 ``signature``, ``…_key`` …, and those a ``secret_query`` param lists) become ``***`` and so
 does a user name; a param *named* like a secret is masked whole. A secret in a URL's path
 (``/bot<token>/``) is not recognised: declare such a param ``SecretStr``. Text logs and JSON
-logs mask URL passwords and secret query values too (``contracts.logs.mask``); never log a
-secret yourself (a ``SecretStr`` prints as ``**********``), and set
+logs mask URL passwords and secret query values too (``contracts.masking.mask``, the one
+masker), an observer's errors and its ``ctx.logger`` lines the values of its secret params as
+well; never log a secret yourself (a ``SecretStr`` prints as ``**********``), and set
 ``hide_input_in_errors=True`` on a params model whose validation errors could quote a secret.
 """
 
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import to_jsonable_python
 
 from contracts.errors import InvalidParams, StartupError, UnknownKind
-from contracts.logs import SECRET, is_secret_name, mask_urls
+from contracts.masking import SECRET, is_secret_name, mask
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
 
@@ -190,8 +191,9 @@ def secret_values(
     params: dict[str, Any], spec: KindSpec | None, masked: dict[str, Any] | None = None
 ) -> list[str]:
     """The values ``mask_params`` hides as a whole (a secret param's value, as text), longest
-    first: what an error message that quotes one must not show either. ``masked``: what
-    ``mask_params`` made of ``params`` already, if the caller has it."""
+    first: what an error message that quotes one must not show either (``mask``'s
+    ``secrets``). ``masked``: what ``mask_params`` made of ``params`` already, if the caller
+    has it."""
     found: set[str] = set()
 
     def walk(given: Any, shown: Any) -> None:
@@ -210,13 +212,6 @@ def secret_values(
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
 
 
-def hide_values(text: str, values: list[str]) -> str:
-    """``text`` with each of ``values`` replaced by ``***``."""
-    for value in values:
-        text = text.replace(value, SECRET)
-    return text
-
-
 #: A param of this name (a list of query-parameter names) adds to the secret query values
 #: masked in that observer's URLs (``http_poll`` has one).
 SECRET_QUERY = "secret_query"
@@ -229,7 +224,7 @@ def _masked(
     names: tuple[str, ...] = (),
 ) -> Any:
     if isinstance(value, str):
-        return mask_urls(value, keep_user=False, names=names)
+        return mask(value, keep_user=False, names=names)
     if isinstance(value, list):
         return [_masked(v, model, names=names) for v in value]
     if not isinstance(value, dict):

@@ -295,6 +295,8 @@ VIEW_OBSERVERS = (
     "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
     "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
     "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, "
+    # Only to mask an error that quotes them (one written before errors were masked at write).
+    "CASE WHEN o.last_error IS NOT NULL THEN o.params END AS params, "
     "clock_timestamp() AS now "
     "FROM observers o LEFT JOIN services s ON s.id = o.service_id "
     f"WHERE {VIEW_FILTER}"

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
 from contracts.errors import NameTaken, OrchError, TooLarge
-from contracts.kinds import get_kind, hide_values, mask_params, secret_values
-from contracts.logs import mask_urls
+from contracts.kinds import get_kind, mask_params, secret_values
+from contracts.masking import mask
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
@@ -53,18 +53,21 @@ KindFilter = Annotated[KindName | None, Query()]
 
 def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
     """An observer as the caller may see it: for a ``read`` token its secret params are
-    ``***``, and so are passwords and secret query values of URLs in its last error."""
+    ``***``, and so are, in its last error, their values and the passwords and secret query
+    values of URLs. The service masked the error so when it wrote it; masking it again here
+    covers an error written before (or by an older service). A console view row carries its
+    params only when it has an error (``queries.VIEW_OBSERVERS``), for this alone."""
     if raw:
         return row
     masked = dict(row)
     spec = state.kinds.get(row["kind"])
-    params = (row["params"] or {}) if "params" in row else None  # a console view row has none
+    params = (row["params"] or {}) if "params" in row else None
     if params is not None:
         masked["params"] = mask_params(params, spec)
     if row.get("last_error"):
         # The secret values are looked for only where an error could quote them.
-        values = secret_values(params, spec, masked["params"]) if params is not None else []
-        masked["last_error"] = hide_values(mask_urls(row["last_error"], keep_user=False), values)
+        values = secret_values(params, spec, masked["params"]) if params else []
+        masked["last_error"] = mask(row["last_error"], secrets=values, keep_user=False)
     return masked
 
 
@@ -219,7 +222,7 @@ async def observer_events(
     return [
         {
             **e,
-            "detail": hide_values(mask_urls(e["detail"], keep_user=False), values)
+            "detail": mask(e["detail"], secrets=values, keep_user=False)
             if e["detail"]
             else e["detail"],
         }

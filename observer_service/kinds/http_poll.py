@@ -6,7 +6,7 @@ redirects, gives up after ``timeout``, and connects only where the egress policy
 ``ORCH_HTTP_POLL_ALLOW`` opens (``example.com``, ``*.example.org``, ``api.example.com:8443``,
 ``10.0.0.0/8:443``), checked on the address actually connected to, redirects included.
 
-URL credentials and the values of secret query parameters (``contracts.logs.is_secret_name``,
+URL credentials and the values of secret query parameters (``contracts.masking.is_secret_name``,
 plus the observer's own ``secret_query``) never reach a log line or ``last_error``.
 """
 
@@ -16,16 +16,14 @@ import asyncio
 import contextvars
 import hashlib
 import logging
-import re
 import time
-import urllib.parse
 
 import httpx
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.kinds import RestartPolicy, observer_kind
-from contracts.logs import SECRET, mask_urls
+from contracts.masking import mask
 from observer_service import egress
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressPolicy, EgressRefused
@@ -109,17 +107,10 @@ _declared: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 )
 
 
-#: ``scheme://user:password@`` anywhere (a URL inside another one's path or query too).
-_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^\s/@?#\"'<>]+@")
-
-
 def mask_secrets(text: str, names: tuple[str, ...] | list[str] = ()) -> str:
-    """``text`` with URL credentials (user and password) and secret query values masked."""
-    text = _USERINFO.sub(rf"\g<1>{SECRET}@", mask_urls(text, keep_user=False))
-    if names and "=" in text:
-        wanted = "|".join(re.escape(urllib.parse.quote_plus(n)) for n in names)
-        text = re.sub(rf"(?i)([?&;#](?:{wanted})=)[^&;#\s\"'<>]*", rf"\g<1>{SECRET}", text)
-    return text
+    """``text`` with URL credentials (user and password) and secret query values masked (those
+    of ``names`` too): ``contracts.masking.mask``."""
+    return mask(text, names=names, keep_user=False)
 
 
 class _MaskSecrets(logging.Filter):

@@ -15,7 +15,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
 from contracts import logs
 from contracts.kinds import KindSpec, mask_params
-from contracts.logs import mask, mask_url, safe_text
+from contracts.logs import safe_text
+from contracts.masking import mask
 from observer_service.context import ObserverContext
 from tests.unit.test_service_core import KINDS, harness, until
 
@@ -122,7 +123,7 @@ def test_no_log_line_carries_a_url_password_or_secret_query_value(
     ],
 )
 def test_mask_url_hides_credentials_and_secret_query_values(url: str, masked: str) -> None:
-    assert mask_url(url, keep_user=False) == masked
+    assert mask(url, keep_user=False) == masked
 
 
 def test_mask_keeps_the_user_for_logs() -> None:
@@ -277,7 +278,7 @@ def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
     ],
 )
 def test_more_secret_query_forms_are_masked(url: str, masked: str) -> None:
-    assert mask_url(url) == masked
+    assert mask(url) == masked
 
 
 def test_a_user_name_alone_is_masked_even_in_logs() -> None:
