@@ -22,9 +22,11 @@ from contracts.errors import NameTaken
 from manager import repository as repo
 from manager.outbox import Pending
 
-#: Writes rows for a batch of creates: each row in order, or None where the name was taken.
+#: Writes rows for a batch of creates: each row in order, or NameTaken (None: without saying
+#: who has it) where the name was taken.
 Write = Callable[
-    [Sequence[repo.NewObserver]], Awaitable[tuple[list[dict[str, Any] | None], list[Pending]]]
+    [Sequence[repo.NewObserver]],
+    Awaitable[tuple[Sequence[dict[str, Any] | NameTaken | None], list[Pending]]],
 ]
 #: Publishes what a write committed (never raises for an unavailable broker).
 Publish = Callable[[Sequence[Pending]], Awaitable[None]]
@@ -56,13 +58,19 @@ class GroupCommit:
 
     async def _one_write(self, batch: list[repo.NewObserver]) -> list[dict[str, Any] | NameTaken]:
         # A name twice in one write: the first create of it stands, the others are taken.
+        # (or two names that look alike: the same key)
         first: dict[str, int] = {}
         for i, new in enumerate(batch):
-            first.setdefault(new.name, i)
+            first.setdefault(new.key, i)
         todo = sorted(first.values())
         rows, pending = await self._write([batch[i] for i in todo])
         self.writes += 1
         self.creates += len(batch)
         await self._publish(pending)
         made = dict(zip(todo, rows, strict=True))
-        return [made.get(i) or NameTaken(new.name) for i, new in enumerate(batch)]
+        return [made.get(i) or _taken(batch[first[new.key]], new) for i, new in enumerate(batch)]
+
+
+def _taken(first: repo.NewObserver, new: repo.NewObserver) -> NameTaken:
+    """``new`` lost its name to ``first``, in the same write."""
+    return NameTaken(first.name, alike=first.name != new.name)

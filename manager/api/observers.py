@@ -109,13 +109,13 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     `problem` says why, in the shape of every error of this API."""
     items: list[dict[str, Any]] = []
     todo: list[tuple[int, repo.NewObserver]] = []
-    names: set[str] = set()
+    names: dict[str, str] = {}  # key: the first name with it
     for i, raw in enumerate(body.observers):
         try:
             new = _new(state, ObserverCreate.model_validate(raw))
-            if new.name in names:
-                raise NameTaken(new.name)
-            names.add(new.name)
+            if (first := names.get(new.key)) is not None:
+                raise NameTaken(first, alike=first != new.name)
+            names[new.key] = new.name
             todo.append((i, new))
         except ValidationError as exc:
             errors = field_errors(exc.errors(), under=("body", "observers", i))
@@ -126,9 +126,9 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     if todo:
         async with state.store.autocommit() as tx:  # one statement for all of them
             rows, pending = await repo.create_observers(tx, [new for _, new in todo])
-        for (i, new), row in zip(todo, rows, strict=True):
-            if row is None:
-                items.append(_failed(i, 409, str(NameTaken(new.name))))
+        for (i, _), row in zip(todo, rows, strict=True):
+            if isinstance(row, NameTaken):
+                items.append(_failed(i, 409, str(row)))
             else:
                 items.append({"index": i, "status": 201, "observer": row})
     await state.outbox.publish_now(pending)
