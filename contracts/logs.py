@@ -71,7 +71,8 @@ class _Masked(logging.Formatter):
 class _Text(logging.Formatter):
     """For people: control and bidi characters in what it prints (the message, the observer's
     fields, a traceback's lines) are shown as escapes (``safe_text``), so a name or an error
-    string can neither steer the terminal nor forge a line."""
+    string can neither steer the terminal nor forge a line; a field's value that is not one
+    plain word is quoted (``_field``), so a name cannot forge a field either."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -86,7 +87,7 @@ class _Text(logging.Formatter):
             clean.exc_text = _safe_lines(clean.exc_text)
         line = super().format(clean)
         fields = [
-            f"{key}={safe_text(str(getattr(record, key)))}"
+            f"{key}={_field(str(getattr(record, key)))}"
             for key in (*OBSERVER_FIELDS, *_PROCESS)
             if getattr(record, key, None) is not None
         ]
@@ -124,6 +125,20 @@ class _Json(logging.Formatter):
         if record.stack_info:
             line["stack_info"] = self.formatStack(record.stack_info)
         return orjson.dumps(line, default=str).decode()
+
+
+#: A field value that could end the field or the brackets, or start another field.
+_NEEDS_QUOTES = re.compile(rf'[\s\[\]="\\{UNSAFE_CLASS}]|^$')
+
+
+def _field(value: str) -> str:
+    """A field's value as the text format writes it: as it is when it is one plain word, else
+    in double quotes with ``\\`` and ``"`` escaped (as logfmt does), then ``safe_text``. So a
+    name such as ``x] [observer_id=…`` stays inside its own field: whatever a user chose
+    (a name) cannot forge another field or end the brackets."""
+    if _NEEDS_QUOTES.search(value) is None:
+        return safe_text(value)
+    return safe_text('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
 
 
 def _safe_lines(text: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -71,10 +72,52 @@ def test_a_text_log_line_escapes_an_esc_in_a_name_and_in_the_message(
         logging.getLogger().handlers.clear()
     for raw in ("\x1b", "\u202e", "\r", "\x07"):
         assert raw not in err
-    assert "observer=esc\\x1b[31mRED\\u202e" in err
+    assert 'observer="esc\\x1b[31mRED\\u202e"' in err
     assert "RuntimeError: \\x1b]0;owned\\x07\\x0d\\x0aforged line" in err
     assert "in a traceback \\x1b[2J" in err
     assert "Traceback (most recent call last):\n" in err, "a traceback keeps its lines"
+
+
+FORGING = ["x] [observer_id=forged", 'a" observer_id=forged "', "a\\", "two words", "k=v", ""]
+
+
+@pytest.mark.parametrize("name", FORGING)
+def test_a_name_cannot_forge_a_field_of_a_text_log_line(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("INFO", "text", service="s")
+    oid = uuid.uuid4()
+    try:
+        logs.observer_log("t", observer_id=oid, name=name, kind="ticker", epoch=3).warning("hi")
+        err = capsys.readouterr().err.rstrip("\n")
+    finally:
+        logging.getLogger().handlers.clear()
+    # The fields as a logfmt reader reads them: bare words, or quoted with \\ and \" escaped.
+    block = err[err.index(": hi [") + 6 : -1]
+    pairs = re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?: |$)', block)
+    assert "".join(f"{k}={v} " for k, v in pairs).strip() == block, block
+    fields = {k: json.loads(v) if v.startswith('"') else v for k, v in pairs}
+    assert fields == {
+        "observer_id": str(oid),
+        "observer": name,
+        "kind": "ticker",
+        "epoch": "3",
+        "service": "s",
+    }
+
+
+@pytest.mark.parametrize("name", FORGING)
+def test_a_json_log_line_keeps_each_name_in_its_field(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("INFO", "json", service="s")
+    oid = uuid.uuid4()
+    try:
+        logs.observer_log("t", observer_id=oid, name=name).warning("hi")
+        line = json.loads(capsys.readouterr().err)
+    finally:
+        logging.getLogger().handlers.clear()
+    assert (line["observer_id"], line["observer"]) == (str(oid), name)
 
 
 def test_a_json_log_line_carries_the_name_quoted(capsys: pytest.CaptureFixture[str]) -> None:
