@@ -27,6 +27,9 @@ logs mask URL passwords and secret query values too (``contracts.masking.mask``,
 masker), an observer's errors and its ``ctx.logger`` lines the values of its secret params as
 well; never log a secret yourself (a ``SecretStr`` prints as ``**********``), and set
 ``hide_input_in_errors=True`` on a params model whose validation errors could quote a secret.
+The API never echoes what a client sent: a validator of yours whose message would quote the
+value can tell, with ``from_client(info)``, that the manager checks a client's params, and
+name the rule alone then (``http_poll``'s egress check does).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ class KindSpec:
         if self.params_model is None:
             return params
         try:
-            model = self.params_model.model_validate(params)
+            model = self.params_model.model_validate(params, context=CLIENT)
         except ValidationError as exc:
             raise InvalidParams(f"invalid params for kind {self.name!r}: {_readable(exc)}") from exc
         dumped: dict[str, Any] = model.model_dump(mode="json")
@@ -121,6 +124,18 @@ class KindSpec:
         if not override:
             return self.restart_policy
         return RestartPolicy.model_validate({**self.restart_policy.model_dump(), **override})
+
+
+#: The validation context of params a client sent (the manager's check): a validator that
+#: raises should then name the rule, not the value (``from_client``).
+CLIENT = {"client": True}
+
+
+def from_client(info: Any) -> bool:
+    """Whether a validator (given its ``ValidationInfo``) checks what a client sent: its error
+    goes back to that client, which the API never echoes its input to."""
+    context = getattr(info, "context", None)
+    return isinstance(context, dict) and context.get("client") is True
 
 
 def _is_secret_type(annotation: Any) -> bool:
@@ -312,7 +327,8 @@ def get_kind(kinds: dict[str, KindSpec], name: str) -> KindSpec:
         return kinds[name]
     except KeyError:
         known = ", ".join(sorted(kinds)) or "none"
-        raise UnknownKind(f"unknown kind {name!r}; known kinds: {known}") from None
+        # The name asked for is not repeated: an error never echoes what a client sent.
+        raise UnknownKind(f"unknown kind; known kinds: {known}") from None
 
 
 def _readable(exc: ValidationError) -> str:

@@ -19,10 +19,10 @@ import logging
 import time
 
 import httpx
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.kinds import RestartPolicy, observer_kind
+from contracts.kinds import RestartPolicy, from_client, observer_kind
 from contracts.masking import mask
 from observer_service import egress
 from observer_service.context import ObserverContext
@@ -91,12 +91,14 @@ class HttpPollParams(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _allowed(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+    def _allowed(cls, url: AnyHttpUrl, info: ValidationInfo) -> AnyHttpUrl:
         # What can be told now; the address is checked at every connection.
         try:
             HttpPollSettings().policy().check(url.host or "", url.port or 0)
         except EgressRefused as exc:
-            raise ValueError(str(exc)) from None
+            if from_client(info):  # the rule, not the host: a client's input is not echoed
+                raise ValueError(f"{egress.REFUSED} (its host or its port)") from None
+            raise ValueError(str(exc)) from None  # the observer's own error: where it went
         return url
 
 

@@ -271,3 +271,50 @@ async def test_a_refused_secret_is_not_echoed(clients: Clients) -> None:
     )
     assert r.status_code == 422
     assert "t0ken-value" not in json.dumps(r.json())
+
+
+# ---------------------------------------------------------------------------------- echoes
+MARK = "zq7marker"
+#: Requests whose errors could quote what was sent: each names the field and the rule.
+ECHOES = [
+    ("unknown kind", "POST", "/observers", {"json": {"name": "x", "kind": MARK}}),
+    (
+        "egress",
+        "POST",
+        "/observers",
+        {"json": {"name": "x", "kind": "http_poll", "params": {"url": f"http://{MARK}.lan:22/"}}},
+    ),
+    (
+        "a number",
+        "POST",
+        "/observers",
+        {"json": {"name": "x", "kind": "ticker", "params": {"interval": MARK}}},
+    ),
+    ("a name", "POST", "/observers", {"json": {"name": f"{MARK}\u200b", "kind": "ticker"}}),
+    ("a status", "GET", "/observers", {"params": {"status": MARK}}),
+    ("an id", "GET", f"/observers/{MARK}", {}),
+    ("a view id", "GET", "/views/observers", {"params": {"service_id": MARK}}),
+    ("a body", "POST", "/observers", {"content": f'{{"name": "{MARK}", ', "headers": {}}),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "method", "path", "request_args"), ECHOES, ids=[e[0] for e in ECHOES]
+)
+async def test_an_error_names_the_field_and_the_rule_never_the_value(
+    clients: Clients, what: str, method: str, path: str, request_args: dict[str, Any]
+) -> None:
+    r = await clients.admin.request(method, path, **request_args)
+    assert r.status_code in (400, 404, 422), r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert MARK not in r.text, r.text
+    body = r.json()
+    assert body["detail"]
+    assert body.get("errors", [{"msg": "x"}])[0]["msg"]
+    # In a bulk create too.
+    if method == "POST" and "json" in request_args:
+        batch = await clients.admin.post(
+            "/observers/batch", json={"observers": [request_args["json"]]}
+        )
+        assert batch.status_code == 200, batch.text
+        assert MARK not in batch.text, batch.text
