@@ -109,19 +109,13 @@ _declared: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 )
 
 
-def mask_secrets(text: str, names: tuple[str, ...] | list[str] = ()) -> str:
-    """``text`` with URL credentials (user and password) and secret query values masked (those
-    of ``names`` too): ``contracts.masking.mask``."""
-    return mask(text, names=names, keep_user=False)
-
-
 class _MaskSecrets(logging.Filter):
     """httpx logs every request's URL (httpcore, at DEBUG, the headers): masked before any
     handler sees them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        masked = mask_secrets(message, _declared.get())
+        masked = mask(message, names=_declared.get(), keep_user=False)
         if masked != message:
             record.msg, record.args = masked, None
         return True
@@ -167,7 +161,7 @@ async def fetch(client: httpx.AsyncClient, p: HttpPollParams) -> tuple[int, str]
         raise PollTimedOut(f"no complete answer within {p.timeout:g} s") from None
     except Exception as exc:
         text = str(exc)
-        masked = mask_secrets(text, p.secret_query)
+        masked = mask(text, names=p.secret_query, keep_user=False)
         if masked != text:
             raise PollFailed(f"{type(exc).__name__}: {masked}") from None
         raise

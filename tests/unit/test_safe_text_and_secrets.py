@@ -337,3 +337,47 @@ def test_an_error_is_masked_before_it_is_cut() -> None:
     text = describe(RuntimeError("x" * (2000 - len("RuntimeError: ") - 34) + url))
     assert "ppppp" not in text
     assert len(text) <= 2000
+
+
+# ------------------------------------------------------------------------- the one masker
+@pytest.mark.parametrize(
+    ("text", "kwargs", "masked"),
+    [
+        # An observer's secret values, wherever they stand (longest first).
+        ("refused key sk_live_1234", {"secrets": ["sk_live_1234"]}, "refused key ***"),
+        # A DSN that is not quite a URL: its password= parameter.
+        (
+            "bad: postgresql://h1,h2/db?password=pw&x=1",
+            {},
+            "bad: postgresql://h1,h2/db?password=***&x=1",
+        ),
+        ("not-a-url?password=pw", {}, "not-a-url?password=***"),
+        # A URL inside another one's query: its credentials.
+        (
+            "https://h/?next=https://u:p@in/",
+            {"keep_user": False},
+            "https://h/?next=https://***@in/",
+        ),
+        # Names an observer declares, also URL-quoted.
+        ("https://h/?my%20id=7&a=1", {"names": ["my id"]}, "https://h/?my%20id=***&a=1"),
+        ("amqp://guest:guest@h:5672/", {}, "amqp://guest:***@h:5672/"),
+        ("amqp://guest:guest@h:5672/", {"keep_user": False}, "amqp://***@h:5672/"),
+        ("plain text, a=1", {}, "plain text, a=1"),
+    ],
+)
+def test_the_one_masker(text: str, kwargs: dict[str, Any], masked: str) -> None:
+    assert mask(text, **kwargs) == masked
+
+
+def test_an_observer_logger_hides_its_secret_values(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.configure("INFO", "text", service="s")
+    try:
+        log = logs.observer_log("t", observer_id=uuid.uuid4(), name="n", secrets=["t0p-secret"])
+        log.info("key %s", "t0p-secret")
+        log.warning("named %(key)s", {"key": "t0p-secret"})
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    assert "t0p-secret" not in err
+    assert "key ***" in err
+    assert "named ***" in err
