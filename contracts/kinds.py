@@ -331,9 +331,14 @@ def get_kind(kinds: dict[str, KindSpec], name: str) -> KindSpec:
         raise UnknownKind(f"unknown kind; known kinds: {known}") from None
 
 
+#: Pydantic's messages that quote part of the input (``found `z` at 1``): the rule alone.
+RULE_ONLY = {"uuid_parsing": "Input should be a valid UUID"}
+
+
 def _readable(exc: ValidationError) -> str:
+    """The field and the rule of each error (never the value: ``input`` is left out)."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "params"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {RULE_ONLY.get(err['type'], err['msg'])}")
     return "; ".join(parts)
