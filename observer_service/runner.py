@@ -125,7 +125,7 @@ async def run_observer(
     """Run the kind; after an error, record it (the database counts restarts in a window that
     heals) and restart in place after a backoff with jitter. Returns the last error once the
     budget is spent (the row is failed by then). ``secrets``, the values of its secret params,
-    never reach the error as recorded, logged and sent to the error queue.
+    never reach the error as recorded (row and history) and logged.
 
     Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through.
     """
