@@ -199,4 +199,5 @@ class _Hiding(logging.LoggerAdapter[logging.Logger]):
         # As ``LogRecord.getMessage`` formats it (one mapping: named fields).
         one = len(args) == 1 and isinstance(args[0], Mapping) and args[0]
         text = str(msg) % (args[0] if one else args) if args else str(msg)
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the caller, not this frame
         super().log(level, mask(text, secrets=self.secrets), **kwargs)
