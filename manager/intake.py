@@ -68,9 +68,16 @@ class GroupCommit:
         self.creates += len(batch)
         await self._publish(pending)
         made = dict(zip(todo, rows, strict=True))
-        return [made.get(i) or _taken(batch[first[new.key]], new) for i, new in enumerate(batch)]
+        return [_result(made[first[new.key]], batch[first[new.key]], new) for new in batch]
 
 
-def _taken(first: repo.NewObserver, new: repo.NewObserver) -> NameTaken:
-    """``new`` lost its name to ``first``, in the same write."""
-    return NameTaken(first.name, alike=first.name != new.name)
+def _result(
+    row: dict[str, Any] | NameTaken | None, first: repo.NewObserver, new: repo.NewObserver
+) -> dict[str, Any] | NameTaken:
+    """What ``new`` gets, ``first`` being the create of its name (its key) that was written
+    and ``row`` what that write gave."""
+    if row is None:  # taken, the writer does not say by whom
+        return NameTaken(first.name)
+    if isinstance(row, NameTaken) or new is first:
+        return row  # the observer that holds it, for each create of that name
+    return NameTaken(first.name, alike=first.name != new.name)  # by ``first``, just now
