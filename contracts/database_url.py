@@ -15,7 +15,6 @@ last of repeated ``host`` parameters. Both drivers honour ``target_session_attrs
 
 from __future__ import annotations
 
-import re
 from urllib.parse import quote, urlencode
 
 from sqlalchemy.engine import URL, make_url
@@ -101,16 +100,6 @@ def to_asyncpg(url: str) -> str:
 def with_database(url: str, database: str) -> str:
     """The same servers and credentials, another database (canonical form)."""
     return parse(url).set(database=database).render_as_string(hide_password=False)
-
-
-_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)[^&#\s]*", re.I)
-
-
-def mask(value: str) -> str:
-    """``value`` with its password hidden, in the authority or a ``password=`` parameter."""
-    from contracts.logs import mask as mask_credentials
-
-    return _QUERY_PASSWORD.sub(r"\g<head>***", mask_credentials(value))
 
 
 def _host_port(spec: str) -> tuple[str, int | None]:

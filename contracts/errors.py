@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import aiormq.exceptions
 import asyncpg
@@ -40,6 +41,8 @@ from sqlalchemy import exc as sa
 
 #: The name of the unique index that keeps live observer names unique.
 LIVE_NAME_INDEX = "uq_observers_live_name"
+#: … and the one that keeps names that look alike from living side by side.
+LIVE_NAME_KEY_INDEX = "uq_observers_live_name_key"
 
 
 class OrchError(Exception):
@@ -83,9 +86,15 @@ class Conflict(OrchError):
 class NameTaken(Conflict):
     """Detected from the unique index's name, never from the error's text."""
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(
+        self, name: str | None = None, *, observer_id: Any = None, alike: bool = False
+    ) -> None:
+        """``name``: the existing observer's (never the one asked for, unless they are the
+        same); ``alike``: the name asked for differs but looks like it."""
         what = f"named {name!r} " if name is not None else "with that name "
-        super().__init__(f"an observer {what}already exists (and is not deleted)")
+        which = f"(id {observer_id}) " if observer_id is not None else ""
+        why = "; names that look alike count as one name" if alike else ""
+        super().__init__(f"an observer {what}{which}already exists (and is not deleted){why}")
         self.name = name
 
 
@@ -145,7 +154,7 @@ def convert_database_error(exc: BaseException) -> BaseException:
     state = _sqlstate(exc)
     if state == "23505":
         constraint = getattr(exc, "constraint_name", None)
-        if constraint == LIVE_NAME_INDEX:
+        if constraint in (LIVE_NAME_INDEX, LIVE_NAME_KEY_INDEX):
             return NameTaken()
         return Conflict(_first_line(exc))
     if state.startswith(_INPUT_STATES):

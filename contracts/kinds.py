@@ -23,9 +23,13 @@ parameters named like secrets (``api_key``, ``token``, ``password``, ``secret``,
 ``signature``, ``…_key`` …, and those a ``secret_query`` param lists) become ``***`` and so
 does a user name; a param *named* like a secret is masked whole. A secret in a URL's path
 (``/bot<token>/``) is not recognised: declare such a param ``SecretStr``. Text logs and JSON
-logs mask URL passwords and secret query values too (``contracts.logs.mask``); never log a
-secret yourself (a ``SecretStr`` prints as ``**********``), and set
+logs mask URL passwords and secret query values too (``contracts.masking.mask``, the one
+masker), an observer's errors and its ``ctx.logger`` lines the values of its secret params as
+well; never log a secret yourself (a ``SecretStr`` prints as ``**********``), and set
 ``hide_input_in_errors=True`` on a params model whose validation errors could quote a secret.
+The API never echoes what a client sent: a validator of yours whose message would quote the
+value can tell, with ``from_client(info)``, that the manager checks a client's params, and
+name the rule alone then (``http_poll``'s egress check does).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import to_jsonable_python
 
 from contracts.errors import InvalidParams, StartupError, UnknownKind
-from contracts.logs import SECRET, is_secret_name, mask_urls
+from contracts.masking import SECRET, is_secret_name, mask
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
 
@@ -104,7 +108,7 @@ class KindSpec:
         if self.params_model is None:
             return params
         try:
-            model = self.params_model.model_validate(params)
+            model = self.params_model.model_validate(params, context=CLIENT)
         except ValidationError as exc:
             raise InvalidParams(f"invalid params for kind {self.name!r}: {_readable(exc)}") from exc
         dumped: dict[str, Any] = model.model_dump(mode="json")
@@ -120,6 +124,18 @@ class KindSpec:
         if not override:
             return self.restart_policy
         return RestartPolicy.model_validate({**self.restart_policy.model_dump(), **override})
+
+
+#: The validation context of params a client sent (the manager's check): a validator that
+#: raises should then name the rule, not the value (``from_client``).
+CLIENT = {"client": True}
+
+
+def from_client(info: Any) -> bool:
+    """Whether a validator (given its ``ValidationInfo``) checks what a client sent: its error
+    goes back to that client, which the API never echoes its input to."""
+    context = getattr(info, "context", None)
+    return isinstance(context, dict) and context.get("client") is True
 
 
 def _is_secret_type(annotation: Any) -> bool:
@@ -190,8 +206,9 @@ def secret_values(
     params: dict[str, Any], spec: KindSpec | None, masked: dict[str, Any] | None = None
 ) -> list[str]:
     """The values ``mask_params`` hides as a whole (a secret param's value, as text), longest
-    first: what an error message that quotes one must not show either. ``masked``: what
-    ``mask_params`` made of ``params`` already, if the caller has it."""
+    first: what an error message that quotes one must not show either (``mask``'s
+    ``secrets``). ``masked``: what ``mask_params`` made of ``params`` already, if the caller
+    has it."""
     found: set[str] = set()
 
     def walk(given: Any, shown: Any) -> None:
@@ -210,13 +227,6 @@ def secret_values(
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
 
 
-def hide_values(text: str, values: list[str]) -> str:
-    """``text`` with each of ``values`` replaced by ``***``."""
-    for value in values:
-        text = text.replace(value, SECRET)
-    return text
-
-
 #: A param of this name (a list of query-parameter names) adds to the secret query values
 #: masked in that observer's URLs (``http_poll`` has one).
 SECRET_QUERY = "secret_query"
@@ -229,7 +239,7 @@ def _masked(
     names: tuple[str, ...] = (),
 ) -> Any:
     if isinstance(value, str):
-        return mask_urls(value, keep_user=False, names=names)
+        return mask(value, keep_user=False, names=names)
     if isinstance(value, list):
         return [_masked(v, model, names=names) for v in value]
     if not isinstance(value, dict):
@@ -317,12 +327,18 @@ def get_kind(kinds: dict[str, KindSpec], name: str) -> KindSpec:
         return kinds[name]
     except KeyError:
         known = ", ".join(sorted(kinds)) or "none"
-        raise UnknownKind(f"unknown kind {name!r}; known kinds: {known}") from None
+        # The name asked for is not repeated: an error never echoes what a client sent.
+        raise UnknownKind(f"unknown kind; known kinds: {known}") from None
+
+
+#: Pydantic's messages that quote part of the input (``found `z` at 1``): the rule alone.
+RULE_ONLY = {"uuid_parsing": "Input should be a valid UUID"}
 
 
 def _readable(exc: ValidationError) -> str:
+    """The field and the rule of each error (never the value: ``input`` is left out)."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "params"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {RULE_ONLY.get(err['type'], err['msg'])}")
     return "; ".join(parts)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import re
 import sys
-import urllib.parse
 import uuid
-from collections.abc import Iterable
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
+
+from contracts.masking import mask
 
 LogFormat = Literal["text", "json"]
 
@@ -36,20 +37,9 @@ class _ProcessFields(logging.Filter):
         return True
 
 
-#: ``scheme://user:password@`` anywhere in a line: the password is never written.
-_CREDENTIALS = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@", re.I)
-
-
-def mask(text: str) -> str:
-    """``text`` with the passwords and the secret query values of its URLs masked."""
-    if "://" not in text:  # every log line passes here: most have no URL at all
-        return text
-    return mask_urls(_CREDENTIALS.sub(r"\g<head>***@", text))
-
-
 #: Characters that steer a terminal or reorder text rather than show: C0 controls and DEL, C1
 #: controls (U+0080-U+009F), and the bidi controls (marks, embeddings, overrides, isolates).
-#: As the inside of a regex character class (the API's name pattern uses it too).
+#: As the inside of a regex character class. (Names refuse more: ``contracts.names``.)
 UNSAFE_CLASS = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 UNSAFE_CHARS = re.compile(f"[{UNSAFE_CLASS}]")
 
@@ -67,93 +57,8 @@ def safe_text(s: str) -> str:
     return UNSAFE_CHARS.sub(_escape_char, s)
 
 
-#: What a secret is replaced with wherever it would be shown.
-SECRET = "***"
-_SECRET_WORDS = (
-    "password",
-    "passwd",
-    "passphrase",
-    "secret",
-    "token",
-    "apikey",
-    "api_key",
-    "signature",
-    "credential",
-    "private_key",
-    "privatekey",
-    "access_key",
-    "accesskey",
-    "bearer",
-    "jwt",
-    "cookie",
-    "sessionid",
-    "session_id",
-    "assertion",
-)
-_SECRET_NAMES = frozenset({"key", "pass", "pwd", "sig", "auth", "authorization", "session"})
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether a query parameter (or a param) of this name holds a secret: ``api_key``,
-    ``token``, ``password``, ``secret``, ``key``, ``signature``, ``X-Amz-Credential``, any
-    ``…_key``, ``…_token`` and the like."""
-    n = name.strip().lower().replace("-", "_")
-    return n in _SECRET_NAMES or n.endswith("_key") or any(w in n for w in _SECRET_WORDS)
-
-
-#: A URL in a line of text (up to whitespace or a quote).
-_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s<>\"'`]+", re.I)
-
-
-def _mask_pairs(part: str, names: frozenset[str]) -> str:
-    """``a=1&token=x`` → ``a=1&token=***`` (pairs separated by ``&`` or ``;``)."""
-    pieces = _PAIR_SEPARATOR.split(part)
-    for i in range(0, len(pieces), 2):  # pairs at even places, their separators between
-        name, eq, value = pieces[i].partition("=")
-        plain = urllib.parse.unquote_plus(name)
-        if eq and value and (is_secret_name(plain) or plain.lower() in names):
-            pieces[i] = f"{name}{eq}{SECRET}"
-    return "".join(pieces)
-
-
-_PAIR_SEPARATOR = re.compile(r"([&;])")
-
-
-def mask_url(url: str, *, keep_user: bool = True, names: Iterable[str] = ()) -> str:
-    """``url`` with its password (and, unless ``keep_user``, its user name too) and the values
-    of secret query (and fragment) parameters replaced by ``***``: those named like secrets
-    (``is_secret_name``) and those in ``names``. A user name without a password is masked
-    even with ``keep_user``: alone, it is often a token (``https://ghp_…@github.com``)."""
-    secret = frozenset(n.lower() for n in names)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, tail = rest[:end], rest[end:]
-    if "@" in authority:
-        userinfo, host = authority.rsplit("@", 1)
-        user, colon, _password = userinfo.partition(":")
-        userinfo = f"{user}:{SECRET}" if keep_user and colon else SECRET
-        authority = f"{userinfo}@{host}"
-    before, hash_, fragment = tail.partition("#")
-    path, question, query = before.partition("?")
-    if query:
-        query = _mask_pairs(query, secret)
-    if "=" in fragment:
-        fragment = _mask_pairs(fragment, secret)
-    return f"{scheme}://{authority}{path}{question}{query}{hash_}{fragment}"
-
-
-def mask_urls(text: str, *, keep_user: bool = True, names: Iterable[str] = ()) -> str:
-    """Every URL in ``text`` masked as ``mask_url`` does."""
-    if "://" not in text:
-        return text
-    names = tuple(names)
-    return _URL.sub(lambda m: mask_url(m.group(), keep_user=keep_user, names=names), text)
-
-
 class _Masked(logging.Formatter):
-    """Formats with another formatter, then masks credentials in URLs."""
+    """Formats with another formatter, then masks what looks like a secret (``masking``)."""
 
     def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
@@ -166,7 +71,8 @@ class _Masked(logging.Formatter):
 class _Text(logging.Formatter):
     """For people: control and bidi characters in what it prints (the message, the observer's
     fields, a traceback's lines) are shown as escapes (``safe_text``), so a name or an error
-    string can neither steer the terminal nor forge a line."""
+    string can neither steer the terminal nor forge a line; a field's value that is not one
+    plain word is quoted (``_field``), so a name cannot forge a field either."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -181,7 +87,7 @@ class _Text(logging.Formatter):
             clean.exc_text = _safe_lines(clean.exc_text)
         line = super().format(clean)
         fields = [
-            f"{key}={safe_text(str(getattr(record, key)))}"
+            f"{key}={_field(str(getattr(record, key)))}"
             for key in (*OBSERVER_FIELDS, *_PROCESS)
             if getattr(record, key, None) is not None
         ]
@@ -221,6 +127,20 @@ class _Json(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+#: A field value that could end the field or the brackets, or start another field.
+_NEEDS_QUOTES = re.compile(rf'[\s\[\]="\\{UNSAFE_CLASS}]|^$')
+
+
+def _field(value: str) -> str:
+    """A field's value as the text format writes it: as it is when it is one plain word, else
+    in double quotes with ``\\`` and ``"`` escaped (as logfmt does), then ``safe_text``. So a
+    name such as ``x] [observer_id=…`` stays inside its own field: whatever a user chose
+    (a name) cannot forge another field or end the brackets."""
+    if _NEEDS_QUOTES.search(value) is None:
+        return safe_text(value)
+    return safe_text('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+
+
 def _safe_lines(text: str) -> str:
     """A traceback keeps its lines; whatever else is in them is escaped."""
     return "\n".join(safe_text(line) for line in text.split("\n"))
@@ -252,10 +172,32 @@ def observer_log(
     name: str | None = None,
     kind: str | None = None,
     epoch: int | None = None,
+    secrets: Sequence[str] = (),
 ) -> logging.LoggerAdapter[logging.Logger]:
-    """A logger whose every line names the observer (and the copy, by its epoch)."""
+    """A logger whose every line names the observer (and the copy, by its epoch). With
+    ``secrets`` (its secret params' values), none of them is written, whoever logs them."""
     base = logging.getLogger(logger) if isinstance(logger, str) else logger
     extra: dict[str, Any] = {"observer_id": str(observer_id), "observer": name, "kind": kind}
     if epoch is not None:
         extra["epoch"] = epoch
+    if secrets:
+        return _Hiding(base, extra, tuple(secrets))
     return logging.LoggerAdapter(base, extra)
+
+
+class _Hiding(logging.LoggerAdapter[logging.Logger]):
+    """An observer's logger that writes its message with the observer's secrets masked (the
+    handlers' own masking knows no observer's values)."""
+
+    def __init__(self, logger: logging.Logger, extra: dict[str, Any], secrets: tuple[str, ...]):
+        super().__init__(logger, extra)
+        self.secrets = secrets
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return
+        # As ``LogRecord.getMessage`` formats it (one mapping: named fields).
+        one = len(args) == 1 and isinstance(args[0], Mapping) and args[0]
+        text = str(msg) % (args[0] if one else args) if args else str(msg)
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the caller, not this frame
+        super().log(level, mask(text, secrets=self.secrets), **kwargs)

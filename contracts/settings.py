@@ -13,6 +13,7 @@ from sqlalchemy.engine import URL
 
 from contracts import database_url as dburl
 from contracts.deadline import LeaseTimings
+from contracts.masking import mask
 from contracts.topology import QueueType, Topology
 
 
@@ -63,7 +64,7 @@ class CommonSettings(BaseSettings):
             raise ValueError(
                 "ORCH_DATABASE_URL must look like postgresql://user@host:port/db (several hosts: "
                 "postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write); it "
-                f"{exc}: {dburl.mask(value)!r}"
+                f"{exc}: {mask(value)!r}"
             ) from None
 
     @field_validator("amqp_url")
@@ -74,7 +75,7 @@ class CommonSettings(BaseSettings):
         if not urls or bad:
             raise ValueError(
                 "ORCH_AMQP_URL must look like amqp://user:pass@host:port/vhost (or several, "
-                f"comma-separated: the nodes of one cluster), got {mask_url(value)!r}"
+                f"comma-separated: the nodes of one cluster), got {mask(value)!r}"
             )
         return ",".join(urls)
 
@@ -145,13 +146,6 @@ def on_database(url: str, database: str) -> str:
 def split_urls(value: str) -> list[str]:
     """The URLs of a comma-separated list, blanks dropped."""
     return [u.strip() for u in value.split(",") if u.strip()]
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for errors and logs."""
-    from contracts.logs import mask
-
-    return mask(url)
 
 
 def where(url: str) -> str:

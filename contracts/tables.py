@@ -84,6 +84,9 @@ class Observer(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     name: Mapped[str] = mapped_column(Text, nullable=False)
+    #: What names that look alike share (``contracts.names.name_key``): unique among the live.
+    #: None only for a look-alike of an older live observer from before keys existed (0007).
+    name_key: Mapped[str | None] = mapped_column(Text)
     kind: Mapped[str] = mapped_column(Text, nullable=False)
     params: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
     status: Mapped[str] = mapped_column(Text, nullable=False)
@@ -121,6 +124,12 @@ class Observer(Base):
         Index(
             "uq_observers_live_name",
             "name",
+            unique=True,
+            postgresql_where=text("status <> 'deleted'"),
+        ),
+        Index(
+            "uq_observers_live_name_key",
+            "name_key",
             unique=True,
             postgresql_where=text("status <> 'deleted'"),
         ),

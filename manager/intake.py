@@ -22,9 +22,11 @@ from contracts.errors import NameTaken
 from manager import repository as repo
 from manager.outbox import Pending
 
-#: Writes rows for a batch of creates: each row in order, or None where the name was taken.
+#: Writes rows for a batch of creates: each row in order, or NameTaken (None: without saying
+#: who has it) where the name was taken.
 Write = Callable[
-    [Sequence[repo.NewObserver]], Awaitable[tuple[list[dict[str, Any] | None], list[Pending]]]
+    [Sequence[repo.NewObserver]],
+    Awaitable[tuple[Sequence[dict[str, Any] | NameTaken | None], list[Pending]]],
 ]
 #: Publishes what a write committed (never raises for an unavailable broker).
 Publish = Callable[[Sequence[Pending]], Awaitable[None]]
@@ -56,13 +58,26 @@ class GroupCommit:
 
     async def _one_write(self, batch: list[repo.NewObserver]) -> list[dict[str, Any] | NameTaken]:
         # A name twice in one write: the first create of it stands, the others are taken.
+        # (or two names that look alike: the same key)
         first: dict[str, int] = {}
         for i, new in enumerate(batch):
-            first.setdefault(new.name, i)
+            first.setdefault(new.key, i)
         todo = sorted(first.values())
         rows, pending = await self._write([batch[i] for i in todo])
         self.writes += 1
         self.creates += len(batch)
         await self._publish(pending)
         made = dict(zip(todo, rows, strict=True))
-        return [made.get(i) or NameTaken(new.name) for i, new in enumerate(batch)]
+        return [_result(made[first[new.key]], batch[first[new.key]], new) for new in batch]
+
+
+def _result(
+    row: dict[str, Any] | NameTaken | None, first: repo.NewObserver, new: repo.NewObserver
+) -> dict[str, Any] | NameTaken:
+    """What ``new`` gets, ``first`` being the create of its name (its key) that was written
+    and ``row`` what that write gave."""
+    if row is None:  # taken, the writer does not say by whom
+        return NameTaken(first.name)
+    if isinstance(row, NameTaken) or new is first:
+        return row  # the observer that holds it, for each create of that name
+    return NameTaken(first.name, alike=first.name != new.name)  # by ``first``, just now

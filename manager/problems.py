@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 
 from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, TooLarge, Transient
+from contracts.kinds import RULE_ONLY
 from manager.auth import Forbidden, Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,12 @@ def status_of(exc: OrchError) -> int:
 
 
 def field_errors(errors: Sequence[Any], *, under: Sequence[str | int] = ()) -> list[dict[str, Any]]:
-    """Pydantic's errors as FieldError objects, their paths under ``under``."""
+    """Pydantic's errors as FieldError objects, their paths under ``under``: the field and the
+    rule, never the value (pydantic's ``input`` and ``ctx`` are left out)."""
     return [
         {
             "loc": [*under, *(p if isinstance(p, int) else _clean(p) for p in e.get("loc", ()))],
-            "msg": _clean(e.get("msg", "invalid")),
+            "msg": _clean(RULE_ONLY.get(e.get("type", ""), e.get("msg", "invalid"))),
             "type": _clean(e.get("type", "invalid")),
         }
         for e in errors

@@ -66,20 +66,21 @@ OUTBOX_DUE = (
 
 # -------------------------------------------------------------------------------- observers
 # One statement: the row, its history and its outbox record (one round trip).
-# Many in one statement: a name already taken by a live observer skips its row (no error), so
-# one conflict fails only its own item.
+# Many in one statement: a name already taken by a live observer, or one that looks like it
+# (the same name_key), skips its row (no error), so one conflict fails only its own item.
 CREATE_MANY = f"""
 WITH v AS (
-    SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:kinds AS text[]),
-                         CAST(:params AS text[]), CAST(:ds AS uuid[]), CAST(:rps AS text[]),
-                         CAST(:bodies AS text[]))
-           WITH ORDINALITY AS v(id, name, kind, params, d, rp, body, n)
+    SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:keys AS text[]),
+                         CAST(:kinds AS text[]), CAST(:params AS text[]), CAST(:ds AS uuid[]),
+                         CAST(:rps AS text[]), CAST(:bodies AS text[]))
+           WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, n)
 ), o AS (
-    INSERT INTO observers AS o (id, name, kind, params, status, dispatch_id, restart_policy)
-    SELECT v.id, v.name, v.kind, CAST(v.params AS jsonb), {_v(S.CREATED)}, v.d,
+    INSERT INTO observers AS o (id, name, name_key, kind, params, status, dispatch_id,
+                                restart_policy)
+    SELECT v.id, v.name, v.name_key, v.kind, CAST(v.params AS jsonb), {_v(S.CREATED)}, v.d,
            CAST(v.rp AS jsonb)
       FROM v ORDER BY v.n
-    ON CONFLICT (name) WHERE status <> {_v(S.DELETED)} DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING {OBSERVER_COLUMNS}
 ), e AS (
     INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
@@ -90,6 +91,11 @@ WITH v AS (
 )
 SELECT o.*, b.id AS outbox_id FROM o JOIN b ON b.observer_id = o.id
 """
+# The live observers that hold these name keys (to name them in a refusal).
+NAME_HOLDERS = (
+    "SELECT id, name, name_key FROM observers "
+    f"WHERE name_key = ANY(CAST(:keys AS text[])) AND status <> {_v(S.DELETED)}"
+)
 GET = f"SELECT {OBSERVER_COLUMNS} FROM observers o WHERE o.id = :id"
 LIST = (
     f"SELECT {OBSERVER_COLUMNS} FROM observers o "
@@ -312,6 +318,8 @@ VIEW_OBSERVERS = (
     "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
     "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
     "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, "
+    # Only to mask an error that quotes them (one written before errors were masked at write).
+    "CASE WHEN o.last_error IS NOT NULL THEN o.params END AS params, "
     "clock_timestamp() AS now "
     "FROM observers o LEFT JOIN services s ON s.id = o.service_id "
     f"WHERE {VIEW_FILTER}"

@@ -24,6 +24,7 @@ from contracts.messages import (
     StartMessage,
     UndrainMessage,
 )
+from contracts.names import name_key
 from contracts.routing import BROADCAST, WORK, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from manager import queries as q
@@ -116,17 +117,25 @@ class NewObserver:
     params: dict[str, Any]
     restart_policy: dict[str, Any] | None = None
 
+    @property
+    def key(self) -> str:
+        """What it shares with names that look like it (unique among live observers)."""
+        return name_key(self.name)
+
 
 async def create_observers(
     tx: Tx, new: Sequence[NewObserver]
-) -> tuple[list[dict[str, Any] | None], list[Pending]]:
+) -> tuple[list[dict[str, Any] | NameTaken], list[Pending]]:
     """Rows, history and outbox records in one statement (one round trip). Each row, in the
-    order asked for, or None where a live observer already has that name."""
+    order asked for, or NameTaken (naming the observer that has it) where a live observer
+    already has that name or one that looks like it."""
     starts = [StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4()) for _ in new]
+    keys = [n.key for n in new]
     rows = await tx.rows(
         q.CREATE_MANY,
         ids=[s.observer_id for s in starts],
         names=[n.name for n in new],
+        keys=keys,
         kinds=[n.kind for n in new],
         params=[to_json(n.params) for n in new],
         ds=[s.dispatch_id for s in starts],
@@ -140,13 +149,29 @@ async def create_observers(
         for s in starts
         if s.observer_id in made
     ]
-    return [made.get(s.observer_id) for s in starts], pending
+    skipped = [n for s, n in zip(starts, new, strict=True) if s.observer_id not in made]
+    holders = {}
+    if skipped:  # the observers that hold those names, to name them
+        holders = {
+            r.name_key: r for r in await tx.rows(q.NAME_HOLDERS, keys=[n.key for n in skipped])
+        }
+    out: list[dict[str, Any] | NameTaken] = []
+    for s, n in zip(starts, new, strict=True):
+        row = made.get(s.observer_id)
+        holder = holders.get(n.key)
+        if row is not None:
+            out.append(row)
+        elif holder is None:  # an exact name held without a key (0007), or deleted meanwhile
+            out.append(NameTaken(n.name))
+        else:
+            out.append(NameTaken(holder.name, observer_id=holder.id, alike=holder.name != n.name))
+    return out, pending
 
 
 async def create_observer(tx: Tx, new: NewObserver) -> tuple[dict[str, Any], Pending]:
     (row,), pending = await create_observers(tx, [new])
-    if row is None:
-        raise NameTaken(new.name)
+    if isinstance(row, NameTaken):
+        raise row
     return row, pending[0]
 
 

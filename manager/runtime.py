@@ -11,7 +11,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from contracts.clock import Clock
-from contracts.errors import Transient
+from contracts.errors import NameTaken, Transient
 from contracts.kinds import KindSpec, load_kinds
 from manager import background
 from manager import repository as repo
@@ -58,7 +58,7 @@ class ManagerRuntime:
 
     async def _create_rows(
         self, new: Sequence[repo.NewObserver]
-    ) -> tuple[list[dict[str, Any] | None], list[Pending]]:
+    ) -> tuple[list[dict[str, Any] | NameTaken], list[Pending]]:
         async with self.store.autocommit() as tx:  # one statement: rows, history, outbox
             return await repo.create_observers(tx, new)
 

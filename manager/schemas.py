@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from contracts import names
 from contracts.kinds import RestartPolicy
-from contracts.logs import UNSAFE_CHARS, UNSAFE_CLASS
+from contracts.names import REFUSED_CLASS
 from contracts.statuses import ObserverStatus
 from manager.problems import Problem
 
@@ -50,24 +51,24 @@ SafeText = Annotated[str, AfterValidator(clean_text)]
 #: longer names created before stay readable; only new names are bounded).
 MAX_NAME = 100
 #: The names' rule for the schema; ``check_name`` enforces it first, with the reason in words.
-NAME_PATTERN = rf"^[^\s{UNSAFE_CLASS}]([^{UNSAFE_CLASS}]*[^\s{UNSAFE_CLASS}])?$"
+NAME_PATTERN = rf"^[^\s{REFUSED_CLASS}]([^{REFUSED_CLASS}]*[^\s{REFUSED_CLASS}])?$"
 
 
 def check_name(value: Any) -> Any:
-    """Refuse, saying why, a name that would steer a terminal or a log rather than show: C0 and
-    C1 control characters (ESC, CR, newline, DEL, U+0080-U+009F) and bidi controls (U+061C,
-    U+200E, U+200F, U+202A-U+202E, U+2066-U+2069); and one that starts or ends with blanks.
-    What is not a string is left to the type check."""
+    """Refuse, saying why (the character's class and position, not the name), a name that
+    would steer a terminal or a log rather than show, or that shows nothing where it differs
+    from another: control characters, format characters (bidi controls, zero-width space and
+    joiners, soft hyphen, byte order mark), line and paragraph separators, default-ignorable
+    code points (``contracts.names``); and one that starts or ends with blanks. A name is kept
+    in NFC. What is not a string is left to the type check."""
     if not isinstance(value, str):
         return value
-    bad = UNSAFE_CHARS.search(value)
-    if bad is not None:
-        code = ord(bad.group())
-        what = "a bidi control character" if code > 0x9F else "a control character"
-        raise ValueError(f"must not contain {what} (U+{code:04X} at position {bad.start()})")
+    reason = names.refusal(value)
+    if reason is not None:
+        raise ValueError(reason)
     if value != value.strip():
         raise ValueError("must not start or end with whitespace")
-    return value
+    return names.normal(value)
 
 
 Name = Annotated[
@@ -76,8 +77,10 @@ Name = Annotated[
         min_length=1,
         max_length=MAX_NAME,
         pattern=NAME_PATTERN,
-        description=f"unique among observers that are not deleted; 1 to {MAX_NAME} characters, "
-        "no control or bidi control characters, no blanks at either end",
+        description=f"1 to {MAX_NAME} characters, kept in NFC; no control, format (bidi, "
+        "zero-width …) or other invisible characters, no line separators, no blanks at either "
+        "end; unique among observers that are not deleted, names that look alike (case, "
+        "width, Cyrillic or Greek letters for Latin ones) counting as one",
     ),
     AfterValidator(clean_text),
     BeforeValidator(check_name),  # the outermost: it runs first, so the reason is in words

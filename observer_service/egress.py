@@ -22,7 +22,8 @@ The check happens where the connection is made: the name is resolved here, every
 checked, and the socket is connected to a checked address (the Host header and TLS SNI keep the
 name). So a redirect, or a DNS answer that changes between checks (rebinding), cannot get around
 it; a denied address is never connected to. Every refusal reads the same, "refused by the egress
-policy", whether or not something listens there.
+policy", whether or not something listens there, and so does a name that does not resolve (an
+error does not tell a name that does not exist from one that is private).
 """
 
 from __future__ import annotations
@@ -290,11 +291,16 @@ class EgressPolicy:
 
     async def addresses(self, host: str, port: int) -> list[IPAddress]:
         """The addresses to connect to for ``host``: resolved (once, here), every one checked.
-        Raises EgressRefused if any of them is denied."""
+        Raises EgressRefused if any of them is denied, and for a name that does not resolve:
+        the same words, so that an error does not tell a name that does not exist from one
+        that leads somewhere private."""
         ip = self.check(host, port)
         if ip is not None:
             return [ip]
-        found = await resolve(host.rstrip("."), port)
+        try:
+            found = await resolve(host.rstrip("."), port)
+        except OSError:  # socket.gaierror: no such name (or no answer)
+            raise EgressRefused(host, port) from None
         named = self._names(host.lower().rstrip("."), port)
         if not found or not all(self.address_allowed(a, port, named=named) for a in found):
             raise EgressRefused(host, port)
@@ -339,8 +345,6 @@ class PolicyBackend(httpcore.AsyncNetworkBackend):
                 found = await self.policy.addresses(host, port)
         except TimeoutError:
             raise httpcore.ConnectTimeout(f"resolving {host} took too long") from None
-        except OSError as exc:  # socket.gaierror
-            raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from None
         error: Exception | None = None
         for ip in found:
             try:

@@ -22,8 +22,9 @@ from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
 from contracts.errors import BrokerUnavailable, LeaseLost
-from contracts.kinds import KindSpec, RestartPolicy
+from contracts.kinds import KindSpec, RestartPolicy, secret_values
 from contracts.logs import observer_log
+from contracts.masking import mask
 from contracts.messages import StartMessage
 from contracts.witness import Witness
 from observer_service.admission import Admission, Slot
@@ -281,6 +282,8 @@ class Intake:
         params: Any = taken.params
         error: str | None = None
         policy: RestartPolicy | None = None
+        # What no error or log line about it may show (the manager's read views mask so too).
+        secrets = secret_values(taken.params, spec)
         if spec is None:
             error = f"kind {taken.kind!r} is not installed on service {self.name}"
         else:
@@ -289,7 +292,7 @@ class Intake:
                 if spec.params_model is not None:
                     params = spec.params_model.model_validate(taken.params)
             except ValidationError as exc:
-                error = f"invalid params or restart policy: {exc}"
+                error = mask(f"invalid params or restart policy: {exc}", secrets=secrets)
         if spec is None or policy is None or error is not None:
             self.host.spawn(
                 self._fail_unrunnable(taken, origin, error or "unrunnable"),
@@ -307,6 +310,14 @@ class Intake:
             last_checkpoint=taken.checkpoint,
             save=lambda state: self._save(copy, state),
             alive=self.lease.valid,
+            logger=observer_log(
+                f"observer.{taken.kind}",
+                observer_id=taken.observer_id,
+                name=taken.name,
+                kind=taken.kind,
+                epoch=taken.epoch,
+                secrets=secrets,
+            ),
             witness=self._effects(taken),
         )
         runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness)
@@ -330,6 +341,7 @@ class Intake:
                 gate=runner.gate(self.lease.gate),
                 record_error=record_error,
                 timing=timing,
+                secrets=secrets,
             ),
             name=f"observer-{taken.observer_id}",
         )

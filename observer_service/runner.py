@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
-from contracts.logs import mask
+from contracts.masking import mask
 from contracts.witness import Witness
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
@@ -120,19 +120,22 @@ async def run_observer(
     gate: Gate,
     record_error: RecordError,
     timing: Timing | None = None,
+    secrets: Sequence[str] = (),
 ) -> str:
     """Run the kind; after an error, record it (the database counts restarts in a window that
     heals) and restart in place after a backoff with jitter. Returns the last error once the
-    budget is spent (the row is failed by then).
+    budget is spent (the row is failed by then). ``secrets``, the values of its secret params,
+    never reach the error as recorded (row and history) and logged.
 
     Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through.
     """
     while True:
         try:
             await guarded(spec.run(ctx), gate, timing)
-            error = describe(ObserverReturned("run() returned; an observer must run until stopped"))
+            returned = ObserverReturned("run() returned; an observer must run until stopped")
+            error = describe(returned, secrets)
         except Exception as exc:
-            error = describe(exc)
+            error = describe(exc, secrets)
         record = await record_error(error)
         if record.failed:
             return error
@@ -147,10 +150,11 @@ async def run_observer(
         await ctx.sleep(delay)
 
 
-def describe(exc: BaseException | None) -> str:
-    """An error as stored and logged: URL credentials and secret query values masked first,
-    then cut (a cut first could leave half a password that no longer looks like one)."""
-    return mask(f"{type(exc).__name__}: {exc}")[:2000]
+def describe(exc: BaseException | None, secrets: Sequence[str] = ()) -> str:
+    """An error as stored and logged: the observer's secret values, URL credentials and secret
+    query values masked first, then cut (a cut first could leave half a password that no
+    longer looks like one)."""
+    return mask(f"{type(exc).__name__}: {exc}", secrets=secrets)[:2000]
 
 
 def refused(what: str) -> Fenced:

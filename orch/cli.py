@@ -55,7 +55,7 @@ def main(
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    from contracts.logs import mask
+    from contracts.masking import mask
     from orch.api_commands import shown
 
     err.print(f"[red]error:[/red] {shown(mask(message))}", highlight=False)

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
 from contracts.errors import NameTaken, OrchError, TooLarge
-from contracts.kinds import get_kind, hide_values, mask_params, secret_values
-from contracts.logs import mask_urls
+from contracts.kinds import get_kind, mask_params, secret_values
+from contracts.masking import mask
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
@@ -53,18 +53,21 @@ KindFilter = Annotated[KindName | None, Query()]
 
 def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
     """An observer as the caller may see it: for a ``read`` token its secret params are
-    ``***``, and so are passwords and secret query values of URLs in its last error."""
+    ``***``, and so are, in its last error, their values and the passwords and secret query
+    values of URLs. The service masked the error so when it wrote it; masking it again here
+    covers an error written before (or by an older service). A console view row carries its
+    params only when it has an error (``queries.VIEW_OBSERVERS``), for this alone."""
     if raw:
         return row
     masked = dict(row)
     spec = state.kinds.get(row["kind"])
-    params = (row["params"] or {}) if "params" in row else None  # a console view row has none
+    params = (row["params"] or {}) if "params" in row else None
     if params is not None:
         masked["params"] = mask_params(params, spec)
     if row.get("last_error"):
         # The secret values are looked for only where an error could quote them.
-        values = secret_values(params, spec, masked["params"]) if params is not None else []
-        masked["last_error"] = hide_values(mask_urls(row["last_error"], keep_user=False), values)
+        values = secret_values(params, spec, masked["params"]) if params else []
+        masked["last_error"] = mask(row["last_error"], secrets=values, keep_user=False)
     return masked
 
 
@@ -106,13 +109,13 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     `problem` says why, in the shape of every error of this API."""
     items: list[dict[str, Any]] = []
     todo: list[tuple[int, repo.NewObserver]] = []
-    names: set[str] = set()
+    names: dict[str, str] = {}  # key: the first name with it
     for i, raw in enumerate(body.observers):
         try:
             new = _new(state, ObserverCreate.model_validate(raw))
-            if new.name in names:
-                raise NameTaken(new.name)
-            names.add(new.name)
+            if (first := names.get(new.key)) is not None:
+                raise NameTaken(first, alike=first != new.name)
+            names[new.key] = new.name
             todo.append((i, new))
         except ValidationError as exc:
             errors = field_errors(exc.errors(), under=("body", "observers", i))
@@ -123,9 +126,9 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     if todo:
         async with state.store.autocommit() as tx:  # one statement for all of them
             rows, pending = await repo.create_observers(tx, [new for _, new in todo])
-        for (i, new), row in zip(todo, rows, strict=True):
-            if row is None:
-                items.append(_failed(i, 409, str(NameTaken(new.name))))
+        for (i, _), row in zip(todo, rows, strict=True):
+            if isinstance(row, NameTaken):
+                items.append(_failed(i, 409, str(row)))
             else:
                 items.append({"index": i, "status": 201, "observer": row})
     await state.outbox.publish_now(pending)
@@ -219,7 +222,7 @@ async def observer_events(
     return [
         {
             **e,
-            "detail": hide_values(mask_urls(e["detail"], keep_user=False), values)
+            "detail": mask(e["detail"], secrets=values, keep_user=False)
             if e["detail"]
             else e["detail"],
         }

@@ -3,7 +3,8 @@ page of observers (server-side, fast with tens of thousands), one service, activ
 from the history, and bulk restart and delete of failed observers.
 
 No route here returns an observer's params (the plain API decides what a token may see of
-them); a last error is masked for a read token as ``GET /observers/{id}`` masks it. Read
+them); a last error is masked for a read token as ``GET /observers/{id}`` masks it (with the
+values of its secret params: the rows with an error bring their params for that alone). Read
 routes tell their own time in a ``Server-Timing`` header (``app;dur=…`` ms).
 """
 
@@ -235,6 +236,7 @@ async def view_observers(
         policy = _policy(state.kinds, row["kind"], row.pop("restart_policy"))
         waiting, left = backoff(row, policy, now)
         row = shown(state, row, raw)  # as GET /observers/{id} shows it to a read token
+        del row["params"]  # loaded only to mask the error: never shown here
         error = row["last_error"]
         row["last_error"] = error[:500] if error else error
         items.append(

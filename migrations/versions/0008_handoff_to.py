@@ -1,6 +1,6 @@
-"""Revision 0008 (2026-12-02): ``observers.handoff_to``, the move the leader decided, written
-with its handoff message, so that a holder hands over only what the leader recorded and not
-whatever a message on the broker names."""
+"""Revision 0008, after 0007 (2026-12-02): ``observers.handoff_to``, the move the leader
+decided, written with its handoff message, so that a holder hands over only what the leader
+recorded and not whatever a message on the broker names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from alembic import op
 from sqlalchemy.dialects.postgresql import UUID
 
 revision = "0008"
-down_revision = "0006"
+down_revision = "0007"
 
 
 def upgrade() -> None:

@@ -6,7 +6,7 @@ redirects, gives up after ``timeout``, and connects only where the egress policy
 ``ORCH_HTTP_POLL_ALLOW`` opens (``example.com``, ``*.example.org``, ``api.example.com:8443``,
 ``10.0.0.0/8:443``), checked on the address actually connected to, redirects included.
 
-URL credentials and the values of secret query parameters (``contracts.logs.is_secret_name``,
+URL credentials and the values of secret query parameters (``contracts.masking.is_secret_name``,
 plus the observer's own ``secret_query``) never reach a log line or ``last_error``.
 """
 
@@ -16,16 +16,14 @@ import asyncio
 import contextvars
 import hashlib
 import logging
-import re
 import time
-import urllib.parse
 
 import httpx
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.kinds import RestartPolicy, observer_kind
-from contracts.logs import SECRET, mask_urls
+from contracts.kinds import RestartPolicy, from_client, observer_kind
+from contracts.masking import mask
 from observer_service import egress
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressPolicy, EgressRefused
@@ -93,12 +91,14 @@ class HttpPollParams(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _allowed(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+    def _allowed(cls, url: AnyHttpUrl, info: ValidationInfo) -> AnyHttpUrl:
         # What can be told now; the address is checked at every connection.
         try:
             HttpPollSettings().policy().check(url.host or "", url.port or 0)
         except EgressRefused as exc:
-            raise ValueError(str(exc)) from None
+            if from_client(info):  # the rule, not the host: a client's input is not echoed
+                raise ValueError(f"{egress.REFUSED} (its host or its port)") from None
+            raise ValueError(str(exc)) from None  # the observer's own error: where it went
         return url
 
 
@@ -109,26 +109,13 @@ _declared: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 )
 
 
-#: ``scheme://user:password@`` anywhere (a URL inside another one's path or query too).
-_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^\s/@?#\"'<>]+@")
-
-
-def mask_secrets(text: str, names: tuple[str, ...] | list[str] = ()) -> str:
-    """``text`` with URL credentials (user and password) and secret query values masked."""
-    text = _USERINFO.sub(rf"\g<1>{SECRET}@", mask_urls(text, keep_user=False))
-    if names and "=" in text:
-        wanted = "|".join(re.escape(urllib.parse.quote_plus(n)) for n in names)
-        text = re.sub(rf"(?i)([?&;#](?:{wanted})=)[^&;#\s\"'<>]*", rf"\g<1>{SECRET}", text)
-    return text
-
-
 class _MaskSecrets(logging.Filter):
     """httpx logs every request's URL (httpcore, at DEBUG, the headers): masked before any
     handler sees them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        masked = mask_secrets(message, _declared.get())
+        masked = mask(message, names=_declared.get(), keep_user=False)
         if masked != message:
             record.msg, record.args = masked, None
         return True
@@ -174,7 +161,7 @@ async def fetch(client: httpx.AsyncClient, p: HttpPollParams) -> tuple[int, str]
         raise PollTimedOut(f"no complete answer within {p.timeout:g} s") from None
     except Exception as exc:
         text = str(exc)
-        masked = mask_secrets(text, p.secret_query)
+        masked = mask(text, names=p.secret_query, keep_user=False)
         if masked != text:
             raise PollFailed(f"{type(exc).__name__}: {masked}") from None
         raise

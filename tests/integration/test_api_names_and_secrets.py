@@ -4,6 +4,7 @@ masked and to an ``admin`` token as they are."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -82,6 +83,16 @@ BAD_NAMES = [
     ("RLO", "txt.\u202eexe", "bidi control character (U+202E"),
     ("LRI", "a\u2066b", "bidi control character (U+2066"),
     ("PDI", "a\u2069b", "bidi control character (U+2069"),
+    ("ZWSP", "a\u200bb", "a format character (invisible) (U+200B at position 1)"),
+    ("ZWJ", "a\u200db", "a format character (invisible) (U+200D"),
+    ("WJ", "a\u2060b", "a format character (invisible) (U+2060"),
+    ("soft hyphen", "pay\u00adpal", "a format character (invisible) (U+00AD at position 3)"),
+    ("BOM", "\ufeffname", "a format character (invisible) (U+FEFF at position 0)"),
+    ("tag", "a\U000e0041", "a format character (invisible) (U+E0041"),
+    ("LS", "a\u2028b", "a line or paragraph separator (U+2028"),
+    ("PS", "a\u2029b", "a line or paragraph separator (U+2029"),
+    ("VS16", "a\ufe0fb", "an invisible (default-ignorable) character (U+FE0F"),
+    ("Hangul filler", "a\u3164b", "an invisible (default-ignorable) character (U+3164"),
     ("leading blank", " a", "must not start or end with whitespace"),
     ("101 characters", "n" * 101, "at most 100 characters"),
 ]
@@ -99,6 +110,7 @@ async def test_a_name_that_would_steer_a_terminal_is_refused_with_the_reason(
     assert body["detail"]
     assert body["errors"][0]["loc"] == ["body", "name"]
     assert reason in body["errors"][0]["msg"], body
+    assert name not in r.text, "the name sent is not echoed"
     # In a bulk create, that one item fails alone, with the same reason.
     batch = await clients.admin.post(
         "/observers/batch",
@@ -123,8 +135,74 @@ async def test_the_schema_documents_the_name_rule(clients: Clients) -> None:
     spec = (await clients.read.get("/openapi.json")).json()
     name = spec["components"]["schemas"]["ObserverCreate"]["properties"]["name"]
     assert name["maxLength"] == 100
-    assert "\\x00-\\x1f" in name["pattern"]
-    assert "\\u202a-\\u202e" in name["pattern"]
+    assert "\\u0000-\\u001f" in name["pattern"]
+    assert "\\u2028-\\u202e" in name["pattern"]
+    assert "\\u200b-\\u200f" in name["pattern"]
+    assert "\\ufeff" in name["pattern"]
+
+
+#: Names that look like ``paypal``: none may live beside it.
+LOOK_ALIKES = [
+    ("Cyrillic a", "p\u0430ypal"),
+    ("Cyrillic capitals", "\u0420\u0410YPAL"),
+    ("Greek alpha", "p\u03b1ypal"),
+    ("Greek capital rho", "\u03a1aypal"),
+    ("fullwidth", "\uff50\uff41\uff59\uff50\uff41\uff4c"),
+    ("case", "PayPal"),
+]
+
+
+@pytest.mark.parametrize(("what", "name"), LOOK_ALIKES, ids=[a[0] for a in LOOK_ALIKES])
+async def test_a_name_that_looks_like_a_live_one_is_refused_naming_it(
+    clients: Clients, what: str, name: str
+) -> None:
+    first = await clients.admin.post("/observers", json={"name": "paypal", "kind": "ticker"})
+    assert first.status_code == 201
+    r = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert "'paypal'" in detail
+    assert first.json()["id"] in detail
+    assert "look alike" in detail
+    assert name not in detail, "the name sent is not echoed"
+    # In a bulk create, alone; and two look-alikes in one batch: the first stands.
+    batch = await clients.admin.post(
+        "/observers/batch",
+        json={
+            "observers": [
+                {"name": name, "kind": "ticker"},
+                {"name": "other", "kind": "ticker"},
+                {"name": "OTHER", "kind": "ticker"},
+            ]
+        },
+    )
+    items = batch.json()["items"]
+    assert [i["status"] for i in items] == [409, 201, 409]
+    assert "'paypal'" in items[0]["problem"]["detail"]
+    assert "'other'" in items[2]["problem"]["detail"]
+    # Once the first is deleted, the look-alike may be created.
+    assert (await clients.admin.delete(f"/observers/{first.json()['id']}")).status_code == 202
+    again = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
+    assert again.status_code == 201, again.text
+
+
+async def test_names_are_kept_in_nfc_and_one_spelling_of_a_letter_is_one_name(
+    clients: Clients,
+) -> None:
+    nfd, nfc = "cafe\u0301", "caf\u00e9"
+    r = await clients.admin.post("/observers", json={"name": nfd, "kind": "ticker"})
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == nfc
+    twice = await clients.admin.post("/observers", json={"name": nfc, "kind": "ticker"})
+    assert twice.status_code == 409
+
+
+async def test_concurrent_look_alikes_make_one_observer(clients: Clients) -> None:
+    names = ["paypal", "PAYPAL", "p\u0430ypal", "\uff50aypal"] * 5
+    answers = await asyncio.gather(
+        *(clients.admin.post("/observers", json={"name": n, "kind": "ticker"}) for n in names)
+    )
+    assert sorted(a.status_code for a in answers) == [201] + [409] * (len(names) - 1)
 
 
 # --------------------------------------------------------------------------------- secrets
@@ -193,3 +271,50 @@ async def test_a_refused_secret_is_not_echoed(clients: Clients) -> None:
     )
     assert r.status_code == 422
     assert "t0ken-value" not in json.dumps(r.json())
+
+
+# ---------------------------------------------------------------------------------- echoes
+MARK = "zq7marker"
+#: Requests whose errors could quote what was sent: each names the field and the rule.
+ECHOES = [
+    ("unknown kind", "POST", "/observers", {"json": {"name": "x", "kind": MARK}}),
+    (
+        "egress",
+        "POST",
+        "/observers",
+        {"json": {"name": "x", "kind": "http_poll", "params": {"url": f"http://{MARK}.lan:22/"}}},
+    ),
+    (
+        "a number",
+        "POST",
+        "/observers",
+        {"json": {"name": "x", "kind": "ticker", "params": {"interval": MARK}}},
+    ),
+    ("a name", "POST", "/observers", {"json": {"name": f"{MARK}\u200b", "kind": "ticker"}}),
+    ("a status", "GET", "/observers", {"params": {"status": MARK}}),
+    ("an id", "GET", f"/observers/{MARK}", {}),
+    ("a view id", "GET", "/views/observers", {"params": {"service_id": MARK}}),
+    ("a body", "POST", "/observers", {"content": f'{{"name": "{MARK}", ', "headers": {}}),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "method", "path", "request_args"), ECHOES, ids=[e[0] for e in ECHOES]
+)
+async def test_an_error_names_the_field_and_the_rule_never_the_value(
+    clients: Clients, what: str, method: str, path: str, request_args: dict[str, Any]
+) -> None:
+    r = await clients.admin.request(method, path, **request_args)
+    assert r.status_code in (400, 404, 422), r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert MARK not in r.text, r.text
+    body = r.json()
+    assert body["detail"]
+    assert body.get("errors", [{"msg": "x"}])[0]["msg"]
+    # In a bulk create too.
+    if method == "POST" and "json" in request_args:
+        batch = await clients.admin.post(
+            "/observers/batch", json={"observers": [request_args["json"]]}
+        )
+        assert batch.status_code == 200, batch.text
+        assert MARK not in batch.text, batch.text

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -63,3 +65,39 @@ async def test_constraints_are_named_as_the_models_name_them(database_url: str) 
         if c.__class__.__name__ == "CheckConstraint"
     }
     assert in_db == in_models
+
+
+async def test_0007_keys_existing_names_and_keeps_look_alikes_that_lived_before(
+    database_url: str,
+) -> None:
+    """Observers whose names look alike were allowed before 0007: the migration keeps them all
+    (the oldest holds the key) instead of failing; a new look-alike is refused after it."""
+    dsn = asyncpg_dsn(database_url)
+    cfg = alembic_config(database_url)
+    await asyncio.to_thread(command.downgrade, cfg, "0006")
+    conn = await asyncpg.connect(dsn)
+    try:
+        insert = (
+            "INSERT INTO observers (id, name, kind, status, dispatch_id, created_at) "
+            "VALUES ($1, $2, 'ticker', $3, $1, now() + $4 * interval '1 second')"
+        )
+        ids = [uuid.uuid4() for _ in range(4)]
+        await conn.execute(insert, ids[0], "paypal", "created", 0)
+        await conn.execute(insert, ids[1], "PayPal", "processing", 1)  # a look-alike, live
+        await conn.execute(insert, ids[2], "PAYPAL", "deleted", 2)
+        await conn.execute(insert, ids[3], "other", "created", 3)
+        await asyncio.to_thread(command.upgrade, cfg, "head")
+        keys = {
+            r["id"]: r["name_key"] for r in await conn.fetch("SELECT id, name_key FROM observers")
+        }
+        assert keys == {ids[0]: "paypal", ids[1]: None, ids[2]: "paypal", ids[3]: "other"}
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await conn.execute(
+                "INSERT INTO observers (id, name, name_key, kind, status, dispatch_id) "
+                "VALUES ($1, 'pAypal', 'paypal', 'ticker', 'created', $1)",
+                uuid.uuid4(),
+            )
+        await asyncio.to_thread(command.downgrade, cfg, "0006")
+        await asyncio.to_thread(command.upgrade, cfg, "head")
+    finally:
+        await conn.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from observer_service import ObserverContext, RestartPolicy, observer_kind
 from observer_service.kinds.recorder import write_tick
@@ -114,3 +114,20 @@ async def blocker(ctx: ObserverContext) -> None:
     while True:
         await ctx.sleep(p.every)
         time.sleep(p.block)  # noqa: ASYNC251 - blocking the loop is what it is for
+
+
+class KeyedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    api_key: SecretStr
+
+
+@observer_kind(
+    "quotes_its_key", params=KeyedParams, restart=RestartPolicy(max_restarts=2, base_delay=0.05)
+)
+async def quotes_its_key(ctx: ObserverContext) -> None:
+    """Raises an error that quotes its secret param (a client library that says which key it
+    was refused), and logs it too (a careless kind)."""
+    key = ctx.params.api_key.get_secret_value()
+    ctx.logger.info("calling upstream with key %s", key)
+    raise RuntimeError(f"upstream refused key {key}")

@@ -407,6 +407,26 @@ async def test_a_name_that_resolves_to_loopback_is_refused(
     assert listener.connections == 0
 
 
+async def test_a_name_that_does_not_exist_reads_as_one_that_is_private(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The error does not tell a name nobody has from one that leads somewhere private."""
+
+    async def resolve(host: str, port: int) -> list[egress.IPAddress]:
+        if host.startswith("missing"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [ipaddress.ip_address("10.1.2.3")]
+
+    monkeypatch.setattr(egress, "resolve", resolve)
+    texts = []
+    for host in ("missing.example.com", "private.example.com"):
+        p = HttpPollParams.model_validate({"url": f"http://{host}/"})
+        with pytest.raises(EgressRefused) as caught:
+            await _poll(p)
+        texts.append(str(caught.value).replace(host, "HOST"))
+    assert texts == [f"{REFUSED}: HOST:80"] * 2
+
+
 async def test_a_redirect_to_a_denied_address_is_refused(
     site: Listener, listener: Listener, connects: list[tuple[str, int]]
 ) -> None:

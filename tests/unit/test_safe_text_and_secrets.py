@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +16,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
 from contracts import logs
 from contracts.kinds import KindSpec, mask_params
-from contracts.logs import mask, mask_url, safe_text
+from contracts.logs import safe_text
+from contracts.masking import mask
 from observer_service.context import ObserverContext
 from tests.unit.test_service_core import KINDS, harness, until
 
@@ -70,10 +72,52 @@ def test_a_text_log_line_escapes_an_esc_in_a_name_and_in_the_message(
         logging.getLogger().handlers.clear()
     for raw in ("\x1b", "\u202e", "\r", "\x07"):
         assert raw not in err
-    assert "observer=esc\\x1b[31mRED\\u202e" in err
+    assert 'observer="esc\\x1b[31mRED\\u202e"' in err
     assert "RuntimeError: \\x1b]0;owned\\x07\\x0d\\x0aforged line" in err
     assert "in a traceback \\x1b[2J" in err
     assert "Traceback (most recent call last):\n" in err, "a traceback keeps its lines"
+
+
+FORGING = ["x] [observer_id=forged", 'a" observer_id=forged "', "a\\", "two words", "k=v", ""]
+
+
+@pytest.mark.parametrize("name", FORGING)
+def test_a_name_cannot_forge_a_field_of_a_text_log_line(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("INFO", "text", service="s")
+    oid = uuid.uuid4()
+    try:
+        logs.observer_log("t", observer_id=oid, name=name, kind="ticker", epoch=3).warning("hi")
+        err = capsys.readouterr().err.rstrip("\n")
+    finally:
+        logging.getLogger().handlers.clear()
+    # The fields as a logfmt reader reads them: bare words, or quoted with \\ and \" escaped.
+    block = err[err.index(": hi [") + 6 : -1]
+    pairs = re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?: |$)', block)
+    assert "".join(f"{k}={v} " for k, v in pairs).strip() == block, block
+    fields = {k: json.loads(v) if v.startswith('"') else v for k, v in pairs}
+    assert fields == {
+        "observer_id": str(oid),
+        "observer": name,
+        "kind": "ticker",
+        "epoch": "3",
+        "service": "s",
+    }
+
+
+@pytest.mark.parametrize("name", FORGING)
+def test_a_json_log_line_keeps_each_name_in_its_field(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("INFO", "json", service="s")
+    oid = uuid.uuid4()
+    try:
+        logs.observer_log("t", observer_id=oid, name=name).warning("hi")
+        line = json.loads(capsys.readouterr().err)
+    finally:
+        logging.getLogger().handlers.clear()
+    assert (line["observer_id"], line["observer"]) == (str(oid), name)
 
 
 def test_a_json_log_line_carries_the_name_quoted(capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,7 +166,7 @@ def test_no_log_line_carries_a_url_password_or_secret_query_value(
     ],
 )
 def test_mask_url_hides_credentials_and_secret_query_values(url: str, masked: str) -> None:
-    assert mask_url(url, keep_user=False) == masked
+    assert mask(url, keep_user=False) == masked
 
 
 def test_mask_keeps_the_user_for_logs() -> None:
@@ -277,7 +321,7 @@ def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
     ],
 )
 def test_more_secret_query_forms_are_masked(url: str, masked: str) -> None:
-    assert mask_url(url) == masked
+    assert mask(url) == masked
 
 
 def test_a_user_name_alone_is_masked_even_in_logs() -> None:
@@ -293,3 +337,47 @@ def test_an_error_is_masked_before_it_is_cut() -> None:
     text = describe(RuntimeError("x" * (2000 - len("RuntimeError: ") - 34) + url))
     assert "ppppp" not in text
     assert len(text) <= 2000
+
+
+# ------------------------------------------------------------------------- the one masker
+@pytest.mark.parametrize(
+    ("text", "kwargs", "masked"),
+    [
+        # An observer's secret values, wherever they stand (longest first).
+        ("refused key sk_live_1234", {"secrets": ["sk_live_1234"]}, "refused key ***"),
+        # A DSN that is not quite a URL: its password= parameter.
+        (
+            "bad: postgresql://h1,h2/db?password=pw&x=1",
+            {},
+            "bad: postgresql://h1,h2/db?password=***&x=1",
+        ),
+        ("not-a-url?password=pw", {}, "not-a-url?password=***"),
+        # A URL inside another one's query: its credentials.
+        (
+            "https://h/?next=https://u:p@in/",
+            {"keep_user": False},
+            "https://h/?next=https://***@in/",
+        ),
+        # Names an observer declares, also URL-quoted.
+        ("https://h/?my%20id=7&a=1", {"names": ["my id"]}, "https://h/?my%20id=***&a=1"),
+        ("amqp://guest:guest@h:5672/", {}, "amqp://guest:***@h:5672/"),
+        ("amqp://guest:guest@h:5672/", {"keep_user": False}, "amqp://***@h:5672/"),
+        ("plain text, a=1", {}, "plain text, a=1"),
+    ],
+)
+def test_the_one_masker(text: str, kwargs: dict[str, Any], masked: str) -> None:
+    assert mask(text, **kwargs) == masked
+
+
+def test_an_observer_logger_hides_its_secret_values(capsys: pytest.CaptureFixture[str]) -> None:
+    logs.configure("INFO", "text", service="s")
+    try:
+        log = logs.observer_log("t", observer_id=uuid.uuid4(), name="n", secrets=["t0p-secret"])
+        log.info("key %s", "t0p-secret")
+        log.warning("named %(key)s", {"key": "t0p-secret"})
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    assert "t0p-secret" not in err
+    assert "key ***" in err
+    assert "named ***" in err
