@@ -7,18 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from contracts.kinds import observer_kind
-from manager.app import create_app
-from manager.auth import Role, new_token
-from manager.settings import ManagerSettings
 from tests.conftest import Servers
+from tests.integration.conftest import AuthApi, auth_api
 
 
 class VaultParams(BaseModel):
@@ -34,37 +30,10 @@ async def vault_kind(ctx: Any) -> None:  # never run here: the manager only vali
     """A kind with secret params (for these tests)."""
 
 
-@dataclass
-class Clients:
-    read: httpx.AsyncClient
-    admin: httpx.AsyncClient
-
-
 @pytest.fixture
-async def clients(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[Clients]:
-    read, read_entry = new_token("reader", Role.READ)
-    admin, admin_entry = new_token("ops", Role.ADMIN)
-    settings = ManagerSettings(
-        database_url=database_url,
-        amqp_url=servers.amqp_url,
-        prefix=prefix,
-        kind_modules=__name__,
-        auth="on",
-        api_tokens=f"{read_entry},{admin_entry}",
-    )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-
-        def client(token: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                transport=transport,
-                base_url="http://test",
-                headers={"Authorization": f"Bearer {token}"},
-            )
-
-        async with client(read) as r, client(admin) as a:
-            yield Clients(read=r, admin=a)
+async def clients(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[AuthApi]:
+    async with auth_api(servers, database_url, prefix, __name__) as a:
+        yield a
 
 
 # ----------------------------------------------------------------------------------- names
@@ -100,7 +69,7 @@ BAD_NAMES = [
 
 @pytest.mark.parametrize(("what", "name", "reason"), BAD_NAMES, ids=[b[0] for b in BAD_NAMES])
 async def test_a_name_that_would_steer_a_terminal_is_refused_with_the_reason(
-    clients: Clients, what: str, name: str, reason: str
+    clients: AuthApi, what: str, name: str, reason: str
 ) -> None:
     r = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
     assert r.status_code == 422, r.text
@@ -124,14 +93,14 @@ async def test_a_name_that_would_steer_a_terminal_is_refused_with_the_reason(
     assert second["status"] == 201
 
 
-async def test_printable_names_up_to_the_limit_are_taken(clients: Clients) -> None:
+async def test_printable_names_up_to_the_limit_are_taken(clients: AuthApi) -> None:
     for name in ("n" * 100, "x[/red]", "[link=http://127.0.0.1/]click[/link]", "é 日本 a\\x1b"):
         r = await clients.admin.post("/observers", json={"name": name, "kind": "ticker"})
         assert r.status_code == 201, (name, r.text)
         assert r.json()["name"] == name
 
 
-async def test_the_schema_documents_the_name_rule(clients: Clients) -> None:
+async def test_the_schema_documents_the_name_rule(clients: AuthApi) -> None:
     spec = (await clients.read.get("/openapi.json")).json()
     name = spec["components"]["schemas"]["ObserverCreate"]["properties"]["name"]
     assert name["maxLength"] == 100
@@ -154,7 +123,7 @@ LOOK_ALIKES = [
 
 @pytest.mark.parametrize(("what", "name"), LOOK_ALIKES, ids=[a[0] for a in LOOK_ALIKES])
 async def test_a_name_that_looks_like_a_live_one_is_refused_naming_it(
-    clients: Clients, what: str, name: str
+    clients: AuthApi, what: str, name: str
 ) -> None:
     first = await clients.admin.post("/observers", json={"name": "paypal", "kind": "ticker"})
     assert first.status_code == 201
@@ -187,7 +156,7 @@ async def test_a_name_that_looks_like_a_live_one_is_refused_naming_it(
 
 
 async def test_names_are_kept_in_nfc_and_one_spelling_of_a_letter_is_one_name(
-    clients: Clients,
+    clients: AuthApi,
 ) -> None:
     nfd, nfc = "cafe\u0301", "caf\u00e9"
     r = await clients.admin.post("/observers", json={"name": nfd, "kind": "ticker"})
@@ -197,7 +166,7 @@ async def test_names_are_kept_in_nfc_and_one_spelling_of_a_letter_is_one_name(
     assert twice.status_code == 409
 
 
-async def test_concurrent_look_alikes_make_one_observer(clients: Clients) -> None:
+async def test_concurrent_look_alikes_make_one_observer(clients: AuthApi) -> None:
     names = ["paypal", "PAYPAL", "p\u0430ypal", "\uff50aypal"] * 5
     answers = await asyncio.gather(
         *(clients.admin.post("/observers", json={"name": n, "kind": "ticker"}) for n in names)
@@ -211,7 +180,7 @@ MASKED_URL = "http://***@example.com/p?api_key=***&page=2"
 VAULT = {"endpoint": "https://vault/?token=V4ULT", "token": "t0ken-value", "region": "us"}
 
 
-async def _created(clients: Clients) -> tuple[dict[str, Any], dict[str, Any]]:
+async def _created(clients: AuthApi) -> tuple[dict[str, Any], dict[str, Any]]:
     poll = await clients.admin.post(
         "/observers", json={"name": "poll", "kind": "http_poll", "params": {"url": URL}}
     )
@@ -228,7 +197,7 @@ def _no_secret_in(text: str) -> None:
         assert secret not in text, secret
 
 
-async def test_a_read_token_sees_secret_params_masked(clients: Clients) -> None:
+async def test_a_read_token_sees_secret_params_masked(clients: AuthApi) -> None:
     poll, vault = await _created(clients)
     page = await clients.read.get("/observers")
     assert page.status_code == 200
@@ -252,7 +221,7 @@ async def test_a_read_token_sees_secret_params_masked(clients: Clients) -> None:
     assert filtered.json()["items"][0]["params"]["url"] == MASKED_URL
 
 
-async def test_an_admin_token_sees_params_as_they_are(clients: Clients) -> None:
+async def test_an_admin_token_sees_params_as_they_are(clients: AuthApi) -> None:
     poll, vault = await _created(clients)
     assert poll["params"]["url"] == URL, "the create answers the admin with the real values"
     assert vault["params"] == VAULT
@@ -264,7 +233,7 @@ async def test_an_admin_token_sees_params_as_they_are(clients: Clients) -> None:
     assert one["params"]["token"] == "t0ken-value"
 
 
-async def test_a_refused_secret_is_not_echoed(clients: Clients) -> None:
+async def test_a_refused_secret_is_not_echoed(clients: AuthApi) -> None:
     r = await clients.admin.post(
         "/observers",
         json={"name": "v", "kind": "test_vault", "params": {"endpoint": 1, "token": "t0ken-value"}},
@@ -302,7 +271,7 @@ ECHOES = [
     ("what", "method", "path", "request_args"), ECHOES, ids=[e[0] for e in ECHOES]
 )
 async def test_an_error_names_the_field_and_the_rule_never_the_value(
-    clients: Clients, what: str, method: str, path: str, request_args: dict[str, Any]
+    clients: AuthApi, what: str, method: str, path: str, request_args: dict[str, Any]
 ) -> None:
     r = await clients.admin.request(method, path, **request_args)
     assert r.status_code in (400, 404, 422), r.text

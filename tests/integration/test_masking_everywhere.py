@@ -14,18 +14,14 @@ import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 from starlette.routing import Route
 
-from manager.app import create_app
-from manager.auth import Role, new_token
-from manager.settings import ManagerSettings
 from tests.conftest import Servers
+from tests.integration.conftest import AuthApi, auth_api
 from tests.support.cluster import Cluster
 
 #: What a path parameter of that name is filled with (a new one fails the walk: add it here).
@@ -45,41 +41,13 @@ def get_routes(app: FastAPI) -> Iterator[tuple[str, set[str], set[str]]]:
             yield route.path, set(route.methods or ()), set()
 
 
-@dataclass
-class Api:
-    app: FastAPI
-    read: httpx.AsyncClient
-    admin: httpx.AsyncClient
-
-
 @pytest.fixture
-async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[Api]:
-    read, read_entry = new_token("reader", Role.READ)
-    admin, admin_entry = new_token("ops", Role.ADMIN)
-    settings = ManagerSettings(
-        database_url=database_url,
-        amqp_url=servers.amqp_url,
-        prefix=prefix,
-        kind_modules="tests.support.kinds",
-        auth="on",
-        api_tokens=f"{read_entry},{admin_entry}",
-    )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-
-        def client(token: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                transport=transport,
-                base_url="http://test",
-                headers={"Authorization": f"Bearer {token}"},
-            )
-
-        async with client(read) as r, client(admin) as a:
-            yield Api(app, r, a)
+async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator[AuthApi]:
+    async with auth_api(servers, database_url, prefix, "tests.support.kinds") as a:
+        yield a
 
 
-async def _create(api: Api, name: str, key: str) -> dict[str, Any]:
+async def _create(api: AuthApi, name: str, key: str) -> dict[str, Any]:
     r = await api.admin.post(
         "/observers", json={"name": name, "kind": "quotes_its_key", "params": {"api_key": key}}
     )
@@ -89,7 +57,7 @@ async def _create(api: Api, name: str, key: str) -> dict[str, Any]:
 
 
 async def test_a_secret_quoted_by_an_error_is_shown_by_no_route_and_logged_nowhere(
-    api: Api, cluster: Cluster
+    api: AuthApi, cluster: Cluster
 ) -> None:
     key = f"sk_live_{secrets.token_hex(8)}"
     old_key = f"sk_old_{secrets.token_hex(8)}"
