@@ -481,8 +481,15 @@ class Campaign:
             await asyncio.to_thread(rabbitmqctl, "set_vm_memory_high_watermark", "0.000001")
             self._later(self._end_alarm(p.length))
         elif p.fault == "queue_deleted":
+            if self.broker_down:
+                self.note(p.describe(), skipped="the broker is down")
+                return
+            try:
+                await asyncio.wait_for(self._delete_work_queue(), 5)
+            except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
+                self.note(p.describe(), skipped=f"the broker did not answer: {exc!r:.100}")
+                return
             self.note(p.describe())
-            await self._delete_work_queue()
         else:
             slot = self.slots[p.slot]
             if slot.busy or slot.proc is None or not slot.proc.alive:
