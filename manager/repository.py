@@ -117,9 +117,10 @@ class NewObserver:
     params: dict[str, Any]
     restart_policy: dict[str, Any] | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """What it shares with names that look like it (unique among live observers)."""
+        """What it shares with names that look like it (unique among live observers); folded
+        once, however often a create asks."""
         return name_key(self.name)
 
 
@@ -149,19 +150,16 @@ async def create_observers(
         for s in starts
         if s.observer_id in made
     ]
-    skipped = [n for s, n in zip(starts, new, strict=True) if s.observer_id not in made]
+    skipped = [k for s, k in zip(starts, keys, strict=True) if s.observer_id not in made]
     holders = {}
     if skipped:  # the observers that hold those names, to name them
-        holders = {
-            r.name_key: r for r in await tx.rows(q.NAME_HOLDERS, keys=[n.key for n in skipped])
-        }
+        holders = {r.name_key: r for r in await tx.rows(q.NAME_HOLDERS, keys=skipped)}
     out: list[dict[str, Any] | NameTaken] = []
-    for s, n in zip(starts, new, strict=True):
+    for s, n, key in zip(starts, new, keys, strict=True):
         row = made.get(s.observer_id)
-        holder = holders.get(n.key)
         if row is not None:
             out.append(row)
-        elif holder is None:  # an exact name held without a key (0007), or deleted meanwhile
+        elif (holder := holders.get(key)) is None:  # held without a key (0007), or gone since
             out.append(NameTaken(n.name))
         else:
             out.append(NameTaken(holder.name, observer_id=holder.id, alike=holder.name != n.name))

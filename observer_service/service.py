@@ -409,8 +409,6 @@ class ObserverService:
             return
         if not cancel_confirmed(facts.observers.get(observer_id), self.id, copy):
             self._refused("cancel", f"cancel of {observer_id}")
-        elif runner is not None:
-            runner.stop(StopReason.CANCEL)
         else:
             self.cancel(observer_id)
 
