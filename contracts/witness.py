@@ -29,9 +29,10 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -155,6 +156,47 @@ class Reader:
 def read(directory: str | Path) -> list[Record]:
     """Every witness record under ``directory``, oldest first."""
     return Reader(directory).read()
+
+
+#: Seconds after a SIGCONT within which the step that was cut by the SIGSTOP completes.
+THAW = 0.5
+
+Item = TypeVar("Item")
+
+
+def across_freeze(
+    items: Iterable[Item],
+    *,
+    pid: Callable[[Item], int],
+    copy: Callable[[Item], Hashable],
+    at: Callable[[Item], float],
+    paused: dict[int, list[tuple[float, float]]],
+) -> list[Item]:
+    """The items (witness records, ticks) that are a copy's *step across a freeze*: the last
+    item of its copy, stamped by a process just after it was resumed from a SIGSTOP.
+
+    No check can cover the synchronous code between a copy's last lease check and what it does
+    next (``guard.py``): a process stopped right there finishes that one step when it wakes,
+    whoever took its observers meanwhile. So each freeze may leave one such item, from the one
+    copy that was running at the instant of the SIGSTOP, and no more: a freeze after which two
+    copies of the process stepped, or one copy stepped twice, leaves none out. What a fenced
+    write, refused when its epoch is stale, is what makes such a step harmless."""
+    items = list(items)
+    last: dict[Hashable, Item] = {}
+    for item in items:
+        key = copy(item)
+        if key not in last or at(item) >= at(last[key]):
+            last[key] = item
+    after: dict[tuple[int, float], list[Item]] = {}
+    for item in items:
+        for stopped, resumed in paused.get(pid(item), []):
+            if stopped < at(item) <= resumed + THAW:
+                after.setdefault((pid(item), stopped), []).append(item)
+    found = []
+    for stepped in after.values():
+        if len(stepped) == 1 and last[copy(stepped[0])] is stepped[0]:
+            found.append(stepped[0])
+    return found
 
 
 def tick_line(observer: object, epoch: int, service: object, count: int) -> str:

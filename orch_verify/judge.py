@@ -9,6 +9,11 @@ A *copy* is one run of an observer: its epoch and its process. It spans from its
 - no copy of a deleted observer was taken after its delete was accepted, none runs at the end;
 - no restart was spent on the orchestrator's own errors.
 
+One step is left out of the spans, and shown on its own: a copy's last step, made just after
+its process was resumed from a SIGSTOP that cut it between its lease check and its resumption
+(``witness.across_freeze``, at most one per freeze). No check can close that window; only a
+fenced write makes what such a step sends harmless.
+
 Per kind it also tells how long copies took to stop once asked, which ignored it (ran on past
 the shutdown timeout), the longest event loop stall and memory growth per observer.
 """
@@ -21,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from contracts.errors import Transient
-from contracts.witness import Record
+from contracts.witness import Record, across_freeze
 
 
 def _own_errors() -> frozenset[str]:
@@ -114,6 +119,8 @@ class Verdict:
     exits: list[str] = field(default_factory=list)
     #: Creates and deletes of the campaign that no manager accepted in time.
     api_failures: list[str] = field(default_factory=list)
+    #: Copies whose last step came just after their process was resumed (left out of spans).
+    late_steps: list[str] = field(default_factory=list)
 
     def where(self, c: Copy) -> str:
         name = self.names.get(c.pid)
@@ -153,6 +160,7 @@ class Verdict:
                 f"once for {o.seconds:.3f}s"
             )
             out += [f"  history: {h}" for h in self.history.get(o.observer, [])]
+        out += [f"STEP ACROSS A FREEZE {s}" for s in self.late_steps]
         out += [f"LOST {oid}: live, but no copy runs at the end" for oid in self.lost]
         out += [f"RAN AFTER DELETE {oid}" for oid in self.ran_after_delete]
         out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
@@ -199,6 +207,7 @@ class Verdict:
             "witness_broken": self.broken,
             "exited_on_their_own": self.exits,
             "api_failures": self.api_failures,
+            "steps_across_a_freeze": self.late_steps,
             "history": self.history,
             "kinds": {
                 name: {
@@ -279,7 +288,15 @@ def judge(
     observer -> its last error. ``restarts``: (observer, error) of every restart. ``alive``: the
     service processes alive at the end. ``paused``: per process, when it was stopped (SIGSTOP):
     a stop request's time excludes them, the copy could not run then."""
-    copies = copies_of(records)
+    late = across_freeze(
+        (r for r in records if r.observer is not None and r.r in ("run", "fx", "stall")),
+        pid=lambda r: r.pid,
+        copy=lambda r: r.copy,
+        at=lambda r: r.at,
+        paused=paused or {},
+    )
+    left_out = {id(r) for r in late}
+    copies = copies_of([r for r in records if id(r) not in left_out])
     running = running_at_end(copies, alive)
     lost = sorted(o for o in live if o not in running and o not in failed)
     after = sorted(
@@ -330,9 +347,14 @@ def judge(
                 k.longest_stall, k.stalled_observer = d, rec.observer
     for kind, growth in memory_growth(records).items():
         figures.setdefault(kind, KindFigures(kind)).growth = growth
-    return Verdict(
+    verdict = Verdict(
         overlaps(copies, kinds), lost, after, failed, own, figures, shutdown_timeout, copies
     )
+    verdict.late_steps = [
+        f"{r.observer}: epoch {r.epoch} in process {r.pid} stepped once, {r.r} at {r.at:.3f}"
+        for r in late
+    ]
+    return verdict
 
 
 def _running(start: float, end: float, paused: list[tuple[float, float]]) -> float:

@@ -285,6 +285,41 @@ def test_two_copies_at_once_are_an_overlap_and_one_after_the_other_is_not() -> N
     assert any(line.startswith("OVERLAP k") for line in v.lines())
 
 
+def test_one_step_cut_by_a_sigstop_is_shown_apart_and_a_second_is_an_overlap() -> None:
+    """Process 10 is frozen from 1.0 to 9.0; epoch 2 runs O1 elsewhere from 6.0. The one step
+    that was between its lease check and its resumption at the SIGSTOP completes at 9.01: it is
+    shown, not an overlap. Anything more after that freeze is one."""
+    frozen = {10: [(1.0, 9.0)]}
+    records = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("run", O1, 1, 10, 0.9),
+        rec("run", O2, 1, 10, 0.9),
+        rec("run", O1, 2, 20, 6.0),
+        rec("run", O2, 2, 20, 6.0),
+        rec("run", O1, 2, 20, 9.5),
+        rec("run", O2, 2, 20, 9.5),
+    ]
+    cut = rec("run", O1, 1, 10, 9.01)
+    v = verdict_of([*records, cut], paused=frozen, alive={20})
+    assert v.overlaps == []
+    assert v.passed
+    (line,) = v.late_steps
+    assert line.startswith(f"{O1}: epoch 1 in process 10 stepped once")
+    assert any(x.startswith("STEP ACROSS A FREEZE") for x in v.lines())
+    # Without the freeze on record, the same step is an overlap.
+    assert len(verdict_of([*records, cut], alive={20}).overlaps) == 1
+    # Two copies stepping after one freeze, or one copy stepping twice: overlaps.
+    two = verdict_of([*records, cut, rec("run", O2, 1, 10, 9.02)], paused=frozen, alive={20})
+    assert len(two.overlaps) == 2
+    assert two.late_steps == []
+    twice = verdict_of([*records, cut, rec("run", O1, 1, 10, 9.3)], paused=frozen, alive={20})
+    assert len(twice.overlaps) == 1
+    assert not twice.passed
+    # A step long after the wake is not the cut one.
+    later = verdict_of([*records, rec("run", O1, 1, 10, 9.0 + witness.THAW + 0.1)], paused=frozen)
+    assert len(later.overlaps) == 1
+
+
 def test_a_live_observer_without_a_running_copy_is_lost_unless_it_failed() -> None:
     records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 30, 0.0)]  # process 30 is gone
     assert verdict_of(records).lost == [O2]
