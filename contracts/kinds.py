@@ -97,6 +97,13 @@ class KindSpec:
     #: The params shown to a ``read`` token as ``***``: those given here, and every field of
     #: the params model of a secret type (``SecretStr`` …) or marked ``{"secret": True}``.
     secret_params: frozenset[str] = frozenset()
+    #: Outputs: seconds between the commits a copy makes on its own of the records it staged
+    #: with ``ctx.emit`` (None: records are committed only with ``ctx.checkpoint``). For kinds
+    #: with nothing to resume from: see ``docs/outputs.md`` for what each mode guarantees.
+    commit_every: float | None = None
+    #: Seconds: a copy that commits nothing (no checkpoint, no record) for this long is restarted
+    #: with the error "no progress for N s", under its restart policy (None: never).
+    progress_timeout: float | None = None
 
     def __post_init__(self) -> None:
         found = secret_fields(self.params_model) if self.params_model is not None else set()
@@ -270,9 +277,17 @@ def observer_kind(
     *,
     params: type[BaseModel] | None = None,
     restart: RestartPolicy | None = None,
+    commit_every: float | None = None,
+    progress_timeout: float | None = None,
 ) -> Callable[[T], T]:
     """Register an observer kind: an ``async def run(ctx)`` function, or a class whose instances
-    have one (a new instance for every run)."""
+    have one (a new instance for every run). ``commit_every`` (seconds) makes each copy commit
+    the records it emits on its own, without a checkpoint; ``progress_timeout`` (seconds)
+    restarts a copy that commits nothing for that long."""
+    if commit_every is not None and not 0.001 <= commit_every <= 60:
+        raise ValueError("commit_every must be between 0.001 and 60 seconds")
+    if progress_timeout is not None and not 0.1 <= progress_timeout <= 86_400:
+        raise ValueError("progress_timeout must be between 0.1 and 86400 seconds")
 
     def register(obj: T) -> T:
         if inspect.isclass(obj):
@@ -299,6 +314,8 @@ def observer_kind(
             restart_policy=restart or RestartPolicy(),
             description=doc.splitlines()[0] if doc else "",
             origin=origin,
+            commit_every=commit_every,
+            progress_timeout=progress_timeout,
         )
         return obj
 

@@ -30,6 +30,8 @@ class Topology:
         self.dead_letter_exchange = f"{prefix}.dead-letter"
         self.error_queue = f"{prefix}.errors"
         self.control_exchange = f"{prefix}.control"
+        #: Durable topic exchange of committed outputs, routed by kind (``contracts/outputs.py``).
+        self.outputs_exchange = f"{prefix}.outputs"
 
     def control_queue(self, service_id: uuid.UUID | str) -> str:
         """One service's own (exclusive) control queue."""
