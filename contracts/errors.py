@@ -222,6 +222,10 @@ def convert_broker_error(exc: BaseException) -> BaseException:
         | asyncio.TimeoutError,
     ):
         return BrokerUnavailable(_first_line(exc) or type(exc).__name__)
+    if type(exc) is Exception and not exc.args:
+        # aiormq's reason for what was waiting on a connection or channel that closed
+        # without an exception of its own.
+        return BrokerUnavailable("broker connection closed")
     return exc
 
 

@@ -130,7 +130,10 @@ class ManagerRuntime:
         # stop() removes this callback before it cancels: any end seen here is a death, a
         # cancellation from inside included (a driver's CancelledError).
         self.error = asyncio.CancelledError() if task.cancelled() else task.exception()
-        log.critical("%s died (%r): the manager must stop", task.get_name(), self.error)
+        # With its traceback (and its cause's): a bare repr told too little once.
+        log.critical(
+            "%s died (%r): the manager must stop", task.get_name(), self.error, exc_info=self.error
+        )
         self.fatal.set()
 
     async def stop(self) -> None:

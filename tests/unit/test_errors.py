@@ -3,8 +3,11 @@ name, never by their text."""
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
+from aiormq.base import FutureStore
 from aiormq.exceptions import (
     AMQPConnectionError,
     AuthenticationError,
@@ -115,6 +118,22 @@ def test_a_refusal_is_known_by_its_reply_code_and_never_retried(
 def test_what_a_new_session_can_mend_stays_transient(error: BaseException) -> None:
     with pytest.raises(BrokerUnavailable), broker_errors():
         raise error
+
+
+async def test_a_close_without_a_reason_is_the_broker_gone_not_a_bug() -> None:
+    """aiormq fails what was waiting on a connection or channel that closed without an
+    exception with a bare ``Exception()`` (its future store's reject reason). It ended the
+    leader's sweeper twice in a chaos run (a probe pending when the connection closed after a
+    memory alarm): it is the broker gone, not a bug."""
+    store = FutureStore(loop=asyncio.get_running_loop())
+    waiting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    store.add(waiting)
+    await store.reject_all(None)
+    with pytest.raises(BrokerUnavailable, match="closed"), broker_errors():
+        await waiting
+    with pytest.raises(Exception, match="a reason") as info, broker_errors():
+        raise Exception("a reason")  # an exception with a message stays what it is
+    assert type(info.value) is Exception
 
 
 def test_what_kind_code_sees_is_outside_the_tree() -> None:
