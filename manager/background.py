@@ -123,6 +123,32 @@ async def redispatch(
 
 
 @dataclass
+class OutputRelay:
+    """Publishes the outputs that a gone service committed and nobody confirmed (its
+    observer may commit nothing more, so no new holder would), in seq order per observer,
+    then deletes them. The publish runs between two statements, in no transaction."""
+
+    store: ManagerStore
+    publisher: Publisher
+    metrics: ManagerMetrics
+    limit: int = 2000
+
+    async def once(self) -> int:
+        async with self.store.autocommit() as tx:
+            left = await repo.outputs_left(tx, self.limit)
+            self.metrics.oldest_output.set(await repo.oldest_output(tx))
+        if not left:
+            return 0
+        await self.publisher.publish_outputs(left)
+        async with self.store.autocommit() as tx:
+            await repo.delete_outputs(tx, left)
+        count = sum(len(c.records) for c in left)
+        self.metrics.outputs_relayed.inc(count)
+        log.info("relayed %d outputs that gone services left", count)
+        return count
+
+
+@dataclass
 class Sweeper:
     """Services whose lease expired are dead; so are those whose process is provably gone (its
     lease session ended and its broker connection closed, seen in two sweeps in a row), which
