@@ -128,6 +128,11 @@ class CopyOutputs:
                 )
             self._wake()
 
+    def discard_staged(self) -> None:
+        """Forget what is staged: the run that staged it ended without committing it."""
+        self._staged.clear()
+        self._wake()
+
     def confirmed(self, count: int) -> None:
         self.unconfirmed = max(0, self.unconfirmed - count)
         self._wake()

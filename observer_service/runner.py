@@ -153,6 +153,10 @@ async def run_observer(
             error = describe(returned, secrets)
         except Exception as exc:
             error = describe(exc, secrets)
+        if outputs is not None and outputs.commit_every is None:
+            # The next run resumes from the last checkpoint and emits these again (records of a
+            # kind that commits on its own are committed as they are).
+            outputs.discard_staged()
         record = await record_error(error)
         if record.failed:
             return error
