@@ -47,7 +47,7 @@ from observer_service.ports import (
     TakeResult,
 )
 from observer_service.retry import landed, until_done, while_leased
-from observer_service.runner import Runner, StopReason, refused, run_observer
+from observer_service.runner import NoProgress, Runner, StopReason, refused, run_observer
 from observer_service.settle import Disposition, Settler
 from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
@@ -361,7 +361,7 @@ class Intake:
                     timing=timing,
                     secrets=secrets,
                     outputs=outputs,
-                    progress_timeout=spec.progress_timeout,
+                    progress_timeout=policy.progress_timeout,
                 ),
             ),
             name=f"observer-{taken.observer_id}",
@@ -441,6 +441,8 @@ class Intake:
             self.metrics.fenced.labels("restart_record").inc()
             raise refused("restart record")
         (self.metrics.failed if record.failed else self.metrics.restarts).labels(kind).inc()
+        if error.startswith(f"{NoProgress.__name__}:"):
+            self.metrics.no_progress.labels(kind).inc()
         return record
 
     async def _fail_unrunnable(self, taken: Taken, origin: Origin, error: str) -> None:

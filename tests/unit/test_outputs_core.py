@@ -76,8 +76,9 @@ KINDS.update(
         "silent": KindSpec(
             "silent",
             silent,
-            restart_policy=RestartPolicy(max_restarts=1, base_delay=0.05, max_delay=0.05),
-            progress_timeout=0.2,
+            restart_policy=RestartPolicy(
+                max_restarts=1, base_delay=0.05, max_delay=0.05, progress_timeout=0.2
+            ),
         ),
     }
 )
