@@ -112,6 +112,9 @@ class InMemoryStore:
         self.locked: set[uuid.UUID] = set()
         #: The outbox of outputs: (observer, first seq) -> the commit.
         self.outputs: dict[tuple[uuid.UUID, int], Committed] = {}
+        #: Commits other services made and nobody confirmed (``outputs_backlog``'s answer).
+        self.left_by_others: dict[tuple[uuid.UUID, int], Committed] = {}
+        self.outputs_asked: list[list[uuid.UUID]] = []
         #: This service's row says draining (what a renewal, and a control check, read).
         self.draining = False
 
@@ -218,7 +221,8 @@ class InMemoryStore:
                 continue
             if ok and row is not None:
                 if row.output_seq not in (c.first_seq - 1, c.first_seq - 1 + len(c.records)):
-                    raise RuntimeError(f"a commit of {c.observer_id} is out of step")
+                    out.append(False)  # out of step: refused like a fence
+                    continue
                 if c.state_json is not None:
                     row.checkpoint = json.loads(c.state_json)
                 if c.records and row.output_seq == c.first_seq - 1:
@@ -231,8 +235,10 @@ class InMemoryStore:
 
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
         self._up("outputs_backlog")
+        # Everything here was committed by this store's own service.
+        self.outputs_asked.append(list(observer_ids))
         return sorted(
-            (o for (oid, _), o in self.outputs.items() if oid in observer_ids),
+            (o for (oid, _), o in self.left_by_others.items() if oid in observer_ids),
             key=lambda o: (str(o.observer_id), o.seq),
         )
 
@@ -240,6 +246,7 @@ class InMemoryStore:
         self._up("delete_published")
         for key in commits:
             self.outputs.pop(key, None)
+            self.left_by_others.pop(key, None)
 
     async def let_go_many(
         self, copies: Sequence[Copy], detail: str

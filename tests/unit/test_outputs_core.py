@@ -112,7 +112,7 @@ async def test_what_a_run_staged_and_never_committed_is_never_delivered() -> Non
 async def test_older_commits_left_by_another_service_go_out_first() -> None:
     async with harness() as h:
         row = h.store.add("emits")
-        h.store.outputs[(row.id, 1)] = Committed(
+        h.store.left_by_others[(row.id, 1)] = Committed(
             row.id, 1, 1, "emits", "fake", 0.0, ('{"n": 1}', '{"n": 2}')
         )
         row.output_seq, row.checkpoint, row.epoch = 2, {"n": 2}, 1
