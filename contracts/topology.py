@@ -200,14 +200,15 @@ async def publish_outputs(channel: AbstractChannel, topology: Topology, commits:
     order, and wait for every confirm. Raises BrokerUnavailable (a nack included)."""
     with broker_errors():
         exchange = await channel.get_exchange(topology.outputs_exchange, ensure=False)
+        # Not mandatory: a kind whose outputs nobody has bound a queue for yet is no error.
         confirms = [
-            exchange.publish(message, routing_key=key, timeout=30)
+            exchange.publish(message, routing_key=key, mandatory=False, timeout=30)
             for key, message in output_messages(commits)
         ]
         results = await asyncio.gather(*confirms, return_exceptions=True)
     for r in results:
         if isinstance(r, DeliveryError):
-            raise BrokerUnavailable("the broker refused an output (a nack)") from r
+            raise BrokerUnavailable(f"the broker did not confirm an output: {r!r}") from r
         if isinstance(r, Exception):
             converted = convert_broker_error(r)
             raise converted if converted is not r else BrokerUnavailable(str(r) or repr(r))

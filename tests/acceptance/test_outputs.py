@@ -79,14 +79,23 @@ async def settled(cluster: Cluster, got: Received, ids: list[uuid.UUID]) -> dict
     """Wait until nothing is left in the outbox and the consumer has every committed seq;
     returns each observer's last committed seq."""
 
+    state = {"left": -1, "missing": {}}
+
     async def drained() -> bool:
         left = await cluster.q("SELECT count(*) AS n FROM observer_outputs")
-        if left[0]["n"]:
-            return False
         rows = await cluster.q("SELECT id, output_seq FROM observers WHERE id = ANY($1)", ids)
-        return all(len(got.of(r["id"])) >= r["output_seq"] for r in rows)
+        state["left"] = left[0]["n"]
+        state["missing"] = {
+            str(r["id"]): sorted(set(range(1, r["output_seq"] + 1)) - set(got.of(r["id"])))[:5]
+            for r in rows
+            if len(got.of(r["id"])) < r["output_seq"]
+        }
+        return not state["left"] and not state["missing"]
 
-    await wait_for(drained, timeout=20, what="every committed output received")
+    try:
+        await wait_for(drained, timeout=20, what="every committed output received")
+    except TimeoutError as exc:
+        raise AssertionError(f"not every committed output arrived: {state}") from exc
     rows = await cluster.q("SELECT id, output_seq FROM observers WHERE id = ANY($1)", ids)
     return {r["id"]: r["output_seq"] for r in rows}
 
