@@ -361,14 +361,18 @@ SELECT date_trunc('minute', e.at) AS minute, e.event, count(*) AS n
 
 
 # ------------------------------------------------------------------- leader: the output relay
-# Commits of outputs whose service is gone (deleted, or its lease expired) and nobody confirmed:
-# per observer in seq order. A new holder of the observer publishes them too, before its own
+# Commits of outputs whose service is gone (deleted, or its lease expired) and nobody confirmed,
+# or older than :grace seconds while another service, or none, holds the observer (the copy that
+# committed them ended before their publish, say): per observer in seq order. A new holder of the observer publishes them too, before its own
 # records: both publish in order, so a consumer sees repeats at worst, never a reorder.
 OUTPUTS_LEFT = f"""
 SELECT x.observer_id, x.seq, x.epoch, x.kind, x.name, CAST(x.records AS text) AS records,
        CAST(extract(epoch FROM x.committed_at) AS float8) AS committed_at
   FROM observer_outputs x LEFT JOIN services s ON s.id = x.service_id
+                          LEFT JOIN observers o ON o.id = x.observer_id
  WHERE s.id IS NULL OR NOT {live_service("s")}
+    OR (x.committed_at < clock_timestamp() - make_interval(secs => :grace)
+        AND o.service_id IS DISTINCT FROM x.service_id)
  ORDER BY x.observer_id, x.seq LIMIT :n
 """
 OUTPUTS_DELETE = """

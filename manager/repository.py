@@ -125,8 +125,8 @@ class LeftOutputs:
     records: tuple[str, ...]
 
 
-async def outputs_left(tx: Tx, limit: int) -> list[LeftOutputs]:
-    rows = await tx.rows(q.OUTPUTS_LEFT, n=limit)
+async def outputs_left(tx: Tx, limit: int, grace: float) -> list[LeftOutputs]:
+    rows = await tx.rows(q.OUTPUTS_LEFT, n=limit, grace=grace)
     return [
         LeftOutputs(
             r["observer_id"],

@@ -112,7 +112,7 @@ class InMemoryStore:
         self.locked: set[uuid.UUID] = set()
         #: The outbox of outputs: (observer, first seq) -> the commit.
         self.outputs: dict[tuple[uuid.UUID, int], Committed] = {}
-        #: Commits other services made and nobody confirmed (``outputs_backlog``'s answer).
+        #: Commits other services made and nobody confirmed (``outputs_backlog`` adds them).
         self.left_by_others: dict[tuple[uuid.UUID, int], Committed] = {}
         self.outputs_asked: list[list[uuid.UUID]] = []
         #: This service's row says draining (what a renewal, and a control check, read).
@@ -235,10 +235,10 @@ class InMemoryStore:
 
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
         self._up("outputs_backlog")
-        # Everything here was committed by this store's own service.
         self.outputs_asked.append(list(observer_ids))
+        every = {**self.left_by_others, **self.outputs}
         return sorted(
-            (o for (oid, _), o in self.left_by_others.items() if oid in observer_ids),
+            (o for (oid, _), o in every.items() if oid in observer_ids),
             key=lambda o: (str(o.observer_id), o.seq),
         )
 

@@ -309,7 +309,6 @@ class Intake:
             name=taken.name,
             last_seq=taken.output_seq,
             write=lambda item: self._save(copy, item),
-            publisher=self.host.outputs,
             commit_every=spec.commit_every,
             to_json=checkpoint_json,
         )
@@ -368,6 +367,7 @@ class Intake:
         )
         if (witness := self.witness) is not None:
             runner.task.add_done_callback(lambda _: witness.end(taken.observer_id, taken.epoch))
+        self.host.outputs.register(outputs)
         self.host.add_runner(runner)
         self.metrics.takes.inc()
         if cancelled:

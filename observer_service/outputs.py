@@ -59,7 +59,6 @@ class CopyOutputs:
         name: str,
         last_seq: int,
         write: Callable[[Checkpoint], Awaitable[None]],
-        publisher: OutputPublisher | None,
         commit_every: float | None,
         to_json: Callable[[Any], str],
     ) -> None:
@@ -73,7 +72,6 @@ class CopyOutputs:
         #: When this copy last committed (the event loop's clock): its progress.
         self.committed_at = asyncio.get_running_loop().time()
         self._write = write
-        self._publisher = publisher
         self._to_json = to_json
         self._staged: list[str] = []
         #: Records committed and not yet confirmed by the broker.
@@ -102,31 +100,35 @@ class CopyOutputs:
 
     async def commit(self, state_json: str | None) -> None:
         """Commit ``state_json`` (None: unchanged) with every record staged so far; raises what
-        the write raises (Fenced, LeaseLost: nothing landed, and the copy stops)."""
+        the write raises (Fenced, LeaseLost: nothing landed, and the copy stops).
+
+        A cancellation (a stop while the lease holds) does not cut the write short: it goes on,
+        and what it landed counts before the cancellation goes on up, so that a cleanup's own
+        checkpoint continues from the right seq. The records are handed to the publisher by
+        the checkpoint writer as the write lands (``OutputPublisher.landed``), whatever becomes
+        of this coroutine meanwhile."""
         async with self._lock:
             records = tuple(self._staged)
             if state_json is None and not records:
                 return
             first = self.last_seq + 1
-            await self._write(Checkpoint(self.observer_id, self.epoch, state_json, records, first))
-            del self._staged[: len(records)]
-            self.last_seq = first - 1 + len(records)
-            self.committed_at = asyncio.get_running_loop().time()
-            if records and self._publisher is not None:
-                self.unconfirmed += len(records)
-                self._publisher.submit(
-                    self,
-                    Committed(
-                        self.observer_id,
-                        first,
-                        self.epoch,
-                        self.kind,
-                        self.name,
-                        time.time(),
-                        records,
-                    ),
-                )
-            self._wake()
+            item = Checkpoint(self.observer_id, self.epoch, state_json, records, first)
+            writing = asyncio.ensure_future(self._write(item))
+            writing.add_done_callback(_retrieved)
+            try:
+                await asyncio.shield(writing)
+            except asyncio.CancelledError:
+                await asyncio.wait([writing])
+                if not writing.cancelled() and writing.exception() is None:
+                    self._landed(records, first)
+                raise
+            self._landed(records, first)
+
+    def _landed(self, records: tuple[str, ...], first: int) -> None:
+        del self._staged[: len(records)]
+        self.last_seq = first - 1 + len(records)
+        self.committed_at = asyncio.get_running_loop().time()
+        self._wake()
 
     def discard_staged(self) -> None:
         """Forget what is staged: the run that staged it ended without committing it."""
@@ -156,6 +158,12 @@ class CopyOutputs:
             raise
 
 
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A write whose copy was abandoned meanwhile: its error is nobody's to raise."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class _Pending:
     owner: CopyOutputs | None
@@ -179,8 +187,10 @@ class OutputPublisher:
             lambda: 0.0 if (t := self.oldest()) is None else max(0.0, time.time() - t)
         )
         self._pending: dict[uuid.UUID, deque[_Pending]] = {}
-        #: Copies (observer, epoch) whose older commits by others were looked for.
+        #: Copies (observer, epoch) whose older commits were looked for.
         self._looked: set[tuple[uuid.UUID, int]] = set()
+        #: The copies committing here, by (observer, epoch).
+        self._owners: dict[tuple[uuid.UUID, int], CopyOutputs] = {}
         self._wake = asyncio.Event()
         #: Set while nothing is pending.
         self._empty = asyncio.Event()
@@ -204,6 +214,33 @@ class OutputPublisher:
         """When the oldest commit not yet confirmed was made (epoch seconds), or None."""
         times = [q[0].commit.committed_at for q in self._pending.values() if q]
         return min(times, default=None)
+
+    def register(self, owner: CopyOutputs) -> None:
+        """A copy that commits here: what lands of it is published from memory."""
+        self._owners[(owner.observer_id, owner.epoch)] = owner
+
+    def unregister(self, owner: CopyOutputs) -> None:
+        self._owners.pop((owner.observer_id, owner.epoch), None)
+        self._looked.discard((owner.observer_id, owner.epoch))
+
+    def landed(self, item: Checkpoint) -> None:
+        """A commit landed (told by the checkpoint writer as the statement answers): its
+        records go out. One of a copy no longer here stays in the outbox for the next holder's
+        lookup of older commits, or the leader's relay."""
+        owner = self._owners.get((item.observer_id, item.epoch))
+        if owner is None or not item.records:
+            return
+        owner.unconfirmed += len(item.records)
+        commit = Committed(
+            item.observer_id,
+            item.first_seq,
+            item.epoch,
+            owner.kind,
+            owner.name,
+            time.time(),
+            item.records,
+        )
+        self.submit(owner, commit)
 
     def submit(self, owner: CopyOutputs | None, commit: Committed) -> None:
         self.metrics.outputs_committed.labels(commit.kind).inc(len(commit.records))
@@ -266,25 +303,30 @@ class OutputPublisher:
             log.warning("published outputs stay in the outbox for now: %s", exc)
 
     async def _older_first(self) -> None:
-        """Before a copy's first records: what others committed of that observer and nobody
-        confirmed, older than them, goes first."""
+        """Before a copy's first records: what earlier copies of that observer committed and
+        nobody confirmed (on a service that died or froze, or here, a copy whose last commit
+        landed after it was gone), older than them, goes first."""
         new = {
-            (oid, q[0].commit.epoch)
-            for oid, q in self._pending.items()
-            if q and (oid, q[0].commit.epoch) not in self._looked and q[0].owner is not None
+            (oid, p.commit.epoch)
+            for oid, queue in self._pending.items()
+            for p in queue
+            if p.owner is not None and (oid, p.commit.epoch) not in self._looked
         }
         if not new:
             return
-        older = await self.store.outputs_backlog(sorted({oid for oid, _ in new}, key=str))
+        found = await self.store.outputs_backlog(sorted({oid for oid, _ in new}, key=str))
         self._looked |= new
-        by_observer: dict[uuid.UUID, list[Committed]] = {}
-        for c in older:
-            by_observer.setdefault(c.observer_id, []).append(c)
-        for oid, commits in by_observer.items():
-            queue = self._pending[oid]
-            first = queue[0].commit.seq
-            queue.extendleft(_Pending(None, c) for c in reversed(commits) if c.seq < first)
-
-    def forget(self, observer_id: uuid.UUID, epoch: int) -> None:
-        """The copy ended: its lookup of older commits is not needed again."""
-        self._looked.discard((observer_id, epoch))
+        # Per observer, the first seq of the copies looked up now: what is older goes first.
+        first: dict[uuid.UUID, int] = {}
+        for oid, queue in self._pending.items():
+            for p in queue:
+                if (oid, p.commit.epoch) in new:
+                    first[oid] = min(first.get(oid, p.commit.seq), p.commit.seq)
+        for c in found:
+            pending = self._pending.get(c.observer_id)
+            if pending is None or c.seq >= first.get(c.observer_id, 0):
+                continue
+            if all(p.commit.key != c.key for p in pending):
+                pending.append(_Pending(None, c))
+        for oid in {c.observer_id for c in found} & self._pending.keys():
+            self._pending[oid] = deque(sorted(self._pending[oid], key=lambda p: p.commit.seq))

@@ -240,8 +240,8 @@ class Store(TakeRows, Protocol):
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]: ...
 
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
-        """What other services committed of these observers and is not confirmed yet, in
-        seq order per observer."""
+        """What was committed of these observers and is not confirmed yet (by any service),
+        in seq order per observer."""
         ...
 
     async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:

@@ -319,12 +319,12 @@ UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), mod
 
 
 # ------------------------------------------------------------------------------------ outputs
-# $1 observer ids, $2 me: what others committed of these observers and is not confirmed yet (a
-# copy before this one, on a service that died or froze), to publish before our own.
+# $1 observer ids: what earlier copies of these observers committed and nobody confirmed yet
+# (on a service that died or froze, or here), to publish before a new copy's own.
 BACKLOG = """
 SELECT observer_id, seq, epoch, kind, name, records::text AS records,
        extract(epoch FROM committed_at)::float8 AS committed_at
-  FROM observer_outputs WHERE observer_id = ANY($1::uuid[]) AND service_id <> $2
+  FROM observer_outputs WHERE observer_id = ANY($1::uuid[])
  ORDER BY observer_id, seq
 """
 

@@ -307,12 +307,17 @@ class ObserverService:
         finally:
             if self.runners.get(runner.observer_id) is runner:
                 del self.runners[runner.observer_id]
+            if runner.outputs is not None:
+                self.outputs.unregister(runner.outputs)
             self.admission.slots.release()
             runner.finished.set()
 
     async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
         started = time.perf_counter()
         done = await self.store.checkpoint_many(items)
+        for item, answer in zip(items, done, strict=True):
+            if answer is True and item.records:
+                self.outputs.landed(item)  # published whatever becomes of the copy meanwhile
         self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
         self.metrics.checkpoint_batch.observe(len(items))
         return done

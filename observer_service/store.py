@@ -122,7 +122,7 @@ class PgStore:
 
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
         with database_errors():
-            rows = await self.pool.fetch(q.BACKLOG, list(observer_ids), self.me)
+            rows = await self.pool.fetch(q.BACKLOG, list(observer_ids))
         return [committed(r) for r in rows]
 
     async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:

@@ -601,8 +601,9 @@ async def test_a_commit_gives_its_records_the_next_seqs_once_even_when_retried(
     assert await world.store.checkpoint_many([stale, ahead]) == [False, False]
     assert await world.outbox(copy.observer_id) == [(1, copy.epoch, [{"n": 1}, {"n": 2}])]
     assert await world.checkpoint(copy.observer_id) == {"n": 2}
-    # What this service committed is not "left by others" to it.
-    assert await world.store.outputs_backlog([copy.observer_id]) == []
+    (left,) = await world.store.outputs_backlog([copy.observer_id])
+    assert (left.seq, left.last_seq, left.epoch) == (1, 2, copy.epoch)
+    assert [json.loads(r) for r in left.records] == [{"n": 1}, {"n": 2}]
     await world.store.delete_published([(copy.observer_id, 1)])
     assert await world.outbox(copy.observer_id) == []
     # Once let go, the next take resumes from the checkpoint and seq 2 together.

@@ -173,7 +173,6 @@ async def test_emit_waits_while_too_much_is_unconfirmed() -> None:
         name="n",
         last_seq=0,
         write=write,
-        publisher=None,
         commit_every=0.01,
         to_json=lambda r: str(r),
     )
