@@ -363,8 +363,9 @@ SELECT date_trunc('minute', e.at) AS minute, e.event, count(*) AS n
 # ------------------------------------------------------------------- leader: the output relay
 # Commits of outputs whose service is gone (deleted, or its lease expired) and nobody confirmed,
 # or older than :grace seconds while another service, or none, holds the observer (the copy that
-# committed them ended before their publish, say): per observer in seq order. A new holder of the observer publishes them too, before its own
-# records: both publish in order, so a consumer sees repeats at worst, never a reorder.
+# committed them ended before their publish, say): per observer in seq order. A new holder of
+# the observer publishes them too, before its own records: both publish in order, so a consumer
+# sees repeats at worst, never a reorder.
 OUTPUTS_LEFT = f"""
 SELECT x.observer_id, x.seq, x.epoch, x.kind, x.name, CAST(x.records AS text) AS records,
        CAST(extract(epoch FROM x.committed_at) AS float8) AS committed_at
