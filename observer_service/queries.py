@@ -201,7 +201,7 @@ LET_GO = skipping_locked(
 
 
 def copy_key(observer_id: object, epoch: int) -> str:
-    """How $3 of CHECKPOINT and LET_GO names one copy."""
+    """How $3 of COMMIT and LET_GO names one copy."""
     return f"{observer_id}:{epoch}"
 
 
