@@ -67,6 +67,10 @@ class RestartPolicy(BaseModel):
     base_delay: float = Field(default=1.0, ge=0.05, le=3600)
     max_delay: float = Field(default=60.0, ge=0.05, le=86_400)
     reset_after: float = Field(default=600.0, ge=1, le=30 * 86_400)
+    #: Seconds: a copy that commits nothing (no checkpoint, no record) for this long is
+    #: restarted with the error "no progress for N s" (None: never). A kind declares it with
+    #: ``observer_kind(progress_timeout=...)``; an observer's own policy may set it too.
+    progress_timeout: float | None = Field(default=None, ge=0.1, le=86_400)
 
     @model_validator(mode="after")
     def _delays(self) -> Self:
@@ -101,9 +105,6 @@ class KindSpec:
     #: with ``ctx.emit`` (None: records are committed only with ``ctx.checkpoint``). For kinds
     #: with nothing to resume from: see ``docs/outputs.md`` for what each mode guarantees.
     commit_every: float | None = None
-    #: Seconds: a copy that commits nothing (no checkpoint, no record) for this long is restarted
-    #: with the error "no progress for N s", under its restart policy (None: never).
-    progress_timeout: float | None = None
 
     def __post_init__(self) -> None:
         found = secret_fields(self.params_model) if self.params_model is not None else set()
@@ -286,8 +287,11 @@ def observer_kind(
     restarts a copy that commits nothing for that long."""
     if commit_every is not None and not 0.001 <= commit_every <= 60:
         raise ValueError("commit_every must be between 0.001 and 60 seconds")
-    if progress_timeout is not None and not 0.1 <= progress_timeout <= 86_400:
-        raise ValueError("progress_timeout must be between 0.1 and 86400 seconds")
+    policy = restart or RestartPolicy()
+    if progress_timeout is not None:
+        policy = RestartPolicy.model_validate(
+            {**policy.model_dump(), "progress_timeout": progress_timeout}
+        )
 
     def register(obj: T) -> T:
         if inspect.isclass(obj):
@@ -311,11 +315,10 @@ def observer_kind(
             name=name,
             run=run,
             params_model=params,
-            restart_policy=restart or RestartPolicy(),
+            restart_policy=policy,
             description=doc.splitlines()[0] if doc else "",
             origin=origin,
             commit_every=commit_every,
-            progress_timeout=progress_timeout,
         )
         return obj
 

@@ -12,7 +12,8 @@ One message per record:
 - body: the record as JSON (``application/json``);
 - ``message_id``: ``"<observer_id>:<seq>"`` (``message_id``), the same on every retry;
 - headers (``HEADERS``): ``observer_id``, ``seq``, ``epoch`` (of the copy that committed it),
-  ``kind``, ``name`` and ``committed_at`` (epoch seconds);
+  ``kind``, ``name`` and ``committed_at`` (epoch seconds as a decimal string,
+  ``"1796252515.985805"``: an AMQP table carries a float in 32 bits);
 - persistent, published with publisher confirms.
 
 Per observer, records are published in ``seq`` order; a retry may repeat a ``message_id``,
@@ -70,7 +71,8 @@ class Output:
             EPOCH: self.epoch,
             KIND: self.kind,
             NAME: self.name,
-            COMMITTED_AT: self.committed_at,
+            # As text: AMQP tables carry a float in 32 bits (a minute's precision in 2026).
+            COMMITTED_AT: f"{self.committed_at:.6f}",
         }
 
     @classmethod
@@ -83,7 +85,7 @@ class Output:
                 epoch=int(headers[EPOCH]),
                 kind=_text(headers[KIND]),
                 name=_text(headers[NAME]),
-                committed_at=float(headers[COMMITTED_AT]),
+                committed_at=float(_text(headers[COMMITTED_AT])),
                 record=orjson.loads(body),
             )
         except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:

@@ -115,6 +115,13 @@ class Observer(Base):
     #: is recorded here: a handoff message alone proves nothing (anyone on the broker can send
     #: one).
     handoff_to: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    #: The last ``seq`` committed among the records it emitted (0: none yet), over all copies.
+    output_seq: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    #: When the current copy last committed (a checkpoint or records): progress, as shown.
+    committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The number of the current copy's last commit (reset by every take): a commit retried
+    #: after its answer was lost is known by its number and never lands twice.
+    commit_no: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
 
     __table_args__ = (
         CheckConstraint(
@@ -150,6 +157,33 @@ class Observer(Base):
             "dispatched_at",
             postgresql_where=text("service_id IS NULL AND status IN ('created', 'processing')"),
         ),
+    )
+
+
+class ObserverOutput(Base):
+    """Records an observer emitted, committed together and not yet confirmed by the broker: one
+    row per commit, its records holding ``seq`` to ``seq + len(records) - 1``. The service that
+    committed them publishes and deletes them; the leader relays what a dead one left."""
+
+    __tablename__ = "observer_outputs"
+
+    observer_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    #: The first record's seq.
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    #: A JSON array of the records, in seq order.
+    records: Mapped[Any] = mapped_column(JSONB, nullable=False)
+    committed_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")
+    )
+    #: The service that committed them (it publishes them while its lease lives).
+    service_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
+
+    __table_args__ = (
+        Index("ix_observer_outputs_service_id", "service_id"),
+        Index("ix_observer_outputs_committed_at", "committed_at"),
     )
 
 

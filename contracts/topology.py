@@ -5,18 +5,20 @@ Every name carries the deployment prefix, so tests and several deployments share
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
-from aio_pika.exceptions import ChannelNotFoundEntity
+from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError
 from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource, ChannelPreconditionFailed
 
-from contracts.errors import BrokerUnavailable, StartupError, broker_errors
+from contracts.errors import BrokerUnavailable, StartupError, broker_errors, convert_broker_error
+from contracts.outputs import CONTENT_TYPE, Output
 
 QueueType = Literal["classic", "quorum"]
 
@@ -158,6 +160,10 @@ async def declare_topology(
         await channel.declare_exchange(
             topology.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
         )
+    with _refused("the outputs exchange", topology.outputs_exchange, prefix):
+        await channel.declare_exchange(
+            topology.outputs_exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
     args = work_queue_arguments(
         version=version, queue_type=queue_type, consumer_timeout_ms=consumer_timeout_ms
     )
@@ -168,6 +174,46 @@ async def declare_topology(
         topology.dead_letter_exchange
     )
     return await _declare_queue(channel, "work", topology.work_queue, prefix, args, before)
+
+
+def output_messages(commits: Iterable[Any]) -> Iterator[tuple[str, aio_pika.Message]]:
+    """(routing key, message) for every record of these commits (``ports.Committed`` or the
+    manager's rows alike: ``observer_id``, ``seq``, ``epoch``, ``kind``, ``name``,
+    ``committed_at``, ``records`` as JSON texts), in order (``contracts/outputs.py``)."""
+    for c in commits:
+        for i, record in enumerate(c.records):
+            out = Output(c.observer_id, c.seq + i, c.epoch, c.kind, c.name, c.committed_at, None)
+            yield (
+                c.kind,
+                aio_pika.Message(
+                    record.encode(),
+                    content_type=CONTENT_TYPE,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    message_id=out.message_id,
+                    headers=out.headers(),
+                ),
+            )
+
+
+async def publish_outputs(channel: AbstractChannel, topology: Topology, commits: Any) -> None:
+    """Publish these commits' records on ``channel`` (with publisher confirms), pipelined in
+    order, and wait for every confirm. Raises BrokerUnavailable (a nack included)."""
+    with broker_errors():
+        exchange = await channel.get_exchange(topology.outputs_exchange, ensure=False)
+        # Not mandatory: a kind whose outputs nobody has bound a queue for yet is no error.
+        confirms = [
+            exchange.publish(message, routing_key=key, mandatory=False, timeout=30)
+            for key, message in output_messages(commits)
+        ]
+        results = await asyncio.gather(*confirms, return_exceptions=True)
+    for r in results:
+        if isinstance(r, DeliveryError):
+            raise BrokerUnavailable(f"the broker did not confirm an output: {r!r}") from r
+        if isinstance(r, Exception):
+            converted = convert_broker_error(r)
+            raise converted if converted is not r else BrokerUnavailable(str(r) or repr(r))
+        if isinstance(r, BaseException):
+            raise r
 
 
 async def _declare_queue(

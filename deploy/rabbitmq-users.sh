@@ -18,7 +18,9 @@
 # What each role does on the broker, and so the permissions it gets (configure, write, read are
 # regular expressions over exchange and queue names; `amq.default` is the default exchange):
 #   both   declare <p>.work (dead-lettering to <p>.dead-letter), <p>.errors bound to
-#          <p>.dead-letter, and <p>.control, at every start and broker session
+#          <p>.dead-letter, <p>.control and <p>.outputs, at every start and broker session;
+#          publish committed outputs (<p>.outputs: a service its own, the leader what a gone
+#          service left)
 #   manager  publishes starts (default exchange -> <p>.work), broadcasts (<p>.control),
 #          directed starts and handoffs (default exchange -> <p>.control.<id>), errors
 #          (<p>.dead-letter); consumes nothing
@@ -35,7 +37,7 @@ service=${SERVICE_USER:-orch-service}
 : "${SERVICE_PASSWORD:?set SERVICE_PASSWORD}"
 
 p=$(printf '%s' "$prefix" | sed 's/[].[\\*^$()+?{}|]/\\&/g')
-shared="$p\\.(work|errors|dead-letter|control)"
+shared="$p\\.(work|errors|dead-letter|control|outputs)"
 own="$p\\.control\\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 if ! rabbitmqctl -q list_vhosts name | grep -qxF "$vhost"; then
@@ -57,6 +59,15 @@ rabbitmqctl -q set_permissions -p "$vhost" "$manager" \
 user "$service" "$SERVICE_PASSWORD"
 rabbitmqctl -q set_permissions -p "$vhost" "$service" \
     "^($shared|$own)\$" "^(amq\\.default|$shared|$own)\$" "^($shared|$own)\$"
+
+# A consumer of outputs (optional): reads <p>.outputs through queues of its own named
+# <p>.consumer.<anything>, which it declares and binds.
+if [ -n "${CONSUMER_USER:-}" ]; then
+    : "${CONSUMER_PASSWORD:?set CONSUMER_PASSWORD}"
+    user "$CONSUMER_USER" "$CONSUMER_PASSWORD"
+    rabbitmqctl -q set_permissions -p "$vhost" "$CONSUMER_USER" \
+        "^$p\\.consumer\\..+\$" "^$p\\.consumer\\..+\$" "^($p\\.outputs|$p\\.consumer\\..+)\$"
+fi
 
 if [ -n "${OPERATOR_USER:-}" ]; then
     rabbitmqctl -q set_permissions -p "$vhost" "$OPERATOR_USER" ".*" ".*" ".*"

@@ -123,6 +123,38 @@ async def redispatch(
 
 
 @dataclass
+class OutputRelay:
+    """Publishes the outputs that a gone service committed and nobody confirmed (its
+    observer may commit nothing more, so no new holder would), and those a live service
+    committed for a copy that no longer holds its observer, in seq order per observer, then
+    deletes them. The publish runs between two statements, in no transaction. A holder
+    publishes such commits too, before its own records: each publisher goes in seq order, so
+    a consumer sees repeats at worst."""
+
+    store: ManagerStore
+    publisher: Publisher
+    metrics: ManagerMetrics
+    limit: int = 2000
+    #: Seconds before commits of a live service whose copy no longer holds the observer are
+    #: relayed too (that service may still be publishing them: a repeat at worst).
+    grace: float = 2.0
+
+    async def once(self) -> int:
+        async with self.store.autocommit() as tx:
+            left = await repo.outputs_left(tx, self.limit, self.grace)
+            self.metrics.oldest_output.set(await repo.oldest_output(tx))
+        if not left:
+            return 0
+        await self.publisher.publish_outputs(left)
+        async with self.store.autocommit() as tx:
+            await repo.delete_outputs(tx, left)
+        count = sum(len(c.records) for c in left)
+        self.metrics.outputs_relayed.inc(count)
+        log.info("relayed %d outputs that gone services left", count)
+        return count
+
+
+@dataclass
 class Sweeper:
     """Services whose lease expired are dead; so are those whose process is provably gone (its
     lease session ended and its broker connection closed, seen in two sweeps in a row), which

@@ -64,6 +64,14 @@ class ManagerMetrics(Metrics):
         self.outbox_age = m.gauge(
             "orch_outbox_oldest_age_seconds", "Age of the oldest outbox record (0 when empty)"
         )
+        self.oldest_output = m.gauge(
+            "orch_outputs_oldest_unconfirmed_seconds",
+            "Age of the oldest committed output not yet confirmed by the broker (the leader's "
+            "view, 0: none)",
+        )
+        self.outputs_relayed = m.counter(
+            "orch_outputs_relayed_total", "Outputs the leader published for gone services"
+        )
         self.leader = m.gauge("orch_leader", "1 while this replica leads, else 0")
         self.redispatches = m.counter(
             "orch_redispatches_total",

@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractConnection
@@ -18,7 +19,12 @@ from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import Message
 from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
-from contracts.topology import broker_version, declare_topology, service_present
+from contracts.topology import (
+    broker_version,
+    declare_topology,
+    publish_outputs,
+    service_present,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,14 @@ class Publisher:
             # The work queue is gone (deleted): declare it again so that the retry lands.
             await self._declare()
             raise
+
+    async def publish_outputs(self, commits: Sequence[Any]) -> None:
+        """Publish the records of these commits of outputs in order, waiting for every
+        confirm (``contracts.topology.publish_outputs``). Raises BrokerUnavailable."""
+        channel = self._channel
+        if channel is None or not self.connected:
+            raise BrokerUnavailable("broker connection is down")
+        await publish_outputs(channel, self.topology, commits)
 
     async def _declare(self) -> None:
         """Declare the topology again on the open channel, once at a time; a failure is logged

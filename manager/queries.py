@@ -23,7 +23,7 @@ def _v(status: ObserverStatus | Event) -> str:
 OBSERVER_COLUMNS = (
     "o.id, o.name, o.kind, o.params, o.status, o.service_id, o.epoch, o.checkpoint, "
     "o.checkpointed_at, o.restart_count, o.last_error, o.restart_policy, o.created_at, "
-    "o.modified_at, o.started_at"
+    "o.modified_at, o.started_at, o.output_seq, o.committed_at"
 )
 
 SERVICE_COLUMNS = (
@@ -317,7 +317,8 @@ VIEW_FILTER = (
 VIEW_OBSERVERS = (
     "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
     "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
-    "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, "
+    "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, o.output_seq, "
+    "o.committed_at, "
     # Only to mask an error that quotes them (one written before errors were masked at write).
     "CASE WHEN o.last_error IS NOT NULL THEN o.params END AS params, "
     "clock_timestamp() AS now "
@@ -357,3 +358,30 @@ SELECT date_trunc('minute', e.at) AS minute, e.event, count(*) AS n
    AND (CAST(:sid AS uuid) IS NULL OR e.service_id = :sid)
  GROUP BY 1, 2
 """
+
+
+# ------------------------------------------------------------------- leader: the output relay
+# Commits of outputs whose service is gone (deleted, or its lease expired) and nobody confirmed,
+# or older than :grace seconds while another service, or none, holds the observer (the copy that
+# committed them ended before their publish, say): per observer in seq order. A new holder of
+# the observer publishes them too, before its own records: both publish in order, so a consumer
+# sees repeats at worst, never a reorder.
+OUTPUTS_LEFT = f"""
+SELECT x.observer_id, x.seq, x.epoch, x.kind, x.name, CAST(x.records AS text) AS records,
+       CAST(extract(epoch FROM x.committed_at) AS float8) AS committed_at
+  FROM observer_outputs x LEFT JOIN services s ON s.id = x.service_id
+                          LEFT JOIN observers o ON o.id = x.observer_id
+ WHERE s.id IS NULL OR NOT {live_service("s")}
+    OR (x.committed_at < clock_timestamp() - make_interval(secs => :grace)
+        AND o.service_id IS DISTINCT FROM x.service_id)
+ ORDER BY x.observer_id, x.seq LIMIT :n
+"""
+OUTPUTS_DELETE = """
+DELETE FROM observer_outputs x
+ USING unnest(CAST(:ids AS uuid[]), CAST(:seqs AS bigint[])) AS p(observer_id, seq)
+ WHERE x.observer_id = p.observer_id AND x.seq = p.seq
+"""
+OUTPUTS_OLDEST = (
+    "SELECT CAST(extract(epoch FROM clock_timestamp() - min(committed_at)) AS float8) "
+    "FROM observer_outputs"
+)

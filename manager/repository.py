@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 from pydantic import TypeAdapter
 
 from contracts.errors import Conflict, NameTaken, NotFound
@@ -107,6 +108,48 @@ async def outbox_due(tx: Tx, *, grace: float, limit: int, skip: list[int]) -> li
 
 async def delete_outbox(tx: Tx, ids: list[int]) -> None:
     await tx.rows(q.OUTBOX_DELETE, ids=ids)
+
+
+# ---------------------------------------------------------------------------------- outputs
+@dataclass(frozen=True)
+class LeftOutputs:
+    """One commit of outputs a gone service left (``observer_outputs``), its records as JSON
+    texts: what ``contracts.topology.publish_outputs`` sends."""
+
+    observer_id: uuid.UUID
+    seq: int
+    epoch: int
+    kind: str
+    name: str
+    committed_at: float
+    records: tuple[str, ...]
+
+
+async def outputs_left(tx: Tx, limit: int, grace: float) -> list[LeftOutputs]:
+    rows = await tx.rows(q.OUTPUTS_LEFT, n=limit, grace=grace)
+    return [
+        LeftOutputs(
+            r["observer_id"],
+            r["seq"],
+            r["epoch"],
+            r["kind"],
+            r["name"],
+            r["committed_at"],
+            tuple(orjson.dumps(x).decode() for x in orjson.loads(r["records"])),
+        )
+        for r in rows
+    ]
+
+
+async def delete_outputs(tx: Tx, commits: list[LeftOutputs]) -> None:
+    await tx.rows(
+        q.OUTPUTS_DELETE, ids=[c.observer_id for c in commits], seqs=[c.seq for c in commits]
+    )
+
+
+async def oldest_output(tx: Tx) -> float:
+    """Seconds since the oldest commit of outputs not yet confirmed was made (0: none)."""
+    return float(await tx.value(q.OUTPUTS_OLDEST) or 0.0)
 
 
 # -------------------------------------------------------------------------------- observers

@@ -83,6 +83,11 @@ class ManagerRuntime:
                 s.relay_interval, lambda: self.outbox.relay_once(grace=s.relay_grace), "relay"
             ),
             "sweeper": background.every(s.sweep_interval, sweeper.once, "sweeper"),
+            "output-relay": background.every(
+                s.relay_interval,
+                background.OutputRelay(self.store, self.publisher, self.metrics).once,
+                "output relay",
+            ),
             "audit": background.every(s.audit_interval, audit.once, "audit"),
         }
         pruner = background.Pruner(

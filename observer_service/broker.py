@@ -14,11 +14,16 @@ import itertools
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
 from aiormq import spec
 from aiormq.exceptions import (
     AMQPChannelError,
@@ -32,8 +37,14 @@ from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import CancelMessage, StartMessage
 from contracts.routing import BROADCAST, ERRORS, Sender
 from contracts.settings import CommonSettings
-from contracts.topology import Topology, broker_version, declare_topology, service_present
-from observer_service.ports import SessionSpec, Settling
+from contracts.topology import (
+    Topology,
+    broker_version,
+    declare_topology,
+    publish_outputs,
+    service_present,
+)
+from observer_service.ports import Committed, SessionSpec, Settling
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)
@@ -86,6 +97,7 @@ class AmqpSession:
         self._work_tag: str | None = None
         self._on_start_message: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None
         self._sender: Sender | None = None
+        self._outputs: AbstractChannel | None = None
         self.service_id = uuid.UUID(int=0)
 
     @property
@@ -163,6 +175,10 @@ class AmqpSession:
             self._work_queue = queue
             self._on_start_message = start_message
             self._sender = Sender(control, topo)
+            # Outputs on a channel of their own: thousands of confirms in flight must not
+            # queue directed starts behind them.
+            self._outputs = await self.connection.channel(publisher_confirms=True)
+            self._outputs.close_callbacks.add(self._on_close)
             if spec.consume_work:
                 self._work_tag = await queue.consume(start_message)
 
@@ -174,6 +190,11 @@ class AmqpSession:
 
     async def send_cancel(self, observer_id: uuid.UUID) -> None:
         await self._live_sender().publish(BROADCAST, CancelMessage(observer_id=observer_id))
+
+    async def publish_outputs(self, commits: Sequence[Committed]) -> None:
+        if self._outputs is None or not self.is_open:
+            raise BrokerUnavailable("broker session is not open")
+        await publish_outputs(self._outputs, self.topology, commits)
 
     def _live_sender(self) -> Sender:
         if self._sender is None or not self.is_open:

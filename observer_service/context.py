@@ -30,6 +30,7 @@ class ObserverContext:
         alive: Callable[[], bool],
         logger: logging.LoggerAdapter[logging.Logger] | None = None,
         witness: Callable[[str], None] | None = None,
+        emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> None:
         self.observer_id = observer_id
         self.name = name
@@ -51,6 +52,7 @@ class ObserverContext:
         self._save = save
         self._alive = alive
         self._witness = witness
+        self._emit = emit
 
     def witness(self, event: str) -> None:
         """Say that a side effect follows (``event`` names it), from any thread. Under
@@ -72,9 +74,21 @@ class ObserverContext:
         if not self._alive():
             raise LeaseLost("service lease is no longer valid")
 
+    async def emit(self, record: Any) -> None:
+        """Stage ``record`` (JSON: a dict, a list, text, a number) as an output of this
+        observer. Staged records are committed with the next ``checkpoint`` (or on their own,
+        for a kind declared with ``commit_every``), then published on ``<prefix>.outputs``
+        with their ``seq`` (``docs/outputs.md``). A copy that stops or is fenced before the
+        commit never delivers them: they go with the checkpoint it never wrote. Waits while
+        this copy has too many records staged or not yet confirmed by the broker."""
+        if self._emit is None:
+            raise RuntimeError("this context cannot emit")
+        await self._emit(record)
+
     async def checkpoint(self, state: Any) -> None:
-        """Save JSON ``state``; a stale epoch raises Fenced and this copy stops at once. While
-        the orchestrator's database is unavailable it waits (the lease decides how long)."""
+        """Save JSON ``state`` and commit every record emitted since the last commit, in one
+        write; a stale epoch raises Fenced and this copy stops at once. While the
+        orchestrator's database is unavailable it waits (the lease decides how long)."""
         self.ensure_alive()
         await self._save(state)
         self.last_checkpoint = state

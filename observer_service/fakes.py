@@ -19,10 +19,12 @@ from contracts.clock import Clock
 from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
+from contracts.outputs import Output
 from contracts.statuses import HELD, STOPPED, ObserverStatus
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
+    Committed,
     ControlFacts,
     Copy,
     ErrorRecord,
@@ -70,6 +72,8 @@ class Row:
     #: The move the leader recorded (``observers.handoff_to``): cleared by every take.
     handoff_to: uuid.UUID | None = None
     events: list[str] = field(default_factory=list)
+    output_seq: int = 0
+    name: str = "fake"
 
     @property
     def start(self) -> StartMessage:
@@ -106,6 +110,11 @@ class InMemoryStore:
         self.lose_replies = 0
         self.calls: list[str] = []
         self.locked: set[uuid.UUID] = set()
+        #: The outbox of outputs: (observer, first seq) -> the commit.
+        self.outputs: dict[tuple[uuid.UUID, int], Committed] = {}
+        #: Commits other services made and nobody confirmed (``outputs_backlog`` adds them).
+        self.left_by_others: dict[tuple[uuid.UUID, int], Committed] = {}
+        self.outputs_asked: list[list[uuid.UUID]] = []
         #: This service's row says draining (what a renewal, and a control check, read).
         self.draining = False
 
@@ -177,6 +186,7 @@ class InMemoryStore:
         self._up("compare_and_set")
         epochs: dict[uuid.UUID, int] = {}
         locked: set[uuid.UUID] = set()
+        resumed: dict[uuid.UUID, tuple[Any, int]] = {}
         for seen in {r.observer_id: r for r in rows}.values():
             row = self._as_seen(seen)
             if row is None:
@@ -189,6 +199,7 @@ class InMemoryStore:
                 row.epoch += 1
                 row.handoff_to = None
                 row.events.append("taken")
+                resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:
                 row.status, row.service_id = STOPPED[row.status], None
             else:
@@ -197,7 +208,7 @@ class InMemoryStore:
         if self.lose_replies:
             self.lose_replies -= 1
             raise DatabaseUnavailable("connection lost before the reply")
-        return Written(epochs, frozenset(locked))
+        return Written(epochs, frozenset(locked), resumed)
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
         self._up("checkpoint_many")
@@ -209,9 +220,33 @@ class InMemoryStore:
                 out.append(LOCKED)
                 continue
             if ok and row is not None:
-                row.checkpoint = json.loads(c.state_json)
+                if row.output_seq not in (c.first_seq - 1, c.first_seq - 1 + len(c.records)):
+                    out.append(False)  # out of step: refused like a fence
+                    continue
+                if c.state_json is not None:
+                    row.checkpoint = json.loads(c.state_json)
+                if c.records and row.output_seq == c.first_seq - 1:
+                    self.outputs[(row.id, c.first_seq)] = Committed(
+                        row.id, c.first_seq, c.epoch, row.kind, row.name, 0.0, c.records
+                    )
+                row.output_seq = c.first_seq - 1 + len(c.records)
             out.append(ok)
         return out
+
+    async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
+        self._up("outputs_backlog")
+        self.outputs_asked.append(list(observer_ids))
+        every = {**self.left_by_others, **self.outputs}
+        return sorted(
+            (o for (oid, _), o in every.items() if oid in observer_ids),
+            key=lambda o: (str(o.observer_id), o.seq),
+        )
+
+    async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:
+        self._up("delete_published")
+        for key in commits:
+            self.outputs.pop(key, None)
+            self.left_by_others.pop(key, None)
 
     async def let_go_many(
         self, copies: Sequence[Copy], detail: str
@@ -467,6 +502,12 @@ class FakeSession:
         self.broker.probes.append(service_id)
         return service_id in self.broker.present
 
+    async def publish_outputs(self, commits: Sequence[Committed]) -> None:
+        if not self.is_open:
+            raise BrokerUnavailable("session closed")
+        for c in commits:
+            self.broker.outputs.extend(c.outputs())
+
 
 class FakeBroker:
     def __init__(self) -> None:
@@ -479,6 +520,8 @@ class FakeBroker:
         self.present: set[uuid.UUID] = set()
         #: Every question "is this service on the broker?" asked, in order.
         self.probes: list[uuid.UUID] = []
+        #: Outputs published (each record a message), in order.
+        self.outputs: list[Output] = []
         self.opened = asyncio.Event()
 
     @property

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
-from contracts.errors import BrokerUnavailable, LeaseLost
+from contracts.errors import BrokerUnavailable, Fenced, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy, secret_values
 from contracts.logs import observer_log
 from contracts.masking import mask
@@ -33,6 +33,7 @@ from observer_service.guard import Timing
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin, Queued
+from observer_service.outputs import CopyOutputs, OutputPublisher
 from observer_service.ports import (
     BrokerSession,
     Checkpoint,
@@ -46,7 +47,7 @@ from observer_service.ports import (
     TakeResult,
 )
 from observer_service.retry import landed, until_done, while_leased
-from observer_service.runner import Runner, refused, run_observer
+from observer_service.runner import NoProgress, Runner, StopReason, refused, run_observer
 from observer_service.settle import Disposition, Settler
 from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
@@ -60,6 +61,7 @@ class Host(Protocol):
 
     runners: dict[uuid.UUID, Runner]
     checkpoints: Batcher[Checkpoint, bool | Locked]
+    outputs: OutputPublisher
 
     def accepting(self) -> bool:
         """Neither stopping nor draining: new copies may start here."""
@@ -300,6 +302,16 @@ class Intake:
             )
             return False
         copy = taken.copy
+        outputs = CopyOutputs(
+            observer_id=taken.observer_id,
+            epoch=taken.epoch,
+            kind=taken.kind,
+            name=taken.name,
+            last_seq=taken.output_seq,
+            write=lambda item: self._save(copy, item),
+            commit_every=spec.commit_every,
+            to_json=checkpoint_json,
+        )
         ctx = ObserverContext(
             observer_id=taken.observer_id,
             name=taken.name,
@@ -308,7 +320,8 @@ class Intake:
             service_id=self.me,
             params=params,
             last_checkpoint=taken.checkpoint,
-            save=lambda state: self._save(copy, state),
+            save=lambda state: outputs.commit(checkpoint_json(state)),
+            emit=outputs.emit,
             alive=self.lease.valid,
             logger=observer_log(
                 f"observer.{taken.kind}",
@@ -320,7 +333,9 @@ class Intake:
             ),
             witness=self._effects(taken),
         )
-        runner = Runner(taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness)
+        runner = Runner(
+            taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness, outputs=outputs
+        )
 
         async def record_error(error: str) -> ErrorRecord:
             return await self._record_error(copy, taken.kind, error, policy)
@@ -334,25 +349,57 @@ class Intake:
             self.witness,
         )
         runner.task = asyncio.create_task(
-            run_observer(
-                spec,
-                ctx,
-                policy,
-                gate=runner.gate(self.lease.gate),
-                record_error=record_error,
-                timing=timing,
-                secrets=secrets,
+            self._run_copy(
+                runner,
+                run_observer(
+                    spec,
+                    ctx,
+                    policy,
+                    gate=runner.gate(self.lease.gate),
+                    record_error=record_error,
+                    timing=timing,
+                    secrets=secrets,
+                    outputs=outputs,
+                    progress_timeout=policy.progress_timeout,
+                ),
             ),
             name=f"observer-{taken.observer_id}",
         )
         if (witness := self.witness) is not None:
             runner.task.add_done_callback(lambda _: witness.end(taken.observer_id, taken.epoch))
+        self.host.outputs.register(outputs)
         self.host.add_runner(runner)
         self.metrics.takes.inc()
         if cancelled:
             self.host.cancel(taken.observer_id)
         ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
+
+    async def _run_copy(self, runner: Runner, run: Coroutine[Any, Any, str]) -> str:
+        """The copy's task: its kind's code and, for a kind with ``commit_every``, the commits
+        of what it emits, made on their own; the last of them before the task ends, so that
+        the copy's release comes after it."""
+        outputs = runner.outputs
+        if outputs is None or outputs.commit_every is None:
+            return await run
+        committer = asyncio.create_task(
+            self._commit_on_its_own(runner, outputs), name=f"commits-{runner.observer_id}"
+        )
+        try:
+            return await run
+        finally:
+            committer.cancel()
+            await asyncio.wait([committer])
+            if not committer.cancelled() and (exc := committer.exception()) is not None:
+                raise exc
+
+    async def _commit_on_its_own(self, runner: Runner, outputs: CopyOutputs) -> None:
+        try:
+            await outputs.commit_on_its_own(self.lease.valid)
+        except Fenced:  # another copy holds a newer epoch: this one's code never runs again
+            runner.stop(StopReason.SUPERSEDED)
+        except LeaseLost:  # the lease keeper stops every copy
+            pass
 
     def _effects(self, taken: Taken) -> Callable[[str], None] | None:
         """What ``ctx.witness`` does: record the side effect (verify mode only)."""
@@ -372,10 +419,9 @@ class Intake:
         if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
             runner.blame = reason
 
-    async def _save(self, copy: Copy, state: Any) -> None:
-        """A checkpoint: fenced, batched, retried while the lease holds (also alone, when the
-        batch skipped its row as locked: that is no fence)."""
-        item = Checkpoint(copy.observer_id, copy.epoch, checkpoint_json(state))
+    async def _save(self, copy: Copy, item: Checkpoint) -> None:
+        """A commit (a checkpoint, records): fenced, batched, retried while the lease holds
+        (also alone, when the batch skipped its row as locked: that is no fence)."""
         checkpoints = self.host.checkpoints
 
         async def write() -> bool:
@@ -395,6 +441,8 @@ class Intake:
             self.metrics.fenced.labels("restart_record").inc()
             raise refused("restart record")
         (self.metrics.failed if record.failed else self.metrics.restarts).labels(kind).inc()
+        if error.startswith(f"{NoProgress.__name__}:"):
+            self.metrics.no_progress.labels(kind).inc()
         return record
 
     async def _fail_unrunnable(self, taken: Taken, origin: Origin, error: str) -> None:

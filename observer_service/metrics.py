@@ -76,6 +76,33 @@ class ServiceMetrics(Metrics):
             "reason",
         )
 
+        self.outputs_committed = m.counter(
+            "orch_outputs_committed_total",
+            "Records observers emitted and committed, by kind",
+            "kind",
+        )
+        self.outputs_published = m.counter(
+            "orch_outputs_published_total", "Records the broker confirmed on the outputs exchange"
+        )
+        self.output_lag = m.histogram(
+            "orch_output_lag_seconds", "From a record's commit to the broker's confirm"
+        )
+        self.output_publish = m.histogram(
+            "orch_output_publish_seconds", "Time one round of output publishes took"
+        )
+        self.outputs_unconfirmed = m.gauge(
+            "orch_outputs_unconfirmed", "Records committed here and not yet confirmed"
+        )
+        self.oldest_unconfirmed = m.gauge(
+            "orch_output_oldest_unconfirmed_seconds",
+            "Age of the oldest record committed here and not yet confirmed (0: none)",
+        )
+        self.no_progress = m.counter(
+            "orch_no_progress_total",
+            "Copies restarted because they committed nothing for their progress_timeout, by kind",
+            "kind",
+        )
+
     def running_is(self, count: Callable[[], int]) -> None:
         self.running.set_function(count)
 

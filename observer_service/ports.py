@@ -8,14 +8,16 @@ PostgreSQL or RabbitMQ behave is tested against the real servers.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
+from contracts.outputs import Output
 from contracts.statuses import ObserverStatus
 from observer_service.take import Decision
 
@@ -64,6 +66,8 @@ class Taken:
     restart_policy: dict[str, Any] | None
     epoch: int
     dispatch_id: uuid.UUID
+    #: The last seq committed of its outputs when it was taken (the next is one more).
+    output_seq: int = 0
 
     @property
     def copy(self) -> Copy:
@@ -118,13 +122,60 @@ class Written:
 
     epochs: dict[uuid.UUID, int]
     locked: frozenset[uuid.UUID]
+    #: Of each row taken, what the new copy resumes from as the take found it (its checkpoint
+    #: and last output seq): the facts read may predate the old holder's last commit.
+    resumed: dict[uuid.UUID, tuple[Any, int]] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """One commit of a copy: its state (None: unchanged) and the records it staged since its
+    last commit (JSON texts), which get ``first_seq`` onwards. ``first_seq`` is one more than
+    the copy's last committed seq: a commit lands only there, and one retried after its answer
+    was lost is known by it and lands once."""
+
     observer_id: uuid.UUID
     epoch: int
-    state_json: str
+    state_json: str | None
+    records: tuple[str, ...] = ()
+    first_seq: int = 1
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One commit's records (JSON texts), holding ``seq`` onwards, as the outbox keeps them
+    until the broker confirmed every one (``observer_outputs``)."""
+
+    observer_id: uuid.UUID
+    seq: int
+    epoch: int
+    kind: str
+    name: str
+    committed_at: float
+    records: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[uuid.UUID, int]:
+        return (self.observer_id, self.seq)
+
+    @property
+    def last_seq(self) -> int:
+        return self.seq + len(self.records) - 1
+
+    def outputs(self) -> list[Output]:
+        """One message's worth each (the records parsed): what a consumer receives."""
+        return [
+            Output(
+                self.observer_id,
+                self.seq + i,
+                self.epoch,
+                self.kind,
+                self.name,
+                self.committed_at,
+                json.loads(r),
+            )
+            for i, r in enumerate(self.records)
+        ]
 
 
 @dataclass(frozen=True)
@@ -187,6 +238,15 @@ class Store(TakeRows, Protocol):
     locked, and never waits for one."""
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]: ...
+
+    async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
+        """What was committed of these observers and is not confirmed yet (by any service),
+        in seq order per observer."""
+        ...
+
+    async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:
+        """Forget commits (observer, first seq) whose every record the broker confirmed."""
+        ...
 
     async def let_go_many(
         self, copies: Sequence[Copy], detail: str
@@ -307,6 +367,11 @@ class BrokerSession(Protocol):
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether the service's exclusive control queue exists: its broker connection lives."""
+        ...
+
+    async def publish_outputs(self, commits: Sequence[Committed]) -> None:
+        """Publish the records of these commits, in order, one message each, and wait for
+        every confirm; raises BrokerUnavailable (then any may or may not have been routed)."""
         ...
 
 

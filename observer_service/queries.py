@@ -130,8 +130,8 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
-    "handoff_to = NULL, modified_at = now()",
-    f"{_AS_SEEN} ->> 'detail' AS detail",
+    "handoff_to = NULL, committed_at = NULL, modified_at = now()",
+    f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
     events=(event(Event.TAKEN), "u.detail"),
 )
 # Being deleted or paused and nobody runs it: complete the stop.
@@ -157,12 +157,36 @@ _MY_BATCH = (
     f"AND ({sql_in('o.status', HELD)}) IS TRUE AND $3::jsonb ? {_COPY}"
 )
 
-# $1 ids, $2 me, $3 {"<id>:<epoch>": state}
-CHECKPOINT = skipping_locked(
-    lambda _: _MY_BATCH,
-    f"checkpoint = $3::jsonb -> {_COPY}, checkpointed_at = clock_timestamp(), modified_at = now()",
-    "",
-)
+# $1 ids, $2 me, $3 {"<id>:<epoch>": {"s": state (absent: unchanged), "r": [records], "q": the
+# first record's seq}}. A commit lands where the row's output_seq is q - 1 (then it moves on by
+# the records' count) or already q - 1 + count (the same commit, retried after its answer was
+# lost: written again, its records inserted once). ``output_seq`` comes back: where it is not
+# q - 1 + count the copy was out of step (a bug). The same shape as ``skipping_locked``.
+_C = f"($3::jsonb -> {_COPY})"
+_COUNT = f"jsonb_array_length(COALESCE({_C} -> 'r', '[]'::jsonb))"
+_FIRST = f"({_C} ->> 'q')::bigint"
+_IN_STEP = f"(o.output_seq = {_FIRST} - 1 OR o.output_seq = {_FIRST} - 1 + {_COUNT})"
+COMMIT = f"""
+WITH free AS (SELECT o.id FROM observers o WHERE {_MY_BATCH}
+                 FOR NO KEY UPDATE OF o SKIP LOCKED),
+     u AS (UPDATE observers o
+              SET checkpoint = CASE WHEN {_C} ? 's' THEN {_C} -> 's' ELSE o.checkpoint END,
+                  checkpointed_at = CASE WHEN {_C} ? 's' THEN clock_timestamp()
+                                         ELSE o.checkpointed_at END,
+                  output_seq = {_FIRST} - 1 + {_COUNT},
+                  committed_at = clock_timestamp(), modified_at = now()
+            WHERE {_MY_BATCH} AND {_IN_STEP} AND o.id = ANY(ARRAY(SELECT free.id FROM free))
+        RETURNING o.id, o.epoch, o.output_seq, o.kind, o.name, {_C} -> 'r' AS records,
+                  {_FIRST} AS first),
+     ins AS (INSERT INTO observer_outputs (observer_id, seq, epoch, kind, name, records,
+                                           service_id)
+             SELECT u.id, u.first, u.epoch, u.kind, u.name, u.records, $2 FROM u
+              WHERE jsonb_array_length(COALESCE(u.records, '[]'::jsonb)) > 0
+             ON CONFLICT DO NOTHING)
+SELECT u.id, u.epoch, u.output_seq, true AS written FROM u
+UNION ALL
+SELECT o.id, o.epoch, o.output_seq, false FROM observers o WHERE {_MY_BATCH}
+"""
 
 # $1 ids, $2 me, $3 {"<id>:<epoch>": true}, $4 detail: the copy has stopped; the row is
 # released, or becomes what its holder's stop makes of it (deleted), whichever way it was asked
@@ -177,7 +201,7 @@ LET_GO = skipping_locked(
 
 
 def copy_key(observer_id: object, epoch: int) -> str:
-    """How $3 of CHECKPOINT and LET_GO names one copy."""
+    """How $3 of COMMIT and LET_GO names one copy."""
     return f"{observer_id}:{epoch}"
 
 
@@ -291,4 +315,21 @@ RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
 LEAVE = """
 UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), modified_at = now()
  WHERE id = $1
+"""
+
+
+# ------------------------------------------------------------------------------------ outputs
+# $1 observer ids: what earlier copies of these observers committed and nobody confirmed yet
+# (on a service that died or froze, or here), to publish before a new copy's own.
+BACKLOG = """
+SELECT observer_id, seq, epoch, kind, name, records::text AS records,
+       extract(epoch FROM committed_at)::float8 AS committed_at
+  FROM observer_outputs WHERE observer_id = ANY($1::uuid[])
+ ORDER BY observer_id, seq
+"""
+
+# $1 observer ids, $2 first seqs: the commits whose every record the broker confirmed.
+DELETE_PUBLISHED = """
+DELETE FROM observer_outputs x USING unnest($1::uuid[], $2::bigint[]) AS p(observer_id, seq)
+ WHERE x.observer_id = p.observer_id AND x.seq = p.seq
 """

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, RestartPolicy
@@ -19,6 +20,7 @@ from contracts.witness import Witness
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
 from observer_service.origin import Origin, Queued
+from observer_service.outputs import CopyOutputs
 from observer_service.ports import Copy, ErrorRecord, Taken
 
 
@@ -41,6 +43,10 @@ class ObserverReturned(Exception):
     """An observer is meant to run until stopped; returning is treated as an error."""
 
 
+class NoProgress(Exception):
+    """A copy committed nothing (no checkpoint, no record) for its ``progress_timeout``."""
+
+
 @dataclass(eq=False)
 class Runner:
     taken: Taken
@@ -59,6 +65,8 @@ class Runner:
     witness: Witness | None = None
     #: Another service took it: its code never runs again (``guard``: abandoned).
     superseded: bool = False
+    #: What it emits and commits.
+    outputs: CopyOutputs | None = None
 
     @property
     def observer_id(self) -> uuid.UUID:
@@ -121,21 +129,34 @@ async def run_observer(
     record_error: RecordError,
     timing: Timing | None = None,
     secrets: Sequence[str] = (),
+    outputs: CopyOutputs | None = None,
+    progress_timeout: float | None = None,
 ) -> str:
     """Run the kind; after an error, record it (the database counts restarts in a window that
     heals) and restart in place after a backoff with jitter. Returns the last error once the
     budget is spent (the row is failed by then). ``secrets``, the values of its secret params,
     never reach the error as recorded (row and history) and logged.
 
-    Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through.
+    Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through. With
+    ``progress_timeout``, a run that commits nothing (``outputs``) for that long is cancelled
+    and counts as its error, ``NoProgress``.
     """
     while True:
         try:
-            await guarded(spec.run(ctx), gate, timing)
+            if outputs is not None and progress_timeout is not None:
+                await _with_progress(
+                    guarded(spec.run(ctx), gate, timing), outputs, progress_timeout
+                )
+            else:
+                await guarded(spec.run(ctx), gate, timing)
             returned = ObserverReturned("run() returned; an observer must run until stopped")
             error = describe(returned, secrets)
         except Exception as exc:
             error = describe(exc, secrets)
+        if outputs is not None and outputs.commit_every is None:
+            # The next run resumes from the last checkpoint and emits these again (records of a
+            # kind that commits on its own are committed as they are).
+            outputs.discard_staged()
         record = await record_error(error)
         if record.failed:
             return error
@@ -148,6 +169,33 @@ async def run_observer(
             delay,
         )
         await ctx.sleep(delay)
+
+
+async def _with_progress(run: Any, outputs: CopyOutputs, seconds: float) -> None:
+    """Await ``run``; raise NoProgress once ``outputs`` committed nothing for ``seconds`` (from
+    the start of this run at the earliest)."""
+    loop = asyncio.get_running_loop()
+    outputs.committed_at = loop.time()
+    check: asyncio.TimerHandle | None = None
+    limit = asyncio.timeout(None)
+    try:
+        async with limit:
+
+            def follow() -> None:
+                nonlocal check
+                limit.reschedule(outputs.committed_at + seconds)
+                check = loop.call_later(min(1.0, seconds / 2), follow)
+
+            follow()
+            try:
+                await run
+            finally:
+                if check is not None:
+                    check.cancel()
+    except TimeoutError:
+        if limit.expired():
+            raise NoProgress(f"no progress for {seconds:g} s") from None
+        raise
 
 
 def describe(exc: BaseException | None, secrets: Sequence[str] = ()) -> str:

@@ -41,6 +41,7 @@ from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import DIRECTED
+from observer_service.outputs import OutputPublisher
 from observer_service.ports import (
     Broker,
     BrokerSession,
@@ -115,6 +116,7 @@ class ObserverService:
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
+        self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
         self.checks = ControlChecks(store)
         self._let_go = Batcher(self._let_go_batch)
         self.stalls = StallWatch(
@@ -168,6 +170,7 @@ class ObserverService:
                 ("lease", self.lease.run()),
                 ("take-writer", self.intake.takes.run()),
                 ("checkpoint-writer", self.checkpoints.run()),
+                ("output-publisher", self.outputs.run()),
                 ("let-go-writer", self._let_go.run()),
                 ("control-checks", self.checks.reads.run()),
                 ("broker", self._broker_loop()),
@@ -229,6 +232,9 @@ class ObserverService:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        # What the copies committed goes out before the broker connection does (bounded: what
+        # is left, the leader relays once this service is gone).
+        await self.outputs.flushed(timeout)
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -301,12 +307,17 @@ class ObserverService:
         finally:
             if self.runners.get(runner.observer_id) is runner:
                 del self.runners[runner.observer_id]
+            if runner.outputs is not None:
+                self.outputs.unregister(runner.outputs)
             self.admission.slots.release()
             runner.finished.set()
 
     async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
         started = time.perf_counter()
         done = await self.store.checkpoint_many(items)
+        for item, answer in zip(items, done, strict=True):
+            if answer is True and item.records:
+                self.outputs.landed(item)  # published whatever becomes of the copy meanwhile
         self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
         self.metrics.checkpoint_batch.observe(len(items))
         return done

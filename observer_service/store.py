@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import asyncpg
+import orjson
 
 from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
@@ -26,6 +27,7 @@ from observer_service import queries as q
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
+    Committed,
     ControlFacts,
     Copy,
     ErrorRecord,
@@ -79,25 +81,55 @@ class PgStore:
                 sql, [r.observer_id for r in rows], self.me, json.dumps(seen)
             )
         epochs = {r["id"]: r["epoch"] for r in found if r["written"]}
-        return Written(epochs, frozenset(r["id"] for r in found) - epochs.keys())
+        resumed = {}
+        if decision is Decision.TAKE:
+            resumed = {
+                r["id"]: (json.loads(r["checkpoint"]) if r["checkpoint"] else None, r["output_seq"])
+                for r in found
+                if r["written"]
+            }
+        return Written(epochs, frozenset(r["id"] for r in found) - epochs.keys(), resumed)
 
     async def checkpoint_many(self, items: Sequence[Checkpoint]) -> list[bool | Locked]:
-        """One statement for every checkpoint; one row per copy (observer and epoch), the
-        newest state of each copy winning, so a stale copy's write never hides the current's.
-        A row locked by another transaction is skipped (LOCKED), the rest land at once."""
+        """One statement for every commit (``queries.COMMIT``); one row per copy (observer and
+        epoch), the newest state of each copy winning, so a stale copy's write never hides the
+        current's. A row locked by another transaction is skipped (LOCKED), the rest land at
+        once. A copy commits one at a time: two commits of one copy are never in one batch."""
         newest = {(c.observer_id, c.epoch): c for c in items}
-        # The states are JSON already: the object is written around them, not parsed again.
-        states = ",".join(
-            f'"{q.copy_key(c.observer_id, c.epoch)}":{c.state_json}' for c in newest.values()
+        # The states and records are JSON already: the object is written around them.
+        body = ",".join(
+            f'"{q.copy_key(c.observer_id, c.epoch)}":{_commit_json(c)}' for c in newest.values()
         )
         with database_errors():
             rows = await self.pool.fetch(
-                q.CHECKPOINT,
-                list({c.observer_id for c in newest.values()}),
-                self.me,
-                "{" + states + "}",
+                q.COMMIT, list({c.observer_id for c in newest.values()}), self.me, "{" + body + "}"
             )
+        out_of_step = set()
+        for r in rows:
+            c = newest.get((r["id"], r["epoch"]))
+            if c is not None and r["output_seq"] not in (c.first_seq - 1, _last_seq(c)):
+                # A bug: refused like a fence (the copy stops; the next take reads the row
+                # again), without failing the batch's other commits.
+                log.error(
+                    "a commit of %s is out of step: it expected seq %d, the row holds %d",
+                    c.observer_id,
+                    c.first_seq - 1,
+                    r["output_seq"],
+                )
+                out_of_step.add((r["id"], r["epoch"]))
+        rows = [r for r in rows if (r["id"], r["epoch"]) not in out_of_step]
         return _answers(rows, [Copy(c.observer_id, c.epoch) for c in items], lambda _: True, False)
+
+    async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
+        with database_errors():
+            rows = await self.pool.fetch(q.BACKLOG, list(observer_ids))
+        return [committed(r) for r in rows]
+
+    async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:
+        with database_errors():
+            await self.pool.execute(
+                q.DELETE_PUBLISHED, [c[0] for c in commits], [c[1] for c in commits]
+            )
 
     async def let_go_many(
         self, copies: Sequence[Copy], detail: str
@@ -229,12 +261,31 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
     await conn.fetch(q.FACTS, [], nobody)
     for cas in (q.TAKE, q.COMPLETE_STOP):
         await conn.fetch(cas, [], nobody, "{}")
-    await conn.fetch(q.CHECKPOINT, [], nobody, "{}")
+    await conn.fetch(q.COMMIT, [], nobody, "{}")
     await conn.fetch(q.LET_GO, [], nobody, "{}", "")
     await conn.fetch(q.CONTROL_FACTS, [], nobody)
 
 
 A = TypeVar("A")
+
+
+def committed(r: asyncpg.Record) -> Committed:
+    """An outbox row (``records`` as JSON text) as a commit: its records' texts, not parsed
+    into Python and dumped again."""
+    records = tuple(orjson.dumps(x).decode() for x in orjson.loads(r["records"]))
+    return Committed(
+        r["observer_id"], r["seq"], r["epoch"], r["kind"], r["name"], r["committed_at"], records
+    )
+
+
+def _commit_json(c: Checkpoint) -> str:
+    state = "" if c.state_json is None else f'"s":{c.state_json},'
+    records = f'"r":[{",".join(c.records)}],' if c.records else ""
+    return f'{{{state}{records}"q":{c.first_seq}}}'
+
+
+def _last_seq(c: Checkpoint) -> int:
+    return c.first_seq - 1 + len(c.records)
 
 
 def _answers(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from observer_service.ports import LOCKED, Locked, Seen, StartRequest, Taken, TakeResult, TakeRows
 from observer_service.take import WRITES, Decision, Departed, Facts, decide
@@ -63,7 +64,11 @@ async def take_many(
             for i, req, row in batch:
                 epoch = written.epochs.get(row.observer_id)
                 if epoch is not None:
-                    taken = _taken(row, epoch, req) if decision is Decision.TAKE else None
+                    taken = (
+                        _taken(row, epoch, req, written.resumed.get(row.observer_id))
+                        if decision is Decision.TAKE
+                        else None
+                    )
                     results[i] = TakeResult(decision, taken)
                 elif row.observer_id in written.locked:
                     results[i] = LOCKED  # as seen, but locked: not decided again here
@@ -94,14 +99,20 @@ def facts(row: Seen | None, req: StartRequest, me: uuid.UUID, departed: Departed
     )
 
 
-def _taken(row: Seen, epoch: int, req: StartRequest) -> Taken:
+def _taken(
+    row: Seen, epoch: int, req: StartRequest, resumed: tuple[Any, int] | None = None
+) -> Taken:
+    """The copy a take made; ``resumed``: its checkpoint and last output seq as the take's write
+    found them (else as the facts read saw them)."""
+    checkpoint, output_seq = resumed if resumed is not None else (row.checkpoint, 0)
     return Taken(
         observer_id=row.observer_id,
         name=row.name,
         kind=row.kind,
         params=row.params,
-        checkpoint=row.checkpoint,
+        checkpoint=checkpoint,
         restart_policy=row.restart_policy,
         epoch=epoch,
         dispatch_id=req.start.dispatch_id,
+        output_seq=output_seq,
     )

@@ -52,9 +52,11 @@ class Size:
     cost_observers: tuple[int, ...]
     cost_services: tuple[int, ...]
     cost_seconds: float
+    outputs_observers: int = 1000
+    outputs_seconds: float = 10
 
 
-QUICK = Size(30, 5, 200, 40, 40, (20,), 3000, (1000,), (1000,), (3,), 5)
+QUICK = Size(30, 5, 200, 40, 40, (20,), 3000, (1000,), (1000,), (3,), 5, 1000, 5)
 FULL = Size(
     200,
     30,
@@ -842,6 +844,89 @@ def _distribution(
     ]
 
 
+async def outputs_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figure]:
+    """One service, ``outputs_observers`` observers emitting (records that commit on their
+    own): records committed and confirmed per second, commit → received by a plain consumer
+    (p50, p99), and CPU per record of every process, measured over ``outputs_seconds``."""
+    import aio_pika
+
+    n, seconds = size.outputs_observers, size.outputs_seconds
+    rate = 20.0  # records per observer per second: 20,000/s at 1,000 observers
+    per_tick = 4
+    async with bench.cluster("outputs") as c:
+        await c.start(services=1, worker_count=n)
+        connection = await aio_pika.connect(bench.settings.amqp_url)
+        received: list[tuple[float, float]] = []  # (committed_at, received at)
+        counting = False
+        try:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=2000)
+            exchange = await channel.declare_exchange(
+                f"{c.prefix}.outputs", aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            queue = await channel.declare_queue(exclusive=True)
+            await queue.bind(exchange, routing_key="#")
+
+            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                if counting:
+                    sent = message.headers["committed_at"]
+                    received.append((float(str(sent)), time.time()))
+                await message.ack()
+
+            await queue.consume(on_message)
+            params = {"interval": per_tick / rate, "per_tick": per_tick}
+            await c.create_many(n, "bench_emitter", params, tag="e")
+            await c.wait_running(n, timeout=120)
+            await quiet(3.0, "let the emitters reach their rate")
+            counting = True
+            cpu0 = cpu_by_role(c)
+            db = await c.connect()
+            seq0 = await db.fetchval("SELECT sum(output_seq) FROM observers")
+            t0 = time.time()
+            for _ in range(int(seconds)):
+                await asyncio.sleep(1.0)
+                tick()
+            elapsed = time.time() - t0
+            seq1 = await db.fetchval("SELECT sum(output_seq) FROM observers")
+            cpu = cpu_by_role(c, cpu0)
+            counting = False
+        finally:
+            await connection.close()
+    committed = (seq1 - seq0) / elapsed
+    got = len(received) / elapsed
+    lags = [max(0.0, (r - t) * 1000) for t, r in received]
+    cpu_total = sum(cpu.values())
+    per_record = cpu_total / max(1, len(received)) * 1e6
+    profile = ", ".join(f"{k} {v / elapsed:.2f}" for k, v in sorted(cpu.items()))
+    return [
+        Figure(
+            "outputs",
+            f"records committed per second ({n} observers emitting, one service)",
+            round(committed),
+            "/s",
+            target="≥ 20000",
+            passed=committed >= 20_000,
+        ),
+        Figure("outputs", "records received per second by a plain consumer", round(got), "/s"),
+        Figure(
+            "outputs",
+            "commit → received p99",
+            round(percentile(lags, 99), 1),
+            "ms",
+            target="< 50",
+            passed=percentile(lags, 99) < 50,
+            note=f"p50 {percentile(lags, 50):.1f} ms",
+        ),
+        Figure(
+            "outputs",
+            "CPU per record, all processes",
+            round(per_record, 1),
+            "µs",
+            note=f"cores by role: {profile}",
+        ),
+    ]
+
+
 SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
     "start": (start_latency, lambda s: s.start_samples),
     "throughput": (create_throughput, lambda s: 1),
@@ -855,6 +940,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
     "join": (join_rebalance, lambda s: 1),
     "density": (density, lambda s: len(s.density_levels)),
     "cost": (cost_growth, lambda s: len(s.cost_observers) * len(s.cost_services)),
+    "outputs": (outputs_throughput, lambda s: int(s.outputs_seconds)),
 }
 
 

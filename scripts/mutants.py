@@ -32,6 +32,9 @@ GUARD = "tests/unit/test_deadline_and_guard.py"
 FAULTS = "tests/acceptance/test_faults.py"
 ONCE = "tests/acceptance/test_exactly_once.py"
 BROKER = "tests/acceptance/test_broker.py"
+OUTPUTS_CORE = "tests/unit/test_outputs_core.py"
+CONTRACT = "tests/integration/test_store_contract.py"
+OUTPUTS = "tests/acceptance/test_outputs.py"
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,38 @@ MUTANTS = [
         (
             "tests/integration/test_store_contract.py::"
             "test_a_take_and_a_release_clear_a_recorded_handoff[postgresql]",
+        ),
+    ),
+    Mutant(
+        "outputs: a record is published as it is emitted, before any commit",
+        "observer_service/outputs.py",
+        "        self._staged.append(text)\n",
+        "        self._staged.append(text)\n"
+        "        if self._publisher is not None:\n"
+        "            self._publisher.submit(self, Committed(self.observer_id, self.last_seq + "
+        "len(self._staged), self.epoch, self.kind, self.name, time.time(), (text,)))\n",
+        (f"{OUTPUTS_CORE}::test_what_a_run_staged_and_never_committed_is_never_delivered",),
+    ),
+    Mutant(
+        # The copy key names the epoch: looked up by observer alone, every batch write (a
+        # commit of records included) lands whatever epoch it carries.
+        "batch writes and commits: the copy key without its epoch",
+        "observer_service/queries.py",
+        "_COPY = \"(o.id::text || ':' || o.epoch::text)\"",
+        '_COPY = "(SELECT k FROM jsonb_object_keys($3::jsonb) k '
+        "WHERE split_part(k, ':', 1) = o.id::text ORDER BY k LIMIT 1)\"",
+        (
+            f"{CONTRACT}::test_a_commit_gives_its_records_the_next_seqs_once_even_when_retried",
+            f"{FENCES}::test_a_stale_checkpoint_is_refused",
+        ),
+    ),
+    Mutant(
+        "outputs: a copy reuses a seq (its last committed seq is not advanced)",
+        "observer_service/outputs.py",
+        "            self.last_seq = first - 1 + len(records)",
+        "            self.last_seq = first - 1",
+        (
+            f"{OUTPUTS_CORE}::test_records_get_seqs_from_the_last_committed_and_reach_the_broker_in_order",
         ),
     ),
 ]

@@ -67,6 +67,12 @@ class ObserverRow(BaseModel):
     created_at: datetime
     modified_at: datetime
     started_at: datetime | None
+    output_seq: int = Field(
+        default=0, description="the last seq committed of what it emitted (0: nothing yet)"
+    )
+    committed_at: datetime | None = Field(
+        default=None, description="when its current copy last committed (progress)"
+    )
 
 
 class ObserverView(BaseModel):

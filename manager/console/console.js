@@ -582,7 +582,9 @@ async function renderObserver(id) {
   const fields = [["id", o.id], ["kind", o.kind], ["status", o.status], ["service", svc],
     ["epoch", o.epoch], ["restarts", restarts(v) || "none"], ["params", JSON.stringify(o.params)],
     ["created", when(o.created_at)], ["started", when(o.started_at)],
-    ["last checkpoint", when(o.checkpointed_at)], ["modified", when(o.modified_at)]];
+    ["last checkpoint", when(o.checkpointed_at)],
+    ["last output", o.output_seq ? `seq ${o.output_seq}` : "none"],
+    ["last commit", when(o.committed_at)], ["modified", when(o.modified_at)]];
   $("#o-fields").replaceChildren(...fields.flatMap(([k, val]) => {
     const dd = el("dd", null, k === "status" ? `status-${val}` : "");
     dd.id = `o-field-${k.replace(" ", "-")}`;

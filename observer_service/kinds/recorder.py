@@ -8,6 +8,7 @@ lines are not.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import IO
 
@@ -53,4 +54,23 @@ async def recorder(ctx: ObserverContext) -> None:
         write_tick(params.dir, ctx, count)
         if count % params.checkpoint_every == 0 or count == 1:
             await ctx.checkpoint({"count": count})
+        await ctx.sleep(params.interval)
+
+
+class EmitterParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    interval: float = Field(default=0.1, ge=0.001, le=3600)
+    per_tick: int = Field(default=1, ge=1, le=10_000, description="records emitted each tick")
+
+
+@observer_kind("bench_emitter", params=EmitterParams, commit_every=0.005)
+async def bench_emitter(ctx: ObserverContext) -> None:
+    """Emits ``per_tick`` records ``{"t": wall time}`` every ``interval`` (the benchmark's
+    outputs load); they commit on their own."""
+    params: EmitterParams = ctx.params
+    while True:
+        now = time.time()
+        for _ in range(params.per_tick):
+            await ctx.emit({"t": now})
         await ctx.sleep(params.interval)

@@ -59,6 +59,10 @@ class World(Protocol):
 
     async def checkpoint(self, observer_id: uuid.UUID) -> Any: ...
 
+    async def outbox(self, observer_id: uuid.UUID) -> list[tuple[int, int, list[Any]]]:
+        """The observer's commits of outputs not yet confirmed: (seq, epoch, records)."""
+        ...
+
     async def lock(self, observer_id: uuid.UUID) -> None:
         """Another transaction locks the row (``SELECT … FOR UPDATE``) until ``unlock``."""
 
@@ -102,6 +106,13 @@ class FakeWorld:
 
     async def checkpoint(self, observer_id: uuid.UUID) -> Any:
         return self.store.rows[observer_id].checkpoint
+
+    async def outbox(self, observer_id: uuid.UUID) -> list[tuple[int, int, list[Any]]]:
+        return [
+            (c.seq, c.epoch, [json.loads(r) for r in c.records])
+            for (oid, _), c in sorted(self.store.outputs.items(), key=lambda kv: kv[0][1])
+            if oid == observer_id
+        ]
 
     async def drain(self, draining: bool) -> None:
         self.store.draining = draining
@@ -194,6 +205,13 @@ class PgWorld:
             "SELECT checkpoint FROM observers WHERE id = $1", observer_id
         )
         return None if text is None else json.loads(text)
+
+    async def outbox(self, observer_id: uuid.UUID) -> list[tuple[int, int, list[Any]]]:
+        rows = await self.pool.fetch(
+            "SELECT seq, epoch, records FROM observer_outputs WHERE observer_id = $1 ORDER BY seq",
+            observer_id,
+        )
+        return [(r["seq"], r["epoch"], json.loads(r["records"])) for r in rows]
 
     async def drain(self, draining: bool) -> None:
         await self.pool.execute(
@@ -563,3 +581,33 @@ async def test_a_locked_row_neither_stalls_a_release_nor_a_take(world: World) ->
     assert (await world.row(busy.observer_id))[1] is None
     await world.unlock()
     assert (await take(world, busy)).decision is Decision.TAKE
+
+
+async def test_a_commit_gives_its_records_the_next_seqs_once_even_when_retried(
+    world: World,
+) -> None:
+    """Records land with the state in one write, from the seq after the last committed; the
+    same commit again (its answer was lost) lands once; a stale copy's records never land;
+    a commit out of step is refused; a new copy learns the last seq from its take."""
+    start = await world.observer()
+    taken = (await take(world, start)).taken
+    assert taken is not None
+    copy = taken.copy
+    first = Checkpoint(*copy, '{"n": 2}', ('{"n": 1}', '{"n": 2}'), first_seq=1)
+    assert await world.store.checkpoint_many([first]) == [True]
+    assert await world.store.checkpoint_many([first]) == [True]  # retried: lands once
+    stale = Checkpoint(copy.observer_id, copy.epoch - 1, None, ('{"n": 9}',), first_seq=3)
+    ahead = Checkpoint(*copy, None, ('{"n": 9}',), first_seq=7)
+    assert await world.store.checkpoint_many([stale, ahead]) == [False, False]
+    assert await world.outbox(copy.observer_id) == [(1, copy.epoch, [{"n": 1}, {"n": 2}])]
+    assert await world.checkpoint(copy.observer_id) == {"n": 2}
+    (left,) = await world.store.outputs_backlog([copy.observer_id])
+    assert (left.seq, left.last_seq, left.epoch) == (1, 2, copy.epoch)
+    assert [json.loads(r) for r in left.records] == [{"n": 1}, {"n": 2}]
+    await world.store.delete_published([(copy.observer_id, 1)])
+    assert await world.outbox(copy.observer_id) == []
+    # Once let go, the next take resumes from the checkpoint and seq 2 together.
+    assert await world.store.let_go_many([copy], "done") == [S.PROCESSING]
+    again = (await take(world, start)).taken
+    assert again is not None
+    assert (again.epoch, again.output_seq, again.checkpoint) == (copy.epoch + 1, 2, {"n": 2})

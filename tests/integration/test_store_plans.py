@@ -124,8 +124,8 @@ async def test_a_batch_write_reads_only_its_own_rows(
     elif statement == "control":  # the check of a burst of cancels
         scans = await _explained(conn, q.CONTROL_FACTS, ids, me)
     elif statement == "checkpoint":
-        states = json.dumps({k: {"n": 1} for k in keys})
-        scans = await _explained(conn, q.CHECKPOINT, ids, me, states)
+        commits = json.dumps({k: {"s": {"n": 1}, "r": [{"n": 1}], "q": 1} for k in keys})
+        scans = await _explained(conn, q.COMMIT, ids, me, commits)
     else:
         scans = await _explained(
             conn, q.LET_GO, ids, me, json.dumps(dict.fromkeys(keys, True)), "t"

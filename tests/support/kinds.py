@@ -119,7 +119,9 @@ async def blocker(ctx: ObserverContext) -> None:
 class KeyedParams(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
-    api_key: SecretStr
+    #: A default, so that ``orch verify --kinds tests.support.kinds`` runs it too (it fails on
+    #: its own error, which the verdict reports and does not count against the promise).
+    api_key: SecretStr = SecretStr("verify-default-key")
 
 
 @observer_kind(
@@ -131,3 +133,47 @@ async def quotes_its_key(ctx: ObserverContext) -> None:
     key = ctx.params.api_key.get_secret_value()
     ctx.logger.info("calling upstream with key %s", key)
     raise RuntimeError(f"upstream refused key {key}")
+
+
+class EmitterParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    interval: float = 0.02
+    #: Records emitted per tick.
+    per_tick: int = 1
+    #: Ticks per checkpoint (``emitter``), which commits them.
+    checkpoint_every: int = 5
+
+
+@observer_kind("emitter", params=EmitterParams)
+async def emitter(ctx: ObserverContext) -> None:
+    """Emits ``{"n": n}``, n counting on from its checkpoint, and checkpoints n: the records
+    it delivers are exactly 1, 2, 3 … with n equal to their seq, whatever crashed meanwhile."""
+    p: EmitterParams = ctx.params
+    n = int((ctx.last_checkpoint or {}).get("n", 0))
+    ticks = 0
+    while True:
+        for _ in range(p.per_tick):
+            n += 1
+            await ctx.emit({"n": n, "epoch": ctx.epoch})
+        ticks += 1
+        if ticks % p.checkpoint_every == 0:
+            await ctx.checkpoint({"n": n})
+        await ctx.sleep(p.interval)
+
+
+@observer_kind("auto_emitter", params=EmitterParams, commit_every=0.005)
+async def auto_emitter(ctx: ObserverContext) -> None:
+    """Emits ``{"at": time}`` and never checkpoints: its records commit on their own."""
+    p: EmitterParams = ctx.params
+    while True:
+        for _ in range(p.per_tick):
+            await ctx.emit({"at": time.time(), "epoch": ctx.epoch})
+        await ctx.sleep(p.interval)
+
+
+@observer_kind("silent", progress_timeout=1.0, restart=RestartPolicy(base_delay=0.05))
+async def silent(ctx: ObserverContext) -> None:
+    """Commits once, then nothing: restarted for no progress after a second, every time."""
+    await ctx.checkpoint({"runs": int((ctx.last_checkpoint or {}).get("runs", 0)) + 1})
+    await asyncio.Event().wait()
