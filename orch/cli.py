@@ -337,6 +337,58 @@ def broker_policy(
     out.print(f"{topology.error_queue} keeps at most {max_length} messages ({done})")
 
 
+outputs_app = typer.Typer(help="What observers emit.", no_args_is_help=True)
+app.add_typer(outputs_app, name="outputs")
+
+
+@outputs_app.command("tail")
+def outputs_tail(
+    kind: Annotated[str | None, typer.Option(help="only this kind's records")] = None,
+    observer: Annotated[
+        str | None, typer.Option(help="only this observer's records (its id)")
+    ] = None,
+    json_lines: Annotated[
+        bool, typer.Option("--json", help="one JSON object per record, whole")
+    ] = False,
+) -> None:
+    """Print records as they are published on <prefix>.outputs (a queue of its own, gone when
+    this ends; Ctrl-C ends it), and every gap in an observer's seqs."""
+    import uuid
+
+    from contracts.errors import BrokerUnavailable
+    from orch.outputs_tail import tail
+
+    wanted = None
+    if observer is not None:
+        try:
+            wanted = uuid.UUID(observer)
+        except ValueError:
+            _fail("--observer must be an observer's id (a UUID)", 2)
+    settings = _settings(CommonSettings)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        reader = await tail(
+            settings,
+            kind=kind,
+            observer=wanted,
+            show=lambda text: print(text, flush=True),
+            json_lines=json_lines,
+            stop=stop,
+        )
+        gaps = f", {len(reader.gaps)} gap(s)" if reader.gaps else ""
+        err.print(f"{reader.delivered} record(s), {reader.repeats} repeat(s){gaps}")
+        return 0
+
+    try:
+        asyncio.run(main())
+    except BrokerUnavailable as exc:
+        _fail(f"the broker is unavailable: {exc}")
+
+
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 app.add_typer(token_app, name="token")
 

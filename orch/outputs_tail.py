@@ -1,0 +1,107 @@
+"""``orch outputs tail``: what observers emit, as it is published, for people.
+
+An exclusive queue of its own, bound to ``<prefix>.outputs`` (one kind, or ``#``), gone when the
+command ends; one line per record, and one for each gap the reader sees (``contracts.reader``:
+it joins a running stream, so the first record of each observer starts its count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aio_pika
+
+from contracts.amqp import connect_first
+from contracts.errors import broker_errors
+from contracts.logs import safe_text
+from contracts.reader import OutputReader, Verdict
+from contracts.settings import CommonSettings
+
+#: A record is shown cut to this many characters (``--json`` shows it whole).
+WIDTH = 160
+
+
+def line(verdict: Verdict) -> str:
+    o = verdict.output
+    at = time.strftime("%H:%M:%S", time.localtime(o.committed_at))
+    record = json.dumps(o.record, separators=(",", ":"), ensure_ascii=False)
+    if len(record) > WIDTH:
+        record = record[: WIDTH - 1] + "…"
+    head = f"{at} {safe_text(o.name)} seq {o.seq} epoch {o.epoch}"
+    return f"{head} {safe_text(record)}"
+
+
+def as_json(verdict: Verdict) -> str:
+    o = verdict.output
+    return json.dumps(
+        {
+            "observer_id": str(o.observer_id),
+            "name": o.name,
+            "kind": o.kind,
+            "seq": o.seq,
+            "epoch": o.epoch,
+            "committed_at": o.committed_at,
+            "record": o.record,
+            "gap": list(verdict.gap) if verdict.gap else None,
+        },
+        ensure_ascii=False,
+    )
+
+
+async def tail(
+    settings: CommonSettings,
+    *,
+    kind: str | None,
+    observer: uuid.UUID | None,
+    show: Callable[[str], None],
+    json_lines: bool,
+    stop: asyncio.Event,
+) -> OutputReader:
+    """Print what arrives until ``stop`` is set; returns the reader (its counts)."""
+    reader = OutputReader(from_start=False)
+    topology = settings.topology
+    with broker_errors():
+        connection, _ = await connect_first(
+            settings.amqp_urls,
+            timeout=10,
+            client_properties={"connection_name": f"{topology.prefix} orch outputs tail"},
+        )
+    try:
+        with broker_errors():
+            channel = await connection.channel()
+            exchange = await channel.declare_exchange(
+                topology.outputs_exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+            await queue.bind(exchange, routing_key=kind or "#")
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            headers: dict[str, Any] = dict(message.headers)
+            try:
+                verdict = reader.accept(message.body, headers)
+            except ValueError as exc:
+                show(f"not an output message ({exc})")
+                return
+            if observer is not None and verdict.output.observer_id != observer:
+                return
+            if json_lines:
+                if verdict.deliver:
+                    show(as_json(verdict))
+                return
+            if verdict.gap:
+                first, last = verdict.gap
+                show(f"gap: {verdict.output.name} seq {first}..{last} never arrived")
+            if verdict.deliver:
+                show(line(verdict))
+
+        with broker_errors():
+            await queue.consume(on_message, no_ack=True)
+        await stop.wait()
+    finally:
+        await connection.close()
+    return reader

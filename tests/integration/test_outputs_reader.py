@@ -1,0 +1,133 @@
+"""The consumer's side against the real broker: messages in the outputs format, published with
+plain aio-pika (a repeat, a gap among them), read by ``contracts.reader`` and by ``orch outputs
+tail`` run as a command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from contracts.outputs import Output
+from contracts.reader import OutputReader
+from tests.conftest import Servers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_reader_drops_repeats_and_names_gaps() -> None:
+    a, b = uuid.uuid4(), uuid.uuid4()
+
+    def out(o: uuid.UUID, seq: int) -> Output:
+        return Output(o, seq, 1, "k", "n", 0.0, {"seq": seq})
+
+    reader = OutputReader()
+    got = [reader.accept(out(a, s)) for s in (1, 2, 2, 1, 3, 6, 4, 7)]
+    assert [v.deliver for v in got] == [True, True, False, False, True, True, False, True]
+    assert got[5].gap == (4, 5)
+    assert reader.gaps == [(a, 4, 5)]
+    assert (reader.delivered, reader.repeats) == (5, 3)
+    # Resumed from what a consumer stored: the next seq is 11; one joining late starts anywhere.
+    reader.resume({str(b): 10})
+    assert reader.accept(out(b, 10)).deliver is False
+    assert reader.accept(out(b, 11)).gap is None
+    late = OutputReader(from_start=False)
+    assert late.accept(out(a, 40)).gap is None
+    assert late.accept(out(a, 42)).gap == (41, 41)
+    with pytest.raises(ValueError, match="not an output"):
+        reader.accept(b"{}", {"seq": 1})
+
+
+async def _publish(url: str, prefix: str, observer: uuid.UUID, seqs: list[int]) -> None:
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.declare_exchange(
+            f"{prefix}.outputs", aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        for seq in seqs:
+            o = Output(observer, seq, 3, "quotes", "btc", 1796252515.25, {"p": seq})
+            await exchange.publish(
+                aio_pika.Message(
+                    json.dumps(o.record).encode(), message_id=o.message_id, headers=o.headers()
+                ),
+                routing_key="quotes",
+            )
+    finally:
+        await connection.close()
+
+
+async def test_orch_outputs_tail_prints_records_once_and_gaps(
+    servers: Servers, prefix: str
+) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ORCH_AMQP_URL": servers.amqp_url,
+        "ORCH_PREFIX": prefix,
+    }
+    observer = uuid.uuid4()
+    await _publish(servers.amqp_url, prefix, observer, [])  # the exchange exists
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a process of its own, read from a thread
+        [sys.executable, "-m", "orch", "outputs", "tail", "--kind", "quotes"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        async def bound() -> bool:
+            out = await asyncio.to_thread(
+                subprocess.run,
+                ["rabbitmqctl", "-q", "list_bindings", "source_name", "routing_key"],
+                capture_output=True,
+                text=True,
+            )
+            return any(
+                line.split("\t")[:2] == [f"{prefix}.outputs", "quotes"]
+                for line in out.stdout.splitlines()
+            )
+
+        for _ in range(100):
+            if await bound():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("orch outputs tail never bound its queue")
+        await _publish(servers.amqp_url, prefix, observer, [5, 6, 6, 9])
+        lines: list[str] = []
+        assert proc.stdout is not None
+        async with asyncio.timeout(15):
+            while not any(" seq 9 " in line for line in lines):
+                lines.append(await asyncio.to_thread(proc.stdout.readline))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, stderr = proc.communicate(timeout=15)
+    assert proc.returncode == 0, stderr
+    lines += rest.splitlines()
+    records = [line for line in lines if " seq " in line and not line.startswith("gap")]
+    assert [line.split(" seq ")[1].split()[0] for line in records] == ["5", "6", "9"]
+    assert any(line.startswith("gap: btc seq 7..8") for line in lines), lines
+    assert "3 record(s), 1 repeat(s), 1 gap(s)" in stderr
+
+
+def test_orch_outputs_tail_refuses_an_observer_that_is_no_id() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "orch", "outputs", "tail", "--observer", "btc"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--observer must be an observer's id" in proc.stderr
+    assert "Traceback" not in proc.stderr
