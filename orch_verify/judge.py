@@ -27,6 +27,7 @@ from typing import Any
 
 from contracts.errors import Transient
 from contracts.witness import Record, across_freeze
+from orch_verify.outputs import OutputFindings
 
 
 def _own_errors() -> frozenset[str]:
@@ -112,6 +113,8 @@ class Verdict:
     broken: list[str] = field(default_factory=list)
     #: Process names (pid -> name), for the lines.
     names: dict[int, str] = field(default_factory=dict)
+    #: Observer -> kind, for every observer created.
+    observer_kinds: dict[str, str] = field(default_factory=dict)
     #: Per overlapping observer, its history as the orchestrator recorded it (to read next to
     #: the copies and the faults).
     history: dict[str, list[str]] = field(default_factory=dict)
@@ -121,6 +124,8 @@ class Verdict:
     api_failures: list[str] = field(default_factory=list)
     #: Copies whose last step came just after their process was resumed (left out of spans).
     late_steps: list[str] = field(default_factory=list)
+    #: What a plain consumer of ``<prefix>.outputs`` received (``orch_verify/outputs.py``).
+    outputs: OutputFindings = field(default_factory=OutputFindings)
 
     def where(self, c: Copy) -> str:
         name = self.names.get(c.pid)
@@ -146,7 +151,11 @@ class Verdict:
     @property
     def passed(self) -> bool:
         return (
-            self.promise_held and self.stopped_in_time and not self.exits and not self.api_failures
+            self.promise_held
+            and self.stopped_in_time
+            and not self.exits
+            and not self.api_failures
+            and self.outputs.held
         )
 
     def lines(self) -> list[str]:
@@ -164,6 +173,13 @@ class Verdict:
         out += [f"LOST {oid}: live, but no copy runs at the end" for oid in self.lost]
         out += [f"RAN AFTER DELETE {oid}" for oid in self.ran_after_delete]
         out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
+        out += self.outputs.lines(self.observer_kinds)
+        if self.outputs.received:
+            repeats = sum(self.outputs.repeats.values())
+            out.append(
+                f"outputs: {self.outputs.received} records received once each, {repeats} "
+                "repeat(s) dropped"
+            )
         for kind, k in sorted(self.kinds.items()):
             for what in k.ignored:
                 out.append(f"IGNORED CANCELLATION {kind}: {what}")
@@ -181,6 +197,8 @@ class Verdict:
         held = "held" if self.promise_held else "BROKEN"
         timely = "every kind stopped in time" if self.stopped_in_time else "a kind did not stop"
         crashed = f"; {len(self.exits)} process(es) exited on their own" if self.exits else ""
+        if not self.outputs.held:
+            crashed += "; outputs were not delivered once each in order"
         if self.api_failures:
             crashed += f"; {len(self.api_failures)} API call(s) failed"
         out.append(f"verdict: the promise {held}; {timely}{crashed}")
@@ -208,6 +226,7 @@ class Verdict:
             "exited_on_their_own": self.exits,
             "api_failures": self.api_failures,
             "steps_across_a_freeze": self.late_steps,
+            "outputs": self.outputs.as_dict(),
             "history": self.history,
             "kinds": {
                 name: {
@@ -350,6 +369,7 @@ def judge(
     verdict = Verdict(
         overlaps(copies, kinds), lost, after, failed, own, figures, shutdown_timeout, copies
     )
+    verdict.observer_kinds = dict(kinds)
     verdict.late_steps = [
         f"{r.observer}: epoch {r.epoch} in process {r.pid} stepped once, {r.r} at {r.at:.3f}"
         for r in late

@@ -149,6 +149,27 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
         for e in campaign.events
     )
     status = "passed" if v.passed else "failed"
+    found = v.outputs
+    emitting = sorted(
+        set(found.repeats) | set(found.gaps) | set(found.out_of_order) | set(found.stale),
+        key=lambda oid: (v.observer_kinds.get(oid, ""), oid),
+    )
+    output_rows = "".join(
+        f"<tr><td>{html.escape(v.observer_kinds.get(oid, '?'))} {html.escape(oid)}</td>"
+        f"<td>{found.repeats.get(oid, 0)}</td>"
+        f"<td>{sum(b - a + 1 for a, b in found.gaps.get(oid, []))}</td>"
+        f"<td>{len(found.out_of_order.get(oid, []))}</td>"
+        f"<td>{len(found.stale.get(oid, []))}</td></tr>"
+        for oid in emitting
+    )
+    outputs = (
+        f"<p>{found.received} records received once each by a plain consumer of the outputs "
+        f"exchange; observers with anything to report:</p><table><tr><th>observer</th>"
+        f"<th>repeats (allowed)</th><th>seqs never received</th><th>out of order</th>"
+        f"<th>stale epoch</th></tr>{output_rows}</table>"
+        if found.received or emitting
+        else "<p>No observer emitted anything.</p>"
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>orch verify, seed {seed}: {status}</title>
 <style>
@@ -171,6 +192,8 @@ two copies at once; dashed lines: faults (hover for each).</p>
 <h2>Per kind</h2>
 <table><tr><th>kind</th><th>observers</th><th>failed</th><th>stop after cancel s (p50/p99/max)</th>
 <th>ignored cancel</th><th>stalls (longest)</th><th>memory KiB/observer/min</th></tr>{rows}</table>
+<h2>Outputs</h2>
+{outputs}
 <h2>Faults</h2>
 <table class="left"><tr><th>at</th><th>fault</th><th>skipped</th></tr>{faults}</table>
 </body></html>

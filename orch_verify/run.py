@@ -22,11 +22,13 @@ from rich.markup import escape
 
 from contracts import witness
 from contracts.settings import CommonSettings
+from contracts.topology import Topology
 from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
 from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import Verdict, copies_of, judge, running_at_end
+from orch_verify.outputs import OutputFindings, OutputWatch, judge_outputs
 from orch_verify.report import html_report, table
 
 
@@ -82,14 +84,36 @@ async def campaign_on(
         worker_count=options.worker_count,
         say=say,
     )
+    watch = OutputWatch(cluster.env["ORCH_AMQP_URL"], Topology(cluster.env["ORCH_PREFIX"]))
     try:
+        await watch.start()  # bound before the first observer is created
         await campaign.start()
         await campaign.run(options.seconds)
         await campaign.heal()
         verdict, records = await _settle_and_judge(cluster, campaign, witness_dir, options)
+        verdict.outputs = await _judge_outputs(cluster, watch)
     finally:
         await campaign.close()
+        await watch.close()
     return Outcome(verdict, campaign, records)
+
+
+async def _judge_outputs(cluster: FaultCluster, watch: OutputWatch) -> OutputFindings:
+    """Once every committed record was received, or 30 s on, what the consumer got."""
+
+    async def committed() -> dict[str, int]:
+        rows = await cluster.q("SELECT id, output_seq FROM observers WHERE output_seq > 0")
+        return {str(r["id"]): int(r["output_seq"]) for r in rows}
+
+    async def arrived() -> bool:
+        left = await cluster.q("SELECT count(*) AS n FROM observer_outputs")
+        return not left[0]["n"] and all(
+            watch.received(o) >= n for o, n in (await committed()).items()
+        )
+
+    with contextlib.suppress(TimeoutError):
+        await wait_for(arrived, timeout=30, what="every committed output received", every=0.5)
+    return judge_outputs(list(watch.outputs), await committed())
 
 
 async def verify(settings: CommonSettings, options: Options, console: Console) -> Outcome:

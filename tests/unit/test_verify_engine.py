@@ -485,3 +485,33 @@ def test_orch_verify_refuses_a_wrong_command_before_starting_anything(
     result = CliRunner().invoke(app, ["verify", *args], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
+
+
+def test_outputs_are_judged_from_what_a_consumer_received() -> None:
+    from contracts.outputs import Output
+    from orch_verify.outputs import judge_outputs
+
+    a, b = uuid.uuid4(), uuid.uuid4()
+
+    def out(o: uuid.UUID, seq: int, epoch: int = 1) -> Output:
+        return Output(o, seq, epoch, "k", "n", 0.0, {})
+
+    clean = [out(a, 1), out(a, 2), out(a, 2), out(a, 3, 2), out(b, 1)]
+    f = judge_outputs(clean, {str(a): 3, str(b): 1})
+    assert f.held
+    assert f.repeats == {str(a): 1}
+    assert f.received == 4
+    # A committed seq never received, one that came after a higher one, a stale epoch's.
+    bad = [out(a, 1), out(a, 3, 2), out(a, 2), out(a, 4, 1), out(b, 2)]
+    f = judge_outputs(bad, {str(a): 4, str(b): 3})
+    assert not f.held
+    assert f.out_of_order == {str(a): [2]}
+    assert f.stale == {str(a): [4]}
+    assert f.gaps == {str(b): [(1, 1), (3, 3)]}
+    lines = f.lines({str(a): "k", str(b): "k"})
+    assert any(line.startswith(f"OUTPUT GAP k {b}: seq 1, 3") for line in lines)
+    assert any(line.startswith("STALE OUTPUT") for line in lines)
+    v = verdict_of([rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 20, 0.0)])
+    v.outputs = f
+    assert not v.passed
+    assert "outputs were not delivered once each in order" in v.lines()[-1]
