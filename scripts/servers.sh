@@ -95,6 +95,20 @@ ensure_rabbitmq() {
   wait_port 127.0.0.1 "$AMQP_PORT" 90 || { echo "RabbitMQ did not come up" >&2; return 1; }
 }
 
+REDIS_PORT=${ORCH_TEST_REDIS_PORT:-6379}
+
+ensure_redis() {  # only the tests of the Redis fence need it; running the system never does
+  wait_port 127.0.0.1 "$REDIS_PORT" 1 && return 0
+  if ! command -v redis-server >/dev/null; then
+    can_apt || cannot_install Redis || return 1
+    apt_install redis-server || return 1
+  fi
+  echo "starting Redis…"
+  run redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --daemonize yes --save "" --appendonly no
+  [ "${ORCH_SERVERS_DRY_RUN:-0}" = 1 ] && return 0
+  wait_port 127.0.0.1 "$REDIS_PORT" 30 || { echo "Redis did not come up" >&2; return 1; }
+}
+
 ensure_servers() {
   [ "${ORCH_SKIP_SERVER_START:-0}" = 1 ] && return 0
   ensure_postgres && ensure_rabbitmq
