@@ -32,6 +32,10 @@ class Proxy:
         self._delay = (0.0, 0.0)
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        #: Per open connection, set while its bytes flow (``hold_open``).
+        self._open: list[asyncio.Event] = []
+        #: Chunks read and waiting to be forwarded.
+        self.held = 0
 
     async def start(self) -> Proxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -43,6 +47,16 @@ class Proxy:
 
     def heal(self) -> None:
         self._flowing.set()
+
+    def hold_open(self) -> None:
+        """Hold the bytes of the connections open now (sent, not forwarded: on the wire);
+        new connections flow."""
+        for flowing in self._open:
+            flowing.clear()
+
+    def release(self) -> None:
+        for flowing in self._open:
+            flowing.set()
 
     def slow(self, low: float, high: float) -> None:
         self._delay = (low, high)
@@ -82,12 +96,20 @@ class Proxy:
             _abort(writer)
             return
         self._writers.update((writer, up_writer))
+        flowing = asyncio.Event()
+        flowing.set()
+        self._open.append(flowing)
         for a, b in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(a, b))
+            task = asyncio.create_task(self._pipe(a, b, flowing))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        flowing: asyncio.Event | None = None,
+    ) -> None:
         try:
             while True:
                 data = await reader.read(65536)
@@ -96,6 +118,9 @@ class Proxy:
                 if (delay := self._delay) != (0.0, 0.0):
                     await asyncio.sleep(random.uniform(*delay))
                 await self._flowing.wait()
+                if flowing is not None and not flowing.is_set():
+                    self.held += 1
+                    await flowing.wait()
                 writer.write(data)
                 await writer.drain()
         except (OSError, asyncio.CancelledError):

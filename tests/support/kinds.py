@@ -177,3 +177,89 @@ async def silent(ctx: ObserverContext) -> None:
     """Commits once, then nothing: restarted for no progress after a second, every time."""
     await ctx.checkpoint({"runs": int((ctx.last_checkpoint or {}).get("runs", 0)) + 1})
     await asyncio.Event().wait()
+
+
+class FencedWriterParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: postgres, redis or http (empty: nothing, so that ``orch verify`` can run it idle).
+    sink: str = ""
+    #: The store: a PostgreSQL DSN, a Redis URL or an HTTP URL.
+    target: str = ""
+    #: The Redis list, or the PostgreSQL table, written.
+    key: str = "fenced_writes"
+    #: An egress allowlist for the HTTP sink.
+    allow: str = ""
+    interval: float = 0.02
+    #: Write without the fence (to show what it prevents).
+    unfenced: bool = False
+
+
+@observer_kind("fenced_writer", params=FencedWriterParams)
+async def fenced_writer(ctx: ObserverContext) -> None:
+    """Writes ``(epoch, n)`` to its store every ``interval`` through the store's fence
+    (``observer_service.sinks``), and checkpoints n."""
+    from observer_service import sinks
+    from observer_service.egress import EgressPolicy
+
+    p: FencedWriterParams = ctx.params
+    n = int((ctx.last_checkpoint or {}).get("n", 0))
+    if not p.sink:
+        while True:
+            await ctx.sleep(p.interval)
+    if p.sink == "postgres":
+        import asyncpg
+
+        conn = await asyncpg.connect(p.target)
+        fence = sinks.PostgresFence()
+        await fence.create(conn)
+        await conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {p.key} "
+            "(id bigserial PRIMARY KEY, observer_id uuid, epoch bigint, n bigint)"
+        )
+
+        async def write() -> None:
+            async with conn.transaction():
+                if not p.unfenced:
+                    await fence.check(conn, ctx)
+                await conn.execute(
+                    f"INSERT INTO {p.key} (observer_id, epoch, n) VALUES ($1, $2, $3)",
+                    ctx.observer_id,
+                    ctx.epoch,
+                    n,
+                )
+
+    elif p.sink == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.from_url(p.target)
+        rfence = sinks.RedisFence(client, prefix=f"{p.key}:fence:")
+
+        async def write() -> None:
+            entry = f"{ctx.epoch}:{n}"
+            if p.unfenced:
+                await client.rpush(p.key, entry)
+            else:
+                await rfence.execute(ctx, "RPUSH", p.key, entry)
+
+    else:
+        from observer_service import egress
+
+        policy = EgressPolicy.parse(p.allow)
+        http = (
+            egress.client(policy, timeout=60)
+            if p.unfenced
+            else sinks.fenced_client(ctx, policy, timeout=60)
+        )
+
+        async def write() -> None:
+            headers = sinks.idempotency_key(ctx, n)
+            r = await http.post(p.target, json={"epoch": ctx.epoch, "n": n}, headers=headers)
+            r.raise_for_status()
+
+    while True:
+        ctx.ensure_alive()
+        n += 1
+        await write()
+        await ctx.checkpoint({"n": n})
+        await ctx.sleep(p.interval)
