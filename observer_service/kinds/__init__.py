@@ -4,6 +4,6 @@
 ``ORCH_KIND_MODULES=observer_service.kinds.recorder`` where it is wanted (tests, benchmarks).
 """
 
-from observer_service.kinds import http_poll, ticker
+from observer_service.kinds import http_poll, ticker, websocket
 
-__all__ = ["http_poll", "ticker"]
+__all__ = ["http_poll", "ticker", "websocket"]
