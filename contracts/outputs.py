@@ -92,5 +92,51 @@ class Output:
             raise ValueError(f"not an output message: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class Committed:
+    """One commit's records (JSON texts), holding ``seq`` onwards, as the outbox keeps them
+    until the broker confirmed every one (``observer_outputs``)."""
+
+    observer_id: uuid.UUID
+    seq: int
+    epoch: int
+    kind: str
+    name: str
+    committed_at: float
+    records: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[uuid.UUID, int]:
+        return (self.observer_id, self.seq)
+
+    @property
+    def last_seq(self) -> int:
+        return self.seq + len(self.records) - 1
+
+    def outputs(self) -> list[Output]:
+        """One message's worth each (the records parsed): what a consumer receives."""
+        return [
+            Output(
+                self.observer_id,
+                self.seq + i,
+                self.epoch,
+                self.kind,
+                self.name,
+                self.committed_at,
+                orjson.loads(r),
+            )
+            for i, r in enumerate(self.records)
+        ]
+
+    @classmethod
+    def from_row(cls, r: Any) -> Committed:
+        """An ``observer_outputs`` row (``records`` as JSON text, ``committed_at`` as epoch
+        seconds): its records' texts, one each."""
+        records = tuple(orjson.dumps(x).decode() for x in orjson.loads(r["records"]))
+        return cls(
+            r["observer_id"], r["seq"], r["epoch"], r["kind"], r["name"], r["committed_at"], records
+        )
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

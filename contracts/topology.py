@@ -18,7 +18,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError
 from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource, ChannelPreconditionFailed
 
 from contracts.errors import BrokerUnavailable, StartupError, broker_errors, convert_broker_error
-from contracts.outputs import CONTENT_TYPE, Output
+from contracts.outputs import CONTENT_TYPE, Committed, Output
 
 QueueType = Literal["classic", "quorum"]
 
@@ -176,10 +176,9 @@ async def declare_topology(
     return await _declare_queue(channel, "work", topology.work_queue, prefix, args, before)
 
 
-def output_messages(commits: Iterable[Any]) -> Iterator[tuple[str, aio_pika.Message]]:
-    """(routing key, message) for every record of these commits (``ports.Committed`` or the
-    manager's rows alike: ``observer_id``, ``seq``, ``epoch``, ``kind``, ``name``,
-    ``committed_at``, ``records`` as JSON texts), in order (``contracts/outputs.py``)."""
+def output_messages(commits: Iterable[Committed]) -> Iterator[tuple[str, aio_pika.Message]]:
+    """(routing key, message) for every record of these commits, in order
+    (``contracts/outputs.py``)."""
     for c in commits:
         for i, record in enumerate(c.records):
             out = Output(c.observer_id, c.seq + i, c.epoch, c.kind, c.name, c.committed_at, None)
@@ -195,7 +194,9 @@ def output_messages(commits: Iterable[Any]) -> Iterator[tuple[str, aio_pika.Mess
             )
 
 
-async def publish_outputs(channel: AbstractChannel, topology: Topology, commits: Any) -> None:
+async def publish_outputs(
+    channel: AbstractChannel, topology: Topology, commits: Iterable[Committed]
+) -> None:
     """Publish these commits' records on ``channel`` (with publisher confirms), pipelined in
     order, and wait for every confirm. Raises BrokerUnavailable (a nack included)."""
     with broker_errors():

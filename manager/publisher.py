@@ -8,7 +8,6 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractConnection
@@ -17,6 +16,7 @@ from contracts.amqp import connect_first
 from contracts.backoff import Backoff
 from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import Message
+from contracts.outputs import Committed
 from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import (
@@ -142,7 +142,7 @@ class Publisher:
             await self._declare()
             raise
 
-    async def publish_outputs(self, commits: Sequence[Any]) -> None:
+    async def publish_outputs(self, commits: Sequence[Committed]) -> None:
         """Publish the records of these commits of outputs in order, waiting for every
         confirm (``contracts.topology.publish_outputs``). Raises BrokerUnavailable."""
         channel = self._channel

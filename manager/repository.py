@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import orjson
 from pydantic import TypeAdapter
 
 from contracts.errors import Conflict, NameTaken, NotFound
@@ -26,6 +25,7 @@ from contracts.messages import (
     UndrainMessage,
 )
 from contracts.names import name_key
+from contracts.outputs import Committed
 from contracts.routing import BROADCAST, WORK, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from manager import queries as q
@@ -111,37 +111,12 @@ async def delete_outbox(tx: Tx, ids: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------------------- outputs
-@dataclass(frozen=True)
-class LeftOutputs:
-    """One commit of outputs a gone service left (``observer_outputs``), its records as JSON
-    texts: what ``contracts.topology.publish_outputs`` sends."""
-
-    observer_id: uuid.UUID
-    seq: int
-    epoch: int
-    kind: str
-    name: str
-    committed_at: float
-    records: tuple[str, ...]
+async def outputs_left(tx: Tx, limit: int, grace: float) -> list[Committed]:
+    """Commits of outputs no holder will publish (``queries.OUTPUTS_LEFT``)."""
+    return [Committed.from_row(r) for r in await tx.rows(q.OUTPUTS_LEFT, n=limit, grace=grace)]
 
 
-async def outputs_left(tx: Tx, limit: int, grace: float) -> list[LeftOutputs]:
-    rows = await tx.rows(q.OUTPUTS_LEFT, n=limit, grace=grace)
-    return [
-        LeftOutputs(
-            r["observer_id"],
-            r["seq"],
-            r["epoch"],
-            r["kind"],
-            r["name"],
-            r["committed_at"],
-            tuple(orjson.dumps(x).decode() for x in orjson.loads(r["records"])),
-        )
-        for r in rows
-    ]
-
-
-async def delete_outputs(tx: Tx, commits: list[LeftOutputs]) -> None:
+async def delete_outputs(tx: Tx, commits: list[Committed]) -> None:
     await tx.rows(
         q.OUTPUTS_DELETE, ids=[c.observer_id for c in commits], seqs=[c.seq for c in commits]
     )

@@ -35,6 +35,7 @@ from aiormq.exceptions import (
 from contracts.amqp import connect_first
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import CancelMessage, StartMessage
+from contracts.outputs import Committed
 from contracts.routing import BROADCAST, ERRORS, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import (
@@ -44,7 +45,7 @@ from contracts.topology import (
     publish_outputs,
     service_present,
 )
-from observer_service.ports import Committed, SessionSpec, Settling
+from observer_service.ports import SessionSpec, Settling
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)

@@ -19,12 +19,11 @@ from contracts.clock import Clock
 from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
-from contracts.outputs import Output
+from contracts.outputs import Committed, Output
 from contracts.statuses import HELD, STOPPED, ObserverStatus
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
-    Committed,
     ControlFacts,
     Copy,
     ErrorRecord,

@@ -31,9 +31,9 @@ from typing import Any
 
 from contracts.backoff import Backoff
 from contracts.errors import BrokerUnavailable, Transient
-from contracts.outputs import MAX_RECORD_BYTES
+from contracts.outputs import MAX_RECORD_BYTES, Committed
 from observer_service.metrics import ServiceMetrics
-from observer_service.ports import BrokerSession, Checkpoint, Committed, Store
+from observer_service.ports import BrokerSession, Checkpoint, Store
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ PostgreSQL or RabbitMQ behave is tested against the real servers.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
-from contracts.outputs import Output
+from contracts.outputs import Committed
 from contracts.statuses import ObserverStatus
 from observer_service.take import Decision
 
@@ -139,43 +138,6 @@ class Checkpoint:
     state_json: str | None
     records: tuple[str, ...] = ()
     first_seq: int = 1
-
-
-@dataclass(frozen=True)
-class Committed:
-    """One commit's records (JSON texts), holding ``seq`` onwards, as the outbox keeps them
-    until the broker confirmed every one (``observer_outputs``)."""
-
-    observer_id: uuid.UUID
-    seq: int
-    epoch: int
-    kind: str
-    name: str
-    committed_at: float
-    records: tuple[str, ...]
-
-    @property
-    def key(self) -> tuple[uuid.UUID, int]:
-        return (self.observer_id, self.seq)
-
-    @property
-    def last_seq(self) -> int:
-        return self.seq + len(self.records) - 1
-
-    def outputs(self) -> list[Output]:
-        """One message's worth each (the records parsed): what a consumer receives."""
-        return [
-            Output(
-                self.observer_id,
-                self.seq + i,
-                self.epoch,
-                self.kind,
-                self.name,
-                self.committed_at,
-                json.loads(r),
-            )
-            for i, r in enumerate(self.records)
-        ]
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,16 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import asyncpg
-import orjson
 
 from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
 from contracts.kinds import RestartPolicy
+from contracts.outputs import Committed
 from contracts.statuses import ObserverStatus
 from observer_service import queries as q
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
-    Committed,
     ControlFacts,
     Copy,
     ErrorRecord,
@@ -123,7 +122,7 @@ class PgStore:
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
         with database_errors():
             rows = await self.pool.fetch(q.BACKLOG, list(observer_ids))
-        return [committed(r) for r in rows]
+        return [Committed.from_row(r) for r in rows]
 
     async def delete_published(self, commits: Sequence[tuple[uuid.UUID, int]]) -> None:
         with database_errors():
@@ -267,15 +266,6 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
 
 
 A = TypeVar("A")
-
-
-def committed(r: asyncpg.Record) -> Committed:
-    """An outbox row (``records`` as JSON text) as a commit: its records' texts, not parsed
-    into Python and dumped again."""
-    records = tuple(orjson.dumps(x).decode() for x in orjson.loads(r["records"]))
-    return Committed(
-        r["observer_id"], r["seq"], r["epoch"], r["kind"], r["name"], r["committed_at"], records
-    )
 
 
 def _commit_json(c: Checkpoint) -> str:

@@ -31,7 +31,7 @@ def test_recorder_is_registered_only_when_asked_for() -> None:
         "print(sorted(load_kinds(sys.argv[1:])))"
     )
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert plain.stdout.strip() == "['http_poll', 'ticker']"
+    assert plain.stdout.strip() == "['http_poll', 'ticker', 'websocket']"
     asked = subprocess.run(
         [sys.executable, "-c", code, "observer_service.kinds.recorder"],
         capture_output=True,

@@ -12,11 +12,12 @@ import pytest
 
 from contracts.errors import BrokerUnavailable
 from contracts.kinds import KindSpec, RestartPolicy
+from contracts.outputs import Committed
 from observer_service import outputs as outputs_module
 from observer_service.context import ObserverContext
 from observer_service.fakes import FakeSession
 from observer_service.outputs import LIMIT, CopyOutputs, TooManyStaged
-from observer_service.ports import Checkpoint, Committed
+from observer_service.ports import Checkpoint
 from tests.unit.test_service_core import KINDS, harness, until
 
 EMITTED: dict[uuid.UUID, int] = {}
