@@ -113,7 +113,6 @@ class InMemoryStore:
         self.outputs: dict[tuple[uuid.UUID, int], Committed] = {}
         #: Commits other services made and nobody confirmed (``outputs_backlog`` adds them).
         self.left_by_others: dict[tuple[uuid.UUID, int], Committed] = {}
-        self.outputs_asked: list[list[uuid.UUID]] = []
         #: This service's row says draining (what a renewal, and a control check, read).
         self.draining = False
 
@@ -234,7 +233,6 @@ class InMemoryStore:
 
     async def outputs_backlog(self, observer_ids: Sequence[uuid.UUID]) -> list[Committed]:
         self._up("outputs_backlog")
-        self.outputs_asked.append(list(observer_ids))
         every = {**self.left_by_others, **self.outputs}
         return sorted(
             (o for (oid, _), o in every.items() if oid in observer_ids),
