@@ -10,15 +10,18 @@ import contextlib
 import re
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError
+from aiormq.channel import Channel
 from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource, ChannelPreconditionFailed
+from pamqp.commands import Basic
 
 from contracts.errors import BrokerUnavailable, StartupError, broker_errors, convert_broker_error
-from contracts.outputs import CONTENT_TYPE, Committed, Output
+from contracts.output_frames import OutputFrames, publish_confirmed
+from contracts.outputs import Committed
 
 QueueType = Literal["classic", "quorum"]
 
@@ -176,37 +179,19 @@ async def declare_topology(
     return await _declare_queue(channel, "work", topology.work_queue, prefix, args, before)
 
 
-def output_messages(commits: Iterable[Committed]) -> Iterator[tuple[str, aio_pika.Message]]:
-    """(routing key, message) for every record of these commits, in order
-    (``contracts/outputs.py``)."""
-    for c in commits:
-        for i, record in enumerate(c.records):
-            out = Output(c.observer_id, c.seq + i, c.epoch, c.kind, c.name, c.committed_at, None)
-            yield (
-                c.kind,
-                aio_pika.Message(
-                    record.encode(),
-                    content_type=CONTENT_TYPE,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    message_id=out.message_id,
-                    headers=out.headers(),
-                ),
-            )
-
-
 async def publish_outputs(
     channel: AbstractChannel, topology: Topology, commits: Iterable[Committed]
 ) -> None:
-    """Publish these commits' records on ``channel`` (with publisher confirms), pipelined in
-    order, and wait for every confirm. Raises BrokerUnavailable (a nack included)."""
+    """Publish these commits' records on ``channel`` (with publisher confirms), in order as
+    one chunk (``contracts/output_frames.py``), and wait for every confirm. Raises
+    BrokerUnavailable (a nack included)."""
     with broker_errors():
-        exchange = await channel.get_exchange(topology.outputs_exchange, ensure=False)
-        # Not mandatory: a kind whose outputs nobody has bound a queue for yet is no error.
-        confirms = [
-            exchange.publish(message, routing_key=key, mandatory=False, timeout=30)
-            for key, message in output_messages(commits)
-        ]
-        results = await asyncio.gather(*confirms, return_exceptions=True)
+        raw = cast(Channel, await channel.get_underlay_channel())
+        frames = OutputFrames(
+            channel=raw.number, max_body=raw.max_content_size, exchange=topology.outputs_exchange
+        )
+        async with asyncio.timeout(30):
+            results = await publish_confirmed(raw, frames, commits)
     for r in results:
         if isinstance(r, DeliveryError):
             raise BrokerUnavailable(f"the broker did not confirm an output: {r!r}") from r
@@ -215,6 +200,8 @@ async def publish_outputs(
             raise converted if converted is not r else BrokerUnavailable(str(r) or repr(r))
         if isinstance(r, BaseException):
             raise r
+        if not isinstance(r, Basic.Ack):
+            raise BrokerUnavailable(f"the broker did not confirm an output: {r!r}")
 
 
 async def _declare_queue(

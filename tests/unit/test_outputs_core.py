@@ -110,6 +110,19 @@ async def test_what_a_run_staged_and_never_committed_is_never_delivered() -> Non
         assert [(o.seq, o.record["n"]) for o in h.broker.outputs] == [(i, i) for i in (1, 2, 3, 4)]
 
 
+async def test_the_records_of_a_refused_commit_are_never_published() -> None:
+    async with harness() as h:
+        row = h.store.add("emits")
+        await h.run(row)
+        await until(lambda: len(h.broker.outputs) >= 6)
+        # Another service took it over: every later commit of this copy is refused.
+        row.epoch, row.service_id = row.epoch + 1, uuid.uuid4()
+        committed = row.output_seq
+        await until(lambda: row.id not in h.service.runners)
+        assert await h.service.outputs.flushed(5.0)  # whatever was handed to the publisher
+        assert max(o.seq for o in h.broker.outputs) <= committed
+
+
 async def test_older_commits_left_by_another_service_go_out_first() -> None:
     async with harness() as h:
         row = h.store.add("emits")
