@@ -24,6 +24,13 @@ from contracts.settings import CommonSettings
 from orch.cluster import LocalCluster, Scratch, wait_for
 from orch_bench.loadgen import RawClient
 
+#: An observer runs when a holder has made a fenced write for it: a checkpoint, or a commit of
+#: records (an emitter that commits on its own never writes a checkpoint).
+_RUNNING = (
+    "status = 'processing' AND service_id IS NOT NULL "
+    "AND (checkpointed_at IS NOT NULL OR committed_at IS NOT NULL)"
+)
+
 
 @dataclass
 class Figure:
@@ -224,20 +231,15 @@ class BenchCluster(LocalCluster):
     async def running_count(self, ids: list[uuid.UUID] | None = None) -> int:
         db = await self.connect()
         if ids is None:
-            n = await db.fetchval(
-                "SELECT count(*) FROM observers WHERE status = 'processing' "
-                "AND service_id IS NOT NULL AND checkpointed_at IS NOT NULL"
-            )
+            n = await db.fetchval(f"SELECT count(*) FROM observers WHERE {_RUNNING}")
         else:
             n = await db.fetchval(
-                "SELECT count(*) FROM observers WHERE id = ANY($1) AND status = 'processing' "
-                "AND service_id IS NOT NULL AND checkpointed_at IS NOT NULL",
-                ids,
+                f"SELECT count(*) FROM observers WHERE id = ANY($1) AND {_RUNNING}", ids
             )
         return int(n)
 
     async def wait_running(self, n: int, *, timeout: float) -> float:
-        """Seconds until ``n`` observers run (have checkpointed on a holder)."""
+        """Seconds until ``n`` observers run (have made a fenced write on a holder)."""
         start = time.monotonic()
 
         async def enough() -> bool:
