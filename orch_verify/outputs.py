@@ -140,8 +140,10 @@ class OutputWatch:
         await queue.consume(on_message)
         self._queue = queue
 
-    def received(self, observer: str) -> int:
-        return len({o.seq for o in self.outputs if str(o.observer_id) == observer})
+    def received_up_to(self, observer: str, seq: int) -> bool:
+        """Whether every seq from 1 to ``seq`` of ``observer`` was received."""
+        got = {o.seq for o in self.outputs if str(o.observer_id) == observer and o.seq <= seq}
+        return len(got) >= seq
 
     async def close(self) -> None:
         if self._connection is not None:
