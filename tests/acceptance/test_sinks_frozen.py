@@ -104,9 +104,17 @@ async def http() -> AsyncIterator[tuple[Proxy, Store]]:
         await send({"type": "http.response.body", "body": b"ok"})
 
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(FencingMiddleware(app), host="127.0.0.1", port=port, log_level="error")
+    # The held request's connection must outlive the freeze: with uvicorn's default keep-alive
+    # (5 s) the server closed it meanwhile, the held bytes went nowhere, and the test passed
+    # without the fence.
+    config = uvicorn.Config(
+        FencingMiddleware(app),
+        host="127.0.0.1",
+        port=port,
+        log_level="error",
+        timeout_keep_alive=600,
     )
+    server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())
     await wait_for(lambda: asyncio.sleep(0, result=server.started), timeout=10, what="uvicorn")
     proxy = await Proxy("127.0.0.1", port).start()
