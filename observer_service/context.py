@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,31 @@ class ObserverContext:
         self._alive = alive
         self._witness = witness
         self._emit = emit
+        self._on_abandon: list[Callable[[], object]] = []
+
+    def on_abandon(self, release: Callable[[], object]) -> Callable[[], None]:
+        """Have ``release`` called if this copy is abandoned: its lease was lost, so none of
+        its code runs again, its ``finally`` blocks included. ``release`` must only free what
+        the copy holds in this process, synchronously, without acting as the observer: abort a
+        socket, say, whose library would otherwise keep the connection alive on its own tasks
+        (a websocket's pings) beside the copy that took over. Returns a function that takes it
+        back (call it when the resource is closed the ordinary way)."""
+        self._on_abandon.append(release)
+
+        def forget() -> None:
+            with contextlib.suppress(ValueError):
+                self._on_abandon.remove(release)
+
+        return forget
+
+    def abandoned(self) -> None:
+        """This copy was abandoned (``guard``): release what it registered, newest first."""
+        hooks, self._on_abandon = self._on_abandon, []
+        for release in reversed(hooks):
+            try:
+                release()
+            except Exception:  # a resource of a copy nobody runs: logged, never raised
+                self.logger.exception("releasing what an abandoned copy held failed")
 
     def witness(self, event: str) -> None:
         """Say that a side effect follows (``event`` names it), from any thread. Under

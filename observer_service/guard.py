@@ -11,7 +11,8 @@ lease before every resumption:
   another copy may run, so this one's code never runs again, not even its ``except`` and
   ``finally`` blocks: nothing is thrown into it, and its coroutine is kept, never closed (a
   close would run them), until the process exits without collecting it. ``LeaseLost`` ends its
-  task. A stop asked while the lease holds (a delete, a drain, a graceful stop) is thrown in
+  task. What the kind registered with ``ctx.on_abandon`` (a socket to abort) is released
+  then. A stop asked while the lease holds (a delete, a drain, a graceful stop) is thrown in
   as a cancellation, and the kind's cleanup runs, each of its steps gated in turn.
 
 Each step of kind code is timed too: one that blocked the event loop past the threshold ends
@@ -66,10 +67,17 @@ class Timing:
 
 
 class _Guarded:
-    def __init__(self, coro: Coroutine[Any, Any, Any], gate: Gate, timing: Timing | None) -> None:
+    def __init__(
+        self,
+        coro: Coroutine[Any, Any, Any],
+        gate: Gate,
+        timing: Timing | None,
+        on_abandon: Callable[[], None] | None,
+    ) -> None:
         self._coro = coro
         self._gate = gate
         self._timing = timing
+        self._on_abandon = on_abandon
 
     def _step(self, value: Any, error: BaseException | None) -> Any:
         """One step of kind code: timed and marked when a watch is set. A step past the
@@ -110,6 +118,8 @@ class _Guarded:
 
     def _abandon(self) -> None:
         _abandoned.add(self._coro)
+        if self._on_abandon is not None:
+            self._on_abandon()
 
     def _took(self, step: Step) -> float:
         """The step's length if it was a stall (told to ``stalled``), else 0."""
@@ -161,7 +171,13 @@ class _Guarded:
                 error = exc
 
 
-def guarded(coro: Coroutine[Any, Any, T], gate: Gate, timing: Timing | None = None) -> Any:
+def guarded(
+    coro: Coroutine[Any, Any, T],
+    gate: Gate,
+    timing: Timing | None = None,
+    on_abandon: Callable[[], None] | None = None,
+) -> Any:
     """Await ``coro`` with ``gate`` consulted before each of its resumptions (and each step
-    timed, with ``timing``)."""
-    return _Guarded(coro, gate, timing)
+    timed, with ``timing``); ``on_abandon`` is told when the copy is abandoned, in its place
+    (``ObserverContext.on_abandon``)."""
+    return _Guarded(coro, gate, timing, on_abandon)

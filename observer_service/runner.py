@@ -145,10 +145,10 @@ async def run_observer(
         try:
             if outputs is not None and progress_timeout is not None:
                 await _with_progress(
-                    guarded(spec.run(ctx), gate, timing), outputs, progress_timeout
+                    guarded(spec.run(ctx), gate, timing, ctx.abandoned), outputs, progress_timeout
                 )
             else:
-                await guarded(spec.run(ctx), gate, timing)
+                await guarded(spec.run(ctx), gate, timing, ctx.abandoned)
             returned = ObserverReturned("run() returned; an observer must run until stopped")
             error = describe(returned, secrets)
         except Exception as exc:

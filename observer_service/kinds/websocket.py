@@ -111,12 +111,18 @@ async def websocket(ctx: ObserverContext) -> None:
                 open_timeout=p.open_timeout,
                 close_timeout=p.ping_timeout,  # a server that stopped answering is left then
             ) as ws:
-                for item in p.subscribe:
-                    ctx.ensure_alive()
-                    await ws.send(frame(item))
-                ctx.logger.info("subscribed (%d frames sent)", len(p.subscribe))
-                async for message in ws:
-                    await ctx.emit(record(message))
+                # Abandoned (its lease lost), this copy never runs its exit: the library's own
+                # tasks would keep the subscription alive, answering pings, beside the next copy.
+                forget = ctx.on_abandon(ws.transport.abort)
+                try:
+                    for item in p.subscribe:
+                        ctx.ensure_alive()
+                        await ws.send(frame(item))
+                    ctx.logger.info("subscribed (%d frames sent)", len(p.subscribe))
+                    async for message in ws:
+                        await ctx.emit(record(message))
+                finally:
+                    forget()
         except EgressRefused as exc:
             ctx.logger.warning("not connecting: %s", exc)
         except (OSError, TimeoutError, InvalidHandshake, WebSocketException) as exc:

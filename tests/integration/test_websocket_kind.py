@@ -45,6 +45,9 @@ class Ctx:
     def ensure_alive(self) -> None:
         pass
 
+    def on_abandon(self, release: Any) -> Any:
+        return lambda: None
+
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 

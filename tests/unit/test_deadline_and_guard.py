@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from contracts.clock import Clock, set_suspend_lag
 from contracts.deadline import LeaseDeadline, LeaseTimings
 from contracts.errors import LeaseLost
+from observer_service.context import ObserverContext
 from observer_service.fakes import ManualClock
 from observer_service.guard import guarded
 
@@ -62,6 +64,49 @@ async def test_the_guard_abandons_the_kind_before_it_resumes_on_a_lost_lease() -
     with pytest.raises(LeaseLost):
         await task
     assert after == []
+
+
+async def test_an_abandoned_copy_releases_what_it_registered_and_runs_no_cleanup() -> None:
+    """A kind's own ``finally`` never runs once its lease is lost; what it registered with
+    ``ctx.on_abandon`` (a socket to abort) is released instead, once, newest first."""
+    lost = False
+    seen: list[str] = []
+
+    def gate() -> asyncio.Future[None] | None:
+        if lost:
+            raise LeaseLost("gone")
+        return None
+
+    ctx = ObserverContext(
+        observer_id=uuid.uuid4(),
+        name="n",
+        kind="k",
+        epoch=1,
+        service_id=uuid.uuid4(),
+        params={},
+        last_checkpoint=None,
+        save=lambda _: asyncio.sleep(0),
+        alive=lambda: True,
+    )
+
+    async def kind() -> None:
+        ctx.on_abandon(lambda: seen.append("socket aborted"))
+        forget = ctx.on_abandon(lambda: seen.append("closed the ordinary way"))
+        forget()
+        ctx.on_abandon(lambda: seen.append("file closed"))
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            seen.append("finally")
+
+    task = asyncio.ensure_future(guarded(kind(), gate, None, ctx.abandoned))
+    await asyncio.sleep(0.01)
+    lost = True
+    with pytest.raises(LeaseLost):
+        await task
+    assert seen == ["file closed", "socket aborted"]
+    ctx.abandoned()  # a second telling releases nothing twice
+    assert seen == ["file closed", "socket aborted"]
 
 
 async def test_the_guard_parks_the_kind_until_told_to_go_on() -> None:
