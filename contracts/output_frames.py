@@ -7,7 +7,8 @@ loop. Here the frames of a whole round are encoded together (what a commit's rec
 once), written to the connection as one chunk, and their confirms awaited together.
 
 The frames are those of AMQP 0-9-1 ``basic.publish``: a method frame, a content header with
-the properties ``content-type``, ``headers``, ``delivery-mode`` and ``message-id``, and the
+the properties ``content-type``, ``headers``, ``delivery-mode``, ``message-id`` and
+``timestamp`` (the commit's second), and the
 body in frames of at most ``frame_max``.
 """
 
@@ -39,11 +40,12 @@ _END = b"\xce"
 _BASIC = 60
 _PUBLISH = struct.Struct(">HHH")  # class, method (basic.publish = 40), reserved
 _CONTENT = struct.Struct(">HHQH")  # class, weight, body size, property flags
-#: content-type, headers, delivery-mode, message-id (AMQP 0-9-1 basic property bits).
-_FLAGS = 1 << 15 | 1 << 13 | 1 << 12 | 1 << 7
+#: content-type, headers, delivery-mode, message-id, timestamp (AMQP 0-9-1 property bits).
+_FLAGS = 1 << 15 | 1 << 13 | 1 << 12 | 1 << 7 | 1 << 6
 _PERSISTENT = b"\x02"
 _LONG = struct.Struct(">I")
 _INT64 = struct.Struct(">q")
+_UINT64 = struct.Struct(">Q")
 
 
 def _short(text: str) -> bytes:
@@ -93,6 +95,7 @@ class OutputFrames:
                     _text_field(COMMITTED_AT, f"{c.committed_at:.6f}"),
                 )
             )
+            stamp = _UINT64.pack(int(c.committed_at))
             for i, record in enumerate(c.records):
                 seq = c.seq + i
                 table = shared + _int_field(SEQ, seq)
@@ -105,7 +108,8 @@ class OutputFrames:
                     + _LONG.pack(len(table))
                     + table
                     + _PERSISTENT
-                    + _short(message_id(c.observer_id, seq)),
+                    + _short(message_id(c.observer_id, seq))
+                    + stamp,
                 )
                 yield method + header + self._body(body)
 

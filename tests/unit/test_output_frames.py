@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from pamqp import commands, frame
@@ -57,6 +58,7 @@ def test_every_record_is_one_message_with_its_id_headers_and_body() -> None:
         assert props.content_type == CONTENT_TYPE
         assert props.delivery_mode == 2
         assert props.message_id == f"{observer}:{41 + i}"
+        assert props.timestamp == datetime.fromtimestamp(1796252515, tz=UTC)
         assert body == records[i].encode()
         out = Output.from_message(body, dict(props.headers or {}))
         expected = Output(observer, 41 + i, 3, "ws_feed", "btc/usd", 1796252515.985805, None)
