@@ -1,15 +1,39 @@
-"""Bodies of the broker messages. Every body is JSON; unknown fields are refused."""
+"""Bodies of the broker messages (and of the outbox rows that hold them). Every body is JSON.
+
+Two releases run side by side through a rolling upgrade, so a body is read tolerantly: a field
+this release does not know is ignored, and a body may name its protocol version in ``v``
+(absent: 1). This release reads the versions in ``READS``: its own, and the next release's.
+It writes no ``v`` and no field the release before it lacks, because that release refused
+unknown fields: a new field, or a ``v`` above 1, may be written only by a release whose
+predecessor reads tolerantly (``docs/upgrading.md``).
+"""
 
 from __future__ import annotations
 
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+#: The protocol version this release writes.
+PROTOCOL = 1
+#: The versions it reads.
+READS = (PROTOCOL, PROTOCOL + 1)
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            version = data.get("v", 1)
+            if version not in READS:
+                raise ValueError(
+                    f"protocol version {version!r}: this release reads {', '.join(map(str, READS))}"
+                )
+        return data
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
