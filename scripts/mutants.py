@@ -335,8 +335,8 @@ MUTANTS = [
     Mutant(
         "outputs: a copy reuses a seq (its last committed seq is not advanced)",
         "observer_service/outputs.py",
-        "            self.last_seq = first - 1 + len(records)",
-        "            self.last_seq = first - 1",
+        "        self.last_seq = first - 1 + len(records)",
+        "        self.last_seq = first - 1",
         (
             f"{OUTPUTS_CORE}::test_records_get_seqs_from_the_last_committed_and_reach_the_broker_in_order",
         ),
