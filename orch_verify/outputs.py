@@ -7,9 +7,12 @@ Per observer:
 - *gaps*: committed seqs (1 to the observer's ``output_seq`` at the end) never received;
 - *out of order*: a seq that first arrived after a higher one had;
 - *stale*: a record whose epoch is older than the epoch of a record with a lower seq, that is,
-  committed by an epoch after a later epoch's first commit (the fence failed).
+  committed by an epoch after a later epoch's first commit (the fence failed);
+- *conflicts*: a seq received twice with another epoch or another record: two records under
+  one ``message_id``, of which a consumer dropping repeats keeps whichever came first (a
+  refused commit's records were published).
 
-Gaps, out of order and stale records break the promise of delivery; repeats do not.
+Gaps, out of order, stale records and conflicts break the promise of delivery; repeats do not.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ class OutputFindings:
     gaps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     out_of_order: dict[str, list[int]] = field(default_factory=dict)
     stale: dict[str, list[int]] = field(default_factory=dict)
+    conflicts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def held(self) -> bool:
-        return not (self.gaps or self.out_of_order or self.stale)
+        return not (self.gaps or self.out_of_order or self.stale or self.conflicts)
 
     def lines(self, kinds: dict[str, str]) -> list[str]:
         out = []
@@ -54,6 +58,11 @@ class OutputFindings:
                 f"STALE OUTPUT {kinds.get(oid, '?')} {oid}: seq {seqs[:5]} from an epoch older "
                 "than an earlier record's"
             )
+        for oid, seqs in sorted(self.conflicts.items()):
+            out.append(
+                f"OUTPUT CONFLICT {kinds.get(oid, '?')} {oid}: seq {seqs[:5]} received as two "
+                "different records"
+            )
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,6 +72,7 @@ class OutputFindings:
             "gaps": self.gaps,
             "out_of_order": self.out_of_order,
             "stale": self.stale,
+            "conflicts": self.conflicts,
         }
 
 
@@ -73,12 +83,17 @@ def judge_outputs(outputs: list[Output], committed: dict[str, int]) -> OutputFin
     seen: dict[str, set[int]] = defaultdict(set)
     highest: dict[str, int] = {}
     epochs: dict[str, dict[int, int]] = defaultdict(dict)
+    first: dict[tuple[str, int], Output] = {}
     for o in outputs:
         oid = str(o.observer_id)
         if o.seq in seen[oid]:
             f.repeats[oid] = f.repeats.get(oid, 0) + 1
+            was = first[(oid, o.seq)]
+            if (was.epoch, was.record) != (o.epoch, o.record):
+                f.conflicts.setdefault(oid, []).append(o.seq)
             continue
         seen[oid].add(o.seq)
+        first[(oid, o.seq)] = o
         epochs[oid][o.seq] = o.epoch
         if o.seq < highest.get(oid, 0):
             f.out_of_order.setdefault(oid, []).append(o.seq)

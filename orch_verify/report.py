@@ -151,7 +151,11 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
     status = "passed" if v.passed else "failed"
     found = v.outputs
     emitting = sorted(
-        set(found.repeats) | set(found.gaps) | set(found.out_of_order) | set(found.stale),
+        set(found.repeats)
+        | set(found.gaps)
+        | set(found.out_of_order)
+        | set(found.stale)
+        | set(found.conflicts),
         key=lambda oid: (v.observer_kinds.get(oid, ""), oid),
     )
     output_rows = "".join(
@@ -159,14 +163,15 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
         f"<td>{found.repeats.get(oid, 0)}</td>"
         f"<td>{sum(b - a + 1 for a, b in found.gaps.get(oid, []))}</td>"
         f"<td>{len(found.out_of_order.get(oid, []))}</td>"
-        f"<td>{len(found.stale.get(oid, []))}</td></tr>"
+        f"<td>{len(found.stale.get(oid, []))}</td>"
+        f"<td>{len(found.conflicts.get(oid, []))}</td></tr>"
         for oid in emitting
     )
     outputs = (
         f"<p>{found.received} records received once each by a plain consumer of the outputs "
         f"exchange; observers with anything to report:</p><table><tr><th>observer</th>"
         f"<th>repeats (allowed)</th><th>seqs never received</th><th>out of order</th>"
-        f"<th>stale epoch</th></tr>{output_rows}</table>"
+        f"<th>stale epoch</th><th>two records, one seq</th></tr>{output_rows}</table>"
         if found.received or emitting
         else "<p>No observer emitted anything.</p>"
     )

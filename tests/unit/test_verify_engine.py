@@ -511,6 +511,12 @@ def test_outputs_are_judged_from_what_a_consumer_received() -> None:
     lines = f.lines({str(a): "k", str(b): "k"})
     assert any(line.startswith(f"OUTPUT GAP k {b}: seq 1, 3") for line in lines)
     assert any(line.startswith("STALE OUTPUT") for line in lines)
+    # A seq received again from another epoch: two records under one message id.
+    conflicting = [out(a, 1), out(a, 2, 1), out(a, 2, 2), out(a, 3, 2)]
+    g = judge_outputs(conflicting, {str(a): 3})
+    assert not g.held
+    assert g.conflicts == {str(a): [2]}
+    assert any(line.startswith("OUTPUT CONFLICT k") for line in g.lines({str(a): "k"}))
     v = verdict_of([rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 20, 0.0)])
     v.outputs = f
     assert not v.passed
