@@ -4,6 +4,8 @@ terminal. Reads take ``--json``; a failed request prints the API's own message a
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -17,8 +19,20 @@ from contracts.logs import safe_text
 from contracts.statuses import ObserverStatus
 from orch.client import ApiError, Client, problem_text
 
-out = Console()
-err = Console(stderr=True)
+#: Without a terminal (a pipe, a file) and without COLUMNS, lines are as wide as they need:
+#: Rich would cut a table to 80 columns for a script that reads it.
+UNBOUNDED = 4096
+
+
+def console(*, stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    if "COLUMNS" in os.environ or stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNBOUNDED)
+
+
+out = console()
+err = console(stderr=True)
 
 ApiOption = Annotated[
     str, typer.Option("--api", envvar="ORCH_API", help="the manager's URL", show_default=True)
@@ -107,16 +121,42 @@ def _observer_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Table:
     return table
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if number in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is not a finite number")
+    return number
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def loads(text: str) -> Any:
+    """JSON as the API takes it: NaN, the infinities and numbers too large for a float are
+    refused with ValueError (Python's json module would read them)."""
+    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+
+
 def _params(pairs: list[str], raw: str | None) -> dict[str, Any]:
-    params: dict[str, Any] = json.loads(raw) if raw else {}
+    try:
+        params: dict[str, Any] = loads(raw) if raw else {}
+    except ValueError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint="--params") from None
+    given: set[str] = set()
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--param")
+        if key in given:
+            raise typer.BadParameter(f"{key!r} is given twice", param_hint="--param")
+        given.add(key)
         try:
-            params[key] = json.loads(value)
+            params[key] = loads(value)
         except json.JSONDecodeError:
-            params[key] = value
+            params[key] = value  # not JSON: the text itself
+        except ValueError as exc:
+            raise typer.BadParameter(f"{pair!r}: {exc}", param_hint="--param") from None
     return params
 
 
@@ -133,10 +173,7 @@ def create(
     as_json: JsonOption = False,
 ) -> None:
     """Start an observer."""
-    try:
-        body = {"name": name, "kind": kind, "params": _params(param or [], params_json)}
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not JSON: {exc}", param_hint="--params") from None
+    body = {"name": name, "kind": kind, "params": _params(param or [], params_json)}
     try:
         o = _client(api, token).post("/observers", body)
     except ApiError as exc:
@@ -173,7 +210,7 @@ def _observers_in(source: str) -> list[_Entry]:
 
     text = sys.stdin.read() if source == "-" else Path(source).read_text()
     if text.strip().startswith("["):
-        items = json.loads(text)
+        items = loads(text)
         if not isinstance(items, list):
             raise typer.BadParameter("expected a JSON array of observers, or one a line")
         entries = [_Entry("item", i, body=item) for i, item in enumerate(items, start=1)]
@@ -183,9 +220,11 @@ def _observers_in(source: str) -> list[_Entry]:
             if not line.strip():
                 continue
             try:
-                entries.append(_Entry("line", number, body=json.loads(line)))
+                entries.append(_Entry("line", number, body=loads(line)))
             except json.JSONDecodeError as exc:
                 entries.append(_Entry("line", number, error=f"not JSON: {exc.msg}"))
+            except ValueError as exc:
+                entries.append(_Entry("line", number, error=f"not JSON: {exc}"))
     if not entries:
         raise typer.BadParameter("expected a JSON array of observers, or one a line")
     return entries
@@ -211,7 +250,7 @@ def import_observers(
 
     try:
         entries = _observers_in(source)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="SOURCE") from None
     todo = [e for e in entries if e.error is None]
     client = _client(api, token)

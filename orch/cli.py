@@ -10,17 +10,19 @@ import socket
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
 from contracts import __version__
 from contracts.errors import OrchError, StartupError
 from contracts.preflight import check_servers
 from contracts.settings import CommonSettings
-from orch.api_commands import kinds, observers_app, services_app
+from orch.api_commands import err, kinds, observers_app, out, services_app
+
+if TYPE_CHECKING:
+    from orch.cluster import LocalCluster
 
 app = typer.Typer(
     help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
@@ -30,8 +32,6 @@ app = typer.Typer(
 app.add_typer(observers_app, name="observers")
 app.add_typer(services_app, name="services")
 app.command("kinds")(kinds)
-err = Console(stderr=True)
-out = Console()
 S = TypeVar("S", bound=CommonSettings)
 ServersWait = Annotated[
     float,
@@ -269,15 +269,49 @@ async def _up(services: int, worker_count: int, port: int) -> None:
                 f"API token (admin, for this run only): {cluster.token}\n"
                 f"  export ORCH_TOKEN={cluster.token}   # for the orch command"
             )
-        while not stop.is_set():
-            if not all(p.alive for p in cluster.procs):
-                err.print("[red]a process of the cluster exited; stopping the rest[/red]")
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+        await _supervise(cluster, stop)
         out.print("stopping…")
     finally:
         await cluster.stop()
+
+
+#: A process that ran this long before it exited is started again at once (its backoff reset).
+STEADY = 30.0
+
+
+async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
+    """Start again, with backoff, every process of the cluster that exits, as compose's
+    ``restart`` does, until ``stop`` is set: a service killed on purpose shows its observers
+    moving, and the cluster stays up."""
+    from contracts.backoff import Backoff
+
+    backoffs: dict[str, Backoff] = {}
+    started = {p.name: time.monotonic() for p in cluster.procs}
+    due: dict[str, float] = {}  # name -> when to start it again
+    while not stop.is_set():
+        now = time.monotonic()
+        for p in list(cluster.procs):
+            if p.alive or p.name in due:
+                continue
+            backoff = backoffs.setdefault(p.name, Backoff(1.0, 30.0, jitter=0.2))
+            if now - started[p.name] >= STEADY:
+                backoff.reset()
+            delay = backoff.next()
+            due[p.name] = now + delay
+            err.print(
+                f"[yellow]{p.name} (pid {p.pid}) exited with code {p.popen.returncode}; "
+                f"starting it again in {delay:.1f} s[/yellow]",
+                highlight=False,
+            )
+        for name, when in list(due.items()):
+            if when <= now:
+                del due[name]
+                old = next(p for p in cluster.procs if p.name == name)
+                new = cluster.respawn(old)
+                started[name] = time.monotonic()
+                out.print(f"{name} started again (pid {new.pid})", highlight=False)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
 
 
 @app.command()

@@ -60,6 +60,10 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path | None
     port: int | None = None
+    #: How it was started (``LocalCluster.respawn`` starts it again the same way).
+    args: list[str] = field(default_factory=list)
+    module: str = "orch"
+    env: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -141,9 +145,16 @@ class LocalCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
             )
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, args=args, module=module, env=env)
         self.procs.append(proc)
         return proc
+
+    def respawn(self, proc: Proc) -> Proc:
+        """Start an exited process again, as it was started, in its place in ``procs``."""
+        self.procs.remove(proc)
+        again = self.spawn(proc.name, proc.args, module=proc.module, **proc.env)
+        again.port = proc.port
+        return again
 
     async def connect(self) -> asyncpg.Pool:
         if self.db is None:

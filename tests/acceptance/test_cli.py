@@ -82,6 +82,24 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
                 return body["status"] == "processing" and body["checkpoint"] is not None
 
             await wait_for(running, timeout=20, what="observer running under orch up")
+            # kill -9 of the service that runs it: the observer moves, and orch up starts the
+            # service again (the cluster stays up, as the README's walk-through shows).
+            held = (await api.get(f"/observers/{r.json()['id']}")).json()
+            services = (await api.get("/services")).json()
+            (holder,) = [s for s in services if s["id"] == held["service_id"]]
+            os.kill(holder["pid"], signal.SIGKILL)
+
+            async def moved_and_back() -> bool:
+                body = (await api.get(f"/observers/{r.json()['id']}")).json()
+                now = (await api.get("/services")).json()
+                return (
+                    body["status"] == "processing"
+                    and body["service_id"] not in (None, holder["id"])
+                    and len(now) == 2
+                    and holder["pid"] not in {s["pid"] for s in now}
+                )
+
+            await wait_for(moved_and_back, timeout=60, what="moved, and the service started again")
         # Ctrl-C reaches the whole process group, as in a terminal.
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
@@ -93,6 +111,7 @@ async def test_orch_up_runs_a_cluster_and_stops_it(
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-3000:]
     assert f"http://127.0.0.1:{port}" in text
+    assert "exited with code -9; starting it again" in text, text[-3000:]
     pgrep = await asyncio.create_subprocess_exec(
         "pgrep", "-f", f"--port {port}", stdout=asyncio.subprocess.PIPE
     )

@@ -4,11 +4,13 @@ literally, never as Rich markup or terminal control; ids whole, however narrow t
 from __future__ import annotations
 
 import io
+import sys
 import uuid
 
+import pytest
 from rich.console import Console
 
-from orch.api_commands import _observer_table, shown
+from orch.api_commands import UNBOUNDED, _observer_table, console, shown
 from orch.client import problem_text
 
 
@@ -74,3 +76,18 @@ def test_a_batch_items_problem_names_each_field() -> None:
     assert problem_text(problem, under=2) == (
         "the observer is not valid: name: Field required; kind: too long"
     )
+
+
+def test_without_a_terminal_tables_are_as_wide_as_their_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    captured = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", captured)
+    piped = console()
+    assert piped.width == UNBOUNDED
+    rows = [_row(name="n" * 120)]
+    piped.print(_observer_table(rows, wide=True))
+    assert "n" * 120 in captured.getvalue()
+    monkeypatch.setenv("COLUMNS", "100")
+    assert console().width == 100

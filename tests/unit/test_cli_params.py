@@ -1,0 +1,68 @@
+"""What ``-p``, ``--params`` and ``observers import`` take: one clear line and exit 2 for a
+number JSON does not allow or a key given twice, never a traceback; checked before any request
+(the API address given leads nowhere)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orch.cli import app
+
+NOWHERE = "http://127.0.0.1:1"
+
+
+def _orch(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "300", "ORCH_TOKEN": "x"})
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_number_json_does_not_allow_is_refused(value: str) -> None:
+    code, output = _orch(
+        "observers", "create", "x", "ticker", "-p", f"interval={value}", "--api", NOWHERE
+    )
+    assert code == 2
+    assert f"'interval={value}'" in output
+    assert "Traceback" not in output
+
+
+def test_params_json_with_a_non_finite_number_is_refused() -> None:
+    code, output = _orch(
+        "observers", "create", "x", "ticker", "--params", '{"interval": NaN}', "--api", NOWHERE
+    )
+    assert code == 2
+    assert "NaN is not a number JSON allows" in output
+
+
+def test_a_key_given_twice_is_refused() -> None:
+    code, output = _orch(
+        "observers", "create", "x", "ticker", "-p", "k=1", "-p", "k=2", "--api", NOWHERE
+    )
+    assert code == 2
+    assert "'k' is given twice" in output
+
+
+def test_text_that_is_not_json_is_taken_as_text() -> None:
+    code, output = _orch(
+        "observers", "create", "x", "ticker", "-p", "url=https://a.b/c", "--api", NOWHERE
+    )
+    assert code == 1  # it got as far as the request
+    assert "cannot reach the manager" in output
+
+
+def test_an_import_with_a_non_finite_number_names_it(tmp_path: Path) -> None:
+    array = tmp_path / "a.json"
+    array.write_text('[{"name": "a", "kind": "ticker", "params": {"interval": Infinity}}]')
+    code, output = _orch("observers", "import", str(array), "--api", NOWHERE)
+    assert code == 2
+    assert "Infinity is not a number JSON allows" in output
+    lines = tmp_path / "a.jsonl"
+    lines.write_text(json.dumps({"name": "a", "kind": "ticker"}) + "\n" + '{"x": 1e400}\n')
+    code, output = _orch("observers", "import", str(lines), "--api", NOWHERE)
+    assert code == 1  # the good line reaches for the manager; the bad one is named
+    assert "Traceback" not in output
