@@ -103,6 +103,7 @@ LIST = (
     "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
     r"AND (CAST(:name AS text) IS NULL OR o.name ILIKE '%' || :name || '%' ESCAPE '\') "
+    f"AND (CAST(:with_deleted AS boolean) OR o.status <> {_v(S.DELETED)}) "
     "ORDER BY o.created_at, o.id LIMIT :limit OFFSET :offset"
 )
 LOCK_WITH_HOLDER = f"""

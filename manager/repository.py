@@ -205,6 +205,7 @@ async def list_observers(
     kind: str | None,
     service_id: uuid.UUID | None,
     name: str | None = None,
+    include_deleted: bool = True,
     limit: int,
     offset: int,
 ) -> list[dict[str, Any]]:
@@ -215,6 +216,7 @@ async def list_observers(
         kind=kind,
         sid=service_id,
         name=_like(name) if name else None,
+        with_deleted=include_deleted or status is ObserverStatus.DELETED,
         limit=limit,
         offset=offset,
     )

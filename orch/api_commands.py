@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -42,6 +43,7 @@ TokenOption = Annotated[
     typer.Option("--token", envvar="ORCH_TOKEN", help="API token (sent as a bearer token)"),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON, as the API returns it")]
+ObserverArgument = Annotated[str, typer.Argument(help="the observer's id, or its name")]
 DEFAULT_API = "http://127.0.0.1:8000"
 
 observers_app = typer.Typer(
@@ -65,7 +67,12 @@ def shown(value: object) -> str:
 
 
 def _failed(exc: ApiError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {shown(exc)}", highlight=False)
+    return _failure(str(exc))
+
+
+def _failure(message: str) -> typer.Exit:
+    """What the command was asked could not be done (exit 1)."""
+    err.print(f"[red]error:[/red] {shown(message)}", highlight=False)
     return typer.Exit(1)
 
 
@@ -174,11 +181,54 @@ def create(
 ) -> None:
     """Start an observer."""
     body = {"name": name, "kind": kind, "params": _params(param or [], params_json)}
+    client = _client(api, token)
     try:
-        o = _client(api, token).post("/observers", body)
+        slots = _slots(client)
+        o = client.post("/observers", body)
     except ApiError as exc:
         raise _failed(exc) from None
     _show_json(o) if as_json else out.print(f"created {shown(o['id'])} ({shown(o['status'])})")
+    _say_who_waits(1, slots)
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Slots of the services taking work (live, not draining), and the observers waiting."""
+
+    capacity: int
+    used: int
+    waiting: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used - self.waiting)
+
+
+def _slots(client: Client) -> Slots | None:
+    """Before a create: what is free (None when this token may not read it)."""
+    try:
+        services = client.get("/services")
+        waiting = client.get("/views/observers", status="created", limit=1)["total"]
+    except ApiError:
+        return None
+    taking = [s for s in services if not s["is_deleted"] and not s["draining"]]
+    return Slots(
+        sum(s["worker_count"] for s in taking), sum(s["running"] for s in taking), int(waiting)
+    )
+
+
+def _say_who_waits(created: int, slots: Slots | None) -> None:
+    """``N will wait``: created past the free slots (on standard error: --json stays whole)."""
+    if slots is None or created <= slots.free:
+        return
+    if slots.capacity == 0:
+        err.print(f"{created} will wait: no service is taking work", highlight=False)
+    else:
+        err.print(
+            f"{created - slots.free} will wait: only {slots.free} free slots "
+            f"(of {slots.capacity}, {slots.waiting} observers waiting before these)",
+            highlight=False,
+        )
 
 
 #: Observers per POST /observers/batch (the API's most).
@@ -254,6 +304,7 @@ def import_observers(
         raise typer.BadParameter(str(exc), param_hint="SOURCE") from None
     todo = [e for e in entries if e.error is None]
     client = _client(api, token)
+    slots = _slots(client)
     answers: dict[int, dict[str, Any]] = {}  # id(entry) -> the API's item
     with Progress(console=err, transient=True, disable=as_json) as progress:
         task = progress.add_task("creating", total=len(todo))
@@ -284,8 +335,27 @@ def import_observers(
             reason = problem_text(r["problem"], under=2)
             err.print(f"[red]{shown(e.label)}[/red]: {shown(reason)}", highlight=False)
         out.print(f"created {created}, failed {len(failed)}")
+    _say_who_waits(created, slots)
     if failed:
         raise typer.Exit(1)
+
+
+def _resolve(client: Client, ref: str) -> str:
+    """The id of the observer ``ref`` names: an id as it is, or a name (unique among the
+    observers not deleted; a deleted one answers to its name only when no live one has it)."""
+    try:
+        return str(uuid.UUID(ref))
+    except ValueError:
+        pass
+    named = [o for page in _pages(client, name=ref, limit=1000) for o in page if o["name"] == ref]
+    live = [o for o in named if o["status"] != ObserverStatus.DELETED.value]
+    found = live or named
+    if not found:
+        raise _failure(f"no observer named {ref!r} (nor with that id)")
+    if len(found) > 1:
+        ids = ", ".join(str(o["id"]) for o in found)
+        raise _failure(f"{len(found)} deleted observers were named {ref!r}: give an id ({ids})")
+    return str(found[0]["id"])
 
 
 def _pages(client: Client, **filters: Any) -> Iterator[list[dict[str, Any]]]:
@@ -308,20 +378,27 @@ def list_observers(
     service: Annotated[str | None, typer.Option(help="only held by this service id")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows per page")] = 100,
     offset: Annotated[int, typer.Option(min=0)] = 0,
-    every: Annotated[bool, typer.Option("--all", help="every page, not just one")] = False,
+    every: Annotated[
+        bool, typer.Option("--all-pages", "--all", help="every page, not just one")
+    ] = False,
+    deleted: Annotated[
+        bool, typer.Option("--deleted", help="deleted observers too (as --status deleted does)")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="only the ids, one a line")] = False,
     wide: Annotated[bool, typer.Option("--wide", help="the services' ids whole too")] = False,
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List observers, oldest first. Ids are shown whole (also with --json and -q)."""
+    """List observers, oldest first, deleted ones left out (--deleted: in). Ids are shown whole
+    (also with --json and -q)."""
     client = _client(api, token)
     filters = {
         "status": None if status is None else status.value,
         "kind": kind,
         "name": name,
         "service_id": service,
+        "include_deleted": deleted,
     }
     rows: list[dict[str, Any]] = []
     try:
@@ -373,11 +450,15 @@ def _reader(name: str, suffix: str, render: Callable[[Any], None], doc: str) -> 
     """``orch observers NAME ID [--json]``: one read about one observer."""
 
     def command(
-        observer_id: str,
+        observer: ObserverArgument,
         api: ApiOption = DEFAULT_API,
         token: TokenOption = None,
         as_json: JsonOption = False,
     ) -> None:
+        try:
+            observer_id = _resolve(_client(api, token), observer)
+        except ApiError as exc:
+            raise _failed(exc) from None
         data = _read(api, token, f"/observers/{observer_id}{suffix}", as_json)
         if data is not None:
             render(data)
@@ -406,8 +487,9 @@ def _act(
     token: str | None,
 ) -> None:
     client = _client(api, token)
-    path = f"/observers/{observer_id}"
     try:
+        observer_id = _resolve(client, observer_id)
+        path = f"/observers/{observer_id}"
         o = client.request(method, path + suffix)
         out.print(f"{shown(o['id'])}: {shown(o['status'])}")
         if wait and o["status"] != settled:
@@ -425,13 +507,13 @@ def _action(name: str, method: str, suffix: str, settled: str, doc: str) -> None
     """``orch observers NAME ID [--wait]``: one state change, then (--wait) its outcome."""
 
     def command(
-        observer_id: str,
+        observer: ObserverArgument,
         wait: WaitOption = False,
         timeout: TimeoutOption = 60,
         api: ApiOption = DEFAULT_API,
         token: TokenOption = None,
     ) -> None:
-        _act(observer_id, method, suffix, settled, wait=wait, timeout=timeout, api=api, token=token)
+        _act(observer, method, suffix, settled, wait=wait, timeout=timeout, api=api, token=token)
 
     command.__doc__ = doc
     observers_app.command(name)(command)

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
-from pydantic import ValidationError
 
 from contracts import __version__
-from contracts.errors import OrchError, StartupError
-from contracts.preflight import check_servers
-from contracts.settings import CommonSettings
 from orch.api_commands import err, kinds, observers_app, out, services_app
 
 if TYPE_CHECKING:
+    from contracts.settings import CommonSettings
     from orch.cluster import LocalCluster
+
+# The server's modules (settings, drivers, preflight) are imported by the commands that run
+# servers: an API command or --version needs none of them (they took 0.5 s of every call).
 
 app = typer.Typer(
     help="observer-orchestrator: infinite tasks, exactly once, on many servers.",
@@ -32,7 +32,7 @@ app = typer.Typer(
 app.add_typer(observers_app, name="observers")
 app.add_typer(services_app, name="services")
 app.command("kinds")(kinds)
-S = TypeVar("S", bound=CommonSettings)
+S = TypeVar("S", bound="CommonSettings")
 ServersWait = Annotated[
     float,
     typer.Option(help="seconds to wait for Postgres and RabbitMQ at start", envvar="ORCH_WAIT"),
@@ -63,6 +63,8 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 
 def _settings(cls: type[S], **overrides: Any) -> S:
+    from pydantic import ValidationError
+
     try:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
@@ -90,7 +92,9 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> NoReturn:
     """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
+    from contracts.errors import StartupError
     from contracts.kinds import load_kinds
+    from contracts.preflight import check_servers
 
     try:
         kinds = load_kinds(settings.kind_module_list)
@@ -104,6 +108,8 @@ def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> No
 @app.command()
 def migrate() -> None:
     """Create the database if needed and apply every migration."""
+    from contracts.errors import StartupError
+    from contracts.settings import CommonSettings
     from orch.database import migrate as run
 
     settings = _settings(CommonSettings)
@@ -228,6 +234,7 @@ def up(
 
 async def _broker_advice() -> str | None:
     from contracts.amqp import connect_first
+    from contracts.settings import CommonSettings
     from contracts.topology import broker_version, consumer_timeout_advice
 
     connection, _ = await connect_first(CommonSettings().amqp_urls, timeout=5)
@@ -350,6 +357,7 @@ def broker_policy(
     """Limit the error queue's length with a broker policy (it would grow for ever)."""
     import shlex
 
+    from contracts.settings import CommonSettings
     from orch import broker_policy as bp
 
     settings = _settings(CommonSettings)
@@ -390,6 +398,7 @@ def outputs_tail(
     import uuid
 
     from contracts.errors import BrokerUnavailable
+    from contracts.settings import CommonSettings
     from orch.outputs_tail import tail
 
     wanted = None
@@ -493,6 +502,7 @@ def verify(
     """Prove the promise on your own kinds: a throw-away cluster, a seeded fault campaign, a
     verdict from what really ran. Exit 0 when no two copies ran at once, nothing was lost and
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
+    from contracts.errors import OrchError, StartupError
     from contracts.kinds import load_kinds
     from observer_service.settings import ServiceSettings
     from orch_verify.campaign import ObserverSpec, parse_faults
@@ -547,6 +557,7 @@ def bench(
     only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
 ) -> None:
     """Start a throw-away local cluster and measure it against the targets."""
+    from contracts.settings import CommonSettings
     from orch_bench.run import main
     from orch_bench.scenarios import SCENARIOS
 
@@ -562,6 +573,8 @@ def bench(
 def _scratch_server(settings: S) -> S:
     """For a tool that makes its own databases (``bench``, ``verify``): the settings on the
     server's ``postgres`` database, once the servers answer."""
+    from contracts.errors import StartupError
+    from contracts.preflight import check_servers
     from contracts.settings import on_database
 
     server = settings.model_copy(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 #: What a 401 adds: where the command line takes its token from.
 TOKEN_HINT = (
@@ -21,11 +22,15 @@ class ApiError(Exception):
 
 class Client:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30) -> None:
+        import httpx  # when a request is made: `orch --version` needs none
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
         try:
             r = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:

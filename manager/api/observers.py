@@ -167,6 +167,9 @@ async def list_observers(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+    include_deleted: Annotated[
+        bool, Query(description="deleted observers too (false: only the others)")
+    ] = True,
 ) -> dict[str, Any]:
     """A page of observers, oldest first; `next_offset` is null on the last page."""
     async with state.store.autocommit() as tx:
@@ -176,6 +179,7 @@ async def list_observers(
             kind=kind,
             service_id=service_id,
             name=name,
+            include_deleted=include_deleted,
             limit=limit,
             offset=offset,
         )

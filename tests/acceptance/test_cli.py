@@ -163,7 +163,12 @@ async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
     assert "processing" in table.stdout
     got = await _run(cluster, "observers", "get", oid)
     assert "checkpoint:" in got.stdout
-    paused = await _run(cluster, "observers", "pause", oid, "--wait")
+    by_name = await _run(cluster, "observers", "get", "cli-1", "--json")
+    assert json.loads(by_name.stdout)["id"] == oid
+    nobody = await _run(cluster, "observers", "get", "no-such-name")
+    assert nobody.returncode == 1
+    assert "no observer named 'no-such-name'" in nobody.stderr
+    paused = await _run(cluster, "observers", "pause", "cli-1", "--wait")
     assert paused.returncode == 0, paused.stderr
     assert f"{oid}: paused" in paused.stdout
     resumed = await _run(cluster, "observers", "resume", oid, "--wait")
@@ -181,6 +186,13 @@ async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
     assert "drained" in drained.stdout
     deleted = await _run(cluster, "observers", "delete", oid, "--wait")
     assert f"{oid}: deleted" in deleted.stdout
+    # Deleted observers are left out of the list unless asked for, as the console does.
+    listed = json.loads((await _run(cluster, "observers", "list", "--json")).stdout)
+    assert oid not in [o["id"] for o in listed]
+    every = json.loads((await _run(cluster, "observers", "list", "--deleted", "--json")).stdout)
+    assert oid in [o["id"] for o in every]
+    events_by_name = await _run(cluster, "observers", "events", "cli-1", "--json")
+    assert json.loads(events_by_name.stdout)[-1]["event"] == "deleted"
 
 
 async def test_import_creates_many_and_reports_each_failure(
@@ -194,6 +206,7 @@ async def test_import_creates_many_and_reports_each_failure(
     imported = await _run(cluster, "observers", "import", str(source))
     assert imported.returncode == 1, "one failed"
     assert "created 1499, failed 1" in imported.stdout
+    assert "1499 will wait: no service is taking work" in imported.stderr
     # Numbered from 1, as an editor shows them: the 8th item of the array.
     assert "item 8 (imp-bad): unknown kind; known kinds:" in imported.stderr
     lines = tmp_path / "more.jsonl"
@@ -203,7 +216,7 @@ async def test_import_creates_many_and_reports_each_failure(
     again = await _run(cluster, "observers", "import", str(lines), "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["created"] == 3
-    listed = await _run(cluster, "observers", "list", "--name", "imp-", "--all", "--json")
+    listed = await _run(cluster, "observers", "list", "--name", "imp-", "--all-pages", "--json")
     assert len(json.loads(listed.stdout)) == 1499
 
 
@@ -318,7 +331,9 @@ async def test_a_401_says_how_to_give_a_token(cluster: Cluster) -> None:
     assert "--token" in anonymous.stderr
 
 
-async def test_undrain_lets_a_drained_service_take_work_again(cluster: Cluster) -> None:
+async def test_undrain_lets_a_drained_service_take_work_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=5)
     b = await cluster.start_service("b", worker_count=5)
@@ -336,6 +351,15 @@ async def test_undrain_lets_a_drained_service_take_work_again(cluster: Cluster) 
 
     first = await create("while-a-drains")
     await cluster.wait_all_running([first], timeout=20, on={b_id})
+    # b alone takes work: 4 of its 5 slots are free, so 2 of 6 more wait, and the command
+    # says so; they are deleted again by name.
+    many = tmp_path / "six.jsonl"
+    many.write_text("\n".join(json.dumps({"name": f"six-{i}", "kind": "ticker"}) for i in range(6)))
+    six = await _run(cluster, "observers", "import", str(many))
+    assert "2 will wait: only 4 free slots (of 5, 0 observers waiting before these)" in six.stderr
+    for i in range(6):
+        gone = await _run(cluster, "observers", "delete", f"six-{i}", "--wait")
+        assert gone.returncode == 0, gone.stderr
     undrained = await _run(cluster, "services", "undrain", str(a_id))
     assert undrained.returncode == 0, undrained.stderr
     assert "taking work again" in undrained.stdout

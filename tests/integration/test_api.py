@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -202,6 +203,7 @@ async def test_metrics_show_the_cluster_and_the_requests(api: httpx.AsyncClient)
     text = (await api.get("/metrics")).text
     assert 'orch_observers{kind="ticker",status="created"} 1.0' in text
     assert "orch_outbox_backlog" in text
+    assert re.search(r"^orch_work_queue_ready \d", text, re.MULTILINE), "the queue's depth"
     assert "orch_leader 1.0" in text or "orch_leader 0.0" in text
     assert (
         'orch_http_request_duration_seconds_count{code="404",method="GET",'

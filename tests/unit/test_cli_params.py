@@ -66,3 +66,20 @@ def test_an_import_with_a_non_finite_number_names_it(tmp_path: Path) -> None:
     code, output = _orch("observers", "import", str(lines), "--api", NOWHERE)
     assert code == 1  # the good line reaches for the manager; the bad one is named
     assert "Traceback" not in output
+
+
+def test_the_command_line_loads_no_server_module_for_an_api_command() -> None:
+    """``orch --version`` and the API commands import neither the drivers nor the settings of
+    the servers (they took half a second of every call)."""
+    import subprocess
+    import sys
+
+    heavy = ("sqlalchemy", "asyncpg", "aio_pika", "contracts.preflight", "contracts.settings")
+    probe = (
+        "import sys, orch.cli, orch.api_commands; "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "[]"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,9 @@ import pytest
 from contracts.clock import Clock, set_suspend_lag
 from contracts.deadline import LeaseDeadline, LeaseTimings
 from contracts.errors import LeaseLost
-from observer_service.context import ObserverContext
 from observer_service.fakes import ManualClock
 from observer_service.guard import guarded
+from tests.unit.test_kinds_and_settings import _ctx as context
 
 TIMINGS = LeaseTimings(ttl=5, renew_interval=1, margin=1)
 
@@ -77,17 +76,7 @@ async def test_an_abandoned_copy_releases_what_it_registered_and_runs_no_cleanup
             raise LeaseLost("gone")
         return None
 
-    ctx = ObserverContext(
-        observer_id=uuid.uuid4(),
-        name="n",
-        kind="k",
-        epoch=1,
-        service_id=uuid.uuid4(),
-        params={},
-        last_checkpoint=None,
-        save=lambda _: asyncio.sleep(0),
-        alive=lambda: True,
-    )
+    ctx = context()
 
     async def kind() -> None:
         ctx.on_abandon(lambda: seen.append("socket aborted"))
