@@ -158,9 +158,14 @@ class Verdict:
             and self.outputs.held
         )
 
+    def kind_of(self, observer: str) -> str:
+        return self.observer_kinds.get(observer, "?")
+
     def lines(self) -> list[str]:
-        """The verdict as lines of text, one finding each."""
-        out = [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
+        """The verdict: its line first (whose fault each failure is), then one line per
+        finding, each naming the kind, then the details (an observer's history once)."""
+        out = [self.verdict_line()]
+        out += [f"INCONCLUSIVE: the witness of {p} could not be written" for p in self.broken]
         out += [f"EXITED ON ITS OWN {e}" for e in self.exits]
         out += [f"API FAILED {f}" for f in self.api_failures]
         for o in self.overlaps:
@@ -168,10 +173,9 @@ class Verdict:
                 f"OVERLAP {o.kind} {o.observer}: {self.where(o.a)} and {self.where(o.b)} ran at "
                 f"once for {o.seconds:.3f}s"
             )
-            out += [f"  history: {h}" for h in self.history.get(o.observer, [])]
         out += [f"STEP ACROSS A FREEZE {s}" for s in self.late_steps]
-        out += [f"LOST {oid}: live, but no copy runs at the end" for oid in self.lost]
-        out += [f"RAN AFTER DELETE {oid}" for oid in self.ran_after_delete]
+        out += [f"LOST {self.kind_of(o)} {o}: live, not running at the end" for o in self.lost]
+        out += [f"RAN AFTER DELETE {self.kind_of(oid)} {oid}" for oid in self.ran_after_delete]
         out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
         out += self.outputs.lines(self.observer_kinds)
         if self.outputs.received:
@@ -194,15 +198,46 @@ class Verdict:
                 )
             if k.failed:
                 out.append(f"FAILED {kind}: {k.failed} observer(s) failed on their own errors")
-        held = "held" if self.promise_held else "BROKEN"
-        timely = "every kind stopped in time" if self.stopped_in_time else "a kind did not stop"
-        crashed = f"; {len(self.exits)} process(es) exited on their own" if self.exits else ""
-        if not self.outputs.held:
-            crashed += "; outputs were not delivered once each in order"
-        if self.api_failures:
-            crashed += f"; {len(self.api_failures)} API call(s) failed"
-        out.append(f"verdict: the promise {held}; {timely}{crashed}")
+        shown = {o.observer for o in self.overlaps} | set(self.lost) | set(self.ran_after_delete)
+        for oid in sorted(shown):
+            if history := self.history.get(oid):
+                out.append(f"history of {self.kind_of(oid)} {oid}:")
+                out += [f"  {h}" for h in history]
         return out
+
+    def verdict_line(self) -> str:
+        """One line: whether the orchestrator kept its promise (and, if not, how it broke
+        it), then what the kinds did wrong, then what else failed the run."""
+        broke = [
+            f"{n} {what}"
+            for n, what in (
+                (len(self.overlaps), "overlap(s): two copies ran at once"),
+                (len(self.lost), "observer(s) lost"),
+                (len(self.ran_after_delete), "deleted observer(s) ran"),
+                (len(self.own_error_restarts), "restart(s) spent on its own errors"),
+            )
+            if n
+        ]
+        if not self.outputs.held:
+            broke.append("outputs not delivered once each in order")
+        if self.broken:
+            head = "verdict: INCONCLUSIVE, a witness could not be written"
+        elif broke:
+            head = "verdict: the orchestrator BROKE its promise (" + ", ".join(broke) + ")"
+        else:
+            head = "verdict: the orchestrator kept its promise"
+        faults = []
+        for kind, k in sorted(self.kinds.items()):
+            if k.ignored or any(s > self.shutdown_timeout for s in k.stops):
+                faults.append(f"your kind `{kind}` did not stop in time when asked")
+            if k.growth is not None and k.growth > GROWTH_FLAG:
+                faults.append(f"your kind `{kind}` keeps growing in memory")
+        tail = "; ".join(faults) or "every kind stopped in time"
+        if self.exits:
+            tail += f"; {len(self.exits)} process(es) exited on their own"
+        if self.api_failures:
+            tail += f"; {len(self.api_failures)} API call(s) failed"
+        return f"{head}; {tail}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -218,8 +253,11 @@ class Verdict:
                 }
                 for o in self.overlaps
             ],
-            "lost": self.lost,
-            "ran_after_delete": self.ran_after_delete,
+            "verdict": self.verdict_line(),
+            "lost": [{"observer": o, "kind": self.kind_of(o)} for o in self.lost],
+            "ran_after_delete": [
+                {"observer": o, "kind": self.kind_of(o)} for o in self.ran_after_delete
+            ],
             "failed": self.failed,
             "own_error_restarts": self.own_error_restarts,
             "witness_broken": self.broken,

@@ -121,8 +121,9 @@ def test_a_process_that_exits_unasked_is_noted_replaced_and_fails_the_verdict(
     verdict.exits = campaign.exits
     assert not verdict.passed
     assert verdict.promise_held  # a crash is reported on its own line, not as a broken promise
-    assert verdict.lines()[0].startswith("EXITED ON ITS OWN manager")
-    assert verdict.lines()[-1].endswith("1 process(es) exited on their own")
+    assert verdict.lines()[1].startswith("EXITED ON ITS OWN manager")
+    assert verdict.lines()[0].endswith("1 process(es) exited on their own")
+    assert verdict.lines()[0].startswith("verdict: the orchestrator kept its promise")
 
 
 class _Manager(BaseHTTPRequestHandler):
@@ -196,8 +197,8 @@ def test_a_manager_answering_5xx_in_churn_is_retried_then_a_verdict_line_not_a_t
     verdict.api_failures = campaign.api_failures
     assert not verdict.passed
     assert verdict.promise_held
-    assert verdict.lines()[0].startswith(f"API FAILED deleting {doomed}")
-    assert verdict.lines()[-1].endswith("1 API call(s) failed")
+    assert verdict.lines()[1].startswith(f"API FAILED deleting {doomed}")
+    assert verdict.lines()[0].endswith("1 API call(s) failed")
 
 
 def test_observers_are_given_as_kind_count_and_params() -> None:
@@ -282,7 +283,12 @@ def test_two_copies_at_once_are_an_overlap_and_one_after_the_other_is_not() -> N
     assert (o.observer, o.a.epoch, o.b.epoch) == (O1, 1, 2)
     assert o.seconds == pytest.approx(1.8)
     assert not v.passed
-    assert any(line.startswith("OVERLAP k") for line in v.lines())
+    lines = v.lines()
+    assert lines[0] == (
+        "verdict: the orchestrator BROKE its promise (1 overlap(s): two copies ran at once); "
+        "every kind stopped in time"
+    )
+    assert any(line.startswith("OVERLAP k") for line in lines)
 
 
 def test_one_step_cut_by_a_sigstop_is_shown_apart_and_a_second_is_an_overlap() -> None:
@@ -323,6 +329,7 @@ def test_one_step_cut_by_a_sigstop_is_shown_apart_and_a_second_is_an_overlap() -
 def test_a_live_observer_without_a_running_copy_is_lost_unless_it_failed() -> None:
     records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 30, 0.0)]  # process 30 is gone
     assert verdict_of(records).lost == [O2]
+    assert f"LOST k {O2}: live, not running at the end" in verdict_of(records).lines()
     assert verdict_of(records, failed={O2: "boom"}).lost == []
 
 
@@ -520,4 +527,6 @@ def test_outputs_are_judged_from_what_a_consumer_received() -> None:
     v = verdict_of([rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 20, 0.0)])
     v.outputs = f
     assert not v.passed
-    assert "outputs were not delivered once each in order" in v.lines()[-1]
+    assert v.lines()[0].startswith(
+        "verdict: the orchestrator BROKE its promise (outputs not delivered once each in order)"
+    )
