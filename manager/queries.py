@@ -106,6 +106,16 @@ LIST = (
     f"AND (CAST(:with_deleted AS boolean) OR o.status <> {_v(S.DELETED)}) "
     "ORDER BY o.created_at, o.id LIMIT :limit OFFSET :offset"
 )
+# The observers an action takes (``POST /observers/actions``): not deleted, every condition
+# given; one more than :limit, to tell that more match.
+SELECT_FOR_ACTION = (
+    f"SELECT o.id FROM observers o WHERE o.status <> {_v(S.DELETED)} "
+    "AND (CAST(:ids AS uuid[]) IS NULL OR o.id = ANY(CAST(:ids AS uuid[]))) "
+    "AND (CAST(:status AS text) IS NULL OR o.status = :status) "
+    "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    r"AND (CAST(:prefix AS text) IS NULL OR o.name LIKE :prefix || '%' ESCAPE '\') "
+    "ORDER BY o.created_at, o.id LIMIT :limit + 1"
+)
 LOCK_WITH_HOLDER = f"""
 SELECT o.status, o.service_id, COALESCE({live_service("s")}, false) AS live
   FROM observers o LEFT JOIN services s ON s.id = o.service_id

@@ -223,6 +223,29 @@ async def list_observers(
     return [_row(r) for r in rows]
 
 
+async def select_for_action(
+    tx: Tx,
+    *,
+    ids: list[uuid.UUID] | None,
+    status: ObserverStatus | None,
+    kind: str | None,
+    name_prefix: str | None,
+    limit: int,
+) -> tuple[list[uuid.UUID], bool]:
+    """The ids of the observers (not deleted) that match, oldest first, at most ``limit``; and
+    whether more match."""
+    rows = await tx.rows(
+        q.SELECT_FOR_ACTION,
+        ids=ids,
+        status=status.value if status else None,
+        kind=kind,
+        prefix=_like(name_prefix) if name_prefix else None,
+        limit=limit,
+    )
+    found = [r["id"] for r in rows]
+    return found[:limit], len(found) > limit
+
+
 async def list_events(
     tx: Tx, observer_id: uuid.UUID
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from contracts import names
 from contracts.kinds import RestartPolicy
@@ -199,3 +207,58 @@ class ObserverBatchOut(BaseModel):
     created: int
     failed: int
     items: list[BatchItemOut] = Field(description="one per observer asked for, in order")
+
+
+class Action(StrEnum):
+    """What ``POST /observers/actions`` does to each observer it selects."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    RESTART = "restart"
+    DELETE = "delete"
+
+
+#: The most observers one action request acts on.
+MAX_ACTION = 10_000
+
+
+class ObserverSelector(BaseModel):
+    """Which observers (not deleted) an action takes: every condition given holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[uuid.UUID] | None = Field(default=None, min_length=1, max_length=MAX_ACTION)
+    status: ObserverStatus | None = None
+    kind: SafeText | None = Field(default=None, min_length=1, max_length=200)
+    name_prefix: SafeText | None = Field(default=None, min_length=1, max_length=200)
+
+    @model_validator(mode="after")
+    def _names_something(self) -> ObserverSelector:
+        if self.ids is None and self.status is None and self.kind is None and not self.name_prefix:
+            raise ValueError("name the observers to act on: ids, status, kind or name_prefix")
+        return self
+
+
+class ObserverAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Action
+    selector: ObserverSelector
+    limit: int = Field(
+        default=1000, ge=1, le=MAX_ACTION, description="act on at most this many, oldest first"
+    )
+
+
+class ActionItemOut(BaseModel):
+    id: uuid.UUID
+    status: int = Field(description="200 when done, else the status of its problem")
+    observer: ObserverOut | None = None
+    problem: Problem | None = Field(default=None, description="why it was not done")
+
+
+class ObserverActionOut(BaseModel):
+    matched: int = Field(description="observers the selector took (at most the limit)")
+    done: int
+    failed: int
+    more: bool = Field(description="more observers match than the limit took")
+    items: list[ActionItemOut] = Field(description="one per observer, oldest first")

@@ -503,19 +503,70 @@ def _act(
         raise _failed(exc) from None
 
 
+def _act_on_many(
+    action: str, selector: dict[str, Any], limit: int, *, api: str, token: str | None
+) -> None:
+    """One action on every observer a selector takes (``POST /observers/actions``): a line a
+    failure, then the count; exit 1 when any failed."""
+    try:
+        answer = _client(api, token).post(
+            "/observers/actions", {"action": action, "selector": selector, "limit": limit}
+        )
+    except ApiError as exc:
+        raise _failed(exc) from None
+    for item in answer["items"]:
+        if item["status"] != 200:
+            reason = problem_text(item["problem"])
+            err.print(f"[red]{shown(item['id'])}[/red]: {shown(reason)}", highlight=False)
+    more = f"; more match: --limit {limit} took the oldest" if answer["more"] else ""
+    out.print(f"{action}: {answer['done']} done, {answer['failed']} failed{more}")
+    if answer["failed"]:
+        raise typer.Exit(1)
+
+
 def _action(name: str, method: str, suffix: str, settled: str, doc: str) -> None:
-    """``orch observers NAME ID [--wait]``: one state change, then (--wait) its outcome."""
+    """``orch observers NAME ID|NAME [--wait]``: one state change, then (--wait) its outcome;
+    or ``--kind/--status/--name-prefix``: the same on every observer they select."""
 
     def command(
-        observer: ObserverArgument,
+        observer: Annotated[
+            str | None, typer.Argument(help="the observer's id, or its name")
+        ] = None,
+        kind: Annotated[str | None, typer.Option(help="every observer of this kind")] = None,
+        status: Annotated[
+            ObserverStatus | None,
+            typer.Option(help="every observer in this status", case_sensitive=False),
+        ] = None,
+        name_prefix: Annotated[
+            str | None, typer.Option(help="every observer whose name starts so")
+        ] = None,
+        limit: Annotated[
+            int, typer.Option(min=1, max=10_000, help="with a selector: at most this many")
+        ] = 1000,
         wait: WaitOption = False,
         timeout: TimeoutOption = 60,
         api: ApiOption = DEFAULT_API,
         token: TokenOption = None,
     ) -> None:
+        selector = {
+            k: v
+            for k, v in (
+                ("kind", kind),
+                ("status", None if status is None else status.value),
+                ("name_prefix", name_prefix),
+            )
+            if v is not None
+        }
+        if (observer is None) == (not selector):
+            raise _usage("give one observer (an id or a name), or --kind, --status, --name-prefix")
+        if observer is None:
+            if wait:
+                raise _usage("--wait waits for one observer; a selector acts on many")
+            _act_on_many(name, selector, limit, api=api, token=token)
+            return
         _act(observer, method, suffix, settled, wait=wait, timeout=timeout, api=api, token=token)
 
-    command.__doc__ = doc
+    command.__doc__ = f"{doc} With --kind, --status or --name-prefix: every one they select."
     observers_app.command(name)(command)
 
 

@@ -20,7 +20,10 @@ from manager.outbox import Pending
 from manager.problems import field_errors, problem_of, responses, status_of
 from manager.runtime import ManagerRuntime
 from manager.schemas import (
+    Action,
     KindName,
+    ObserverAction,
+    ObserverActionOut,
     ObserverBatch,
     ObserverBatchOut,
     ObserverCreate,
@@ -136,7 +139,68 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     return {"created": len(pending), "failed": len(items) - len(pending), "items": items}
 
 
+_CHANGES: dict[Action, repo.Change] = {
+    Action.PAUSE: repo.pause_observer,
+    Action.RESUME: repo.resume_observer,
+    Action.RESTART: repo.restart_observer,
+    Action.DELETE: repo.delete_observer,
+}
+
+
+@router.post(
+    "/actions",
+    response_model=ObserverActionOut,
+    operation_id="actOnObservers",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 413, 422, 503),
+)
+async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str, Any]:
+    """Pause, resume, restart or delete every observer (not deleted) that the selector takes,
+    oldest first, up to `limit`: each as its own call would, in a transaction of its own, one
+    that cannot be done (a resume of one not paused: 409) failing alone with its `problem`.
+    The cancels they need are published together at the end. Ids asked for that are deleted
+    or unknown are items of 404."""
+    sel = body.selector
+    async with state.store.autocommit() as tx:
+        ids, more = await repo.select_for_action(
+            tx,
+            ids=sel.ids,
+            status=sel.status,
+            kind=sel.kind,
+            name_prefix=sel.name_prefix,
+            limit=body.limit,
+        )
+    change = _CHANGES[body.action]
+    items: list[dict[str, Any]] = []
+    pending: list[Pending] = []
+    for oid in ids:
+        try:
+            async with state.store.transaction() as tx:
+                row, published = await change(tx, oid)
+        except OrchError as exc:
+            code = status_of(exc)
+            items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
+            continue
+        pending += published
+        items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
+    await state.outbox.publish_now(pending)
+    taken = set(ids)
+    missing = [] if more else [oid for oid in dict.fromkeys(sel.ids or ()) if oid not in taken]
+    for oid in missing:
+        detail = f"no observer with id {oid} that is not deleted (or it did not match)"
+        items.append({"id": oid, "status": 404, "problem": problem_of(404, detail)})
+    done = sum(1 for item in items if item["status"] == 200)
+    return {
+        "matched": len(ids),
+        "done": done,
+        "failed": len(items) - done,
+        "more": more,
+        "items": items,
+    }
+
+
 @router.api_route("/batch", methods=["GET", "DELETE"], include_in_schema=False)
+@router.api_route("/actions", methods=["GET", "DELETE"], include_in_schema=False)
 async def batch_is_post_only() -> None:
     """Without it, ``GET /observers/batch`` would read "batch" as an observer id (422)."""
     raise HTTPException(405)

@@ -372,3 +372,30 @@ async def test_undrain_lets_a_drained_service_take_work_again(
     await cluster.wait_all_running([first, second], timeout=30, on={a_id})
     again = await _run(cluster, "services", "undrain", "--name", "b")
     assert again.returncode == 0, again.stderr
+
+
+async def test_one_action_on_every_observer_a_filter_selects(cluster: Cluster) -> None:
+    await cluster.start_manager()
+    for i in range(3):
+        assert (await _run(cluster, "observers", "create", f"bulk-{i}", "ticker")).returncode == 0
+    assert (await _run(cluster, "observers", "create", "kept", "ticker")).returncode == 0
+    paused = await _run(cluster, "observers", "pause", "--name-prefix", "bulk-")
+    assert paused.returncode == 0, paused.stderr
+    assert "pause: 3 done, 0 failed" in paused.stdout
+    # Resuming them and a running one: the one not paused fails alone, with its reason.
+    await _run(cluster, "observers", "resume", "bulk-0")
+    resumed = await _run(cluster, "observers", "resume", "--kind", "ticker", "--status", "paused")
+    assert "resume: 2 done, 0 failed" in resumed.stdout, resumed.stdout + resumed.stderr
+    again = await _run(cluster, "observers", "resume", "--name-prefix", "bulk-")
+    assert again.returncode == 1
+    assert "resume: 0 done, 3 failed" in again.stdout
+    assert "only a paused observer" in again.stderr
+    listed = json.loads((await _run(cluster, "observers", "list", "--json")).stdout)
+    assert {o["name"]: o["status"] for o in listed} == dict.fromkeys(
+        ["bulk-0", "bulk-1", "bulk-2", "kept"], "created"
+    )
+    neither = await _run(cluster, "observers", "pause")
+    assert neither.returncode == 2
+    assert "give one observer" in neither.stderr
+    both = await _run(cluster, "observers", "pause", "kept", "--kind", "ticker")
+    assert both.returncode == 2

@@ -332,3 +332,54 @@ async def test_a_bulk_create_publishes_each_start_once(
         channel = await connection.channel()
         queue = await channel.declare_queue(Topology(prefix).work_queue, passive=True)
         assert queue.declaration_result.message_count == 1000
+
+
+async def test_one_action_on_every_observer_a_selector_takes(api: httpx.AsyncClient) -> None:
+    """Nobody runs these observers: a pause is done at once, each on its own; one that cannot
+    be done fails alone with its problem; ids that do not match are named."""
+    made = await api.post(
+        "/observers/batch",
+        json={"observers": [{"name": f"act-{i}", "kind": "ticker"} for i in range(5)]},
+    )
+    ids = [item["observer"]["id"] for item in made.json()["items"]]
+    await api.post("/observers", json={"name": "other", "kind": "ticker"})
+    body = {"action": "pause", "selector": {"name_prefix": "act-"}}
+    paused = (await api.post("/observers/actions", json=body)).json()
+    assert (paused["matched"], paused["done"], paused["failed"], paused["more"]) == (5, 5, 0, False)
+    assert sorted(i["id"] for i in paused["items"]) == sorted(ids)
+    assert {i["observer"]["status"] for i in paused["items"]} == {"paused"}
+    # One of them runs again: a resume of it fails alone (409), the paused ones resume.
+    await api.post(f"/observers/{ids[0]}/resume")
+    three = {"action": "resume", "selector": {"ids": ids[:3]}}
+    resumed = (await api.post("/observers/actions", json=three)).json()
+    assert (resumed["matched"], resumed["done"], resumed["failed"]) == (3, 2, 1)
+    by_id = {i["id"]: i for i in resumed["items"]}
+    assert by_id[ids[0]]["status"] == 409
+    assert "only a paused observer" in by_id[ids[0]]["problem"]["detail"]
+    assert by_id[ids[1]]["observer"]["status"] == by_id[ids[2]]["observer"]["status"] == "created"
+    # A limit takes the oldest and says that more match.
+    two = {"action": "pause", "selector": {"name_prefix": "act-"}, "limit": 2}
+    limited = (await api.post("/observers/actions", json=two)).json()
+    assert (limited["matched"], limited["more"]) == (2, True)
+    # By ids, with one that is not there: a 404 item, the others deleted.
+    nobody = "00000000-0000-0000-0000-000000000000"
+    by_ids = {"action": "delete", "selector": {"ids": [ids[3], nobody]}}
+    deleted = (await api.post("/observers/actions", json=by_ids)).json()
+    assert [(i["id"], i["status"]) for i in deleted["items"]] == [(ids[3], 200), (nobody, 404)]
+    assert deleted["items"][0]["observer"]["status"] == "deleted"
+    # Deleted ones are never taken again, and "other" was never touched.
+    again = (await api.post("/observers/actions", json=by_ids)).json()
+    assert again["matched"] == 0
+    listed = (await api.get("/observers", params={"name": "other"})).json()["items"]
+    assert [o["status"] for o in listed] == ["created"]
+
+
+async def test_an_action_names_what_it_acts_on(api: httpx.AsyncClient) -> None:
+    empty = await api.post("/observers/actions", json={"action": "pause", "selector": {}})
+    assert empty.status_code == 422
+    assert "name the observers to act on" in empty.text
+    unknown = await api.post(
+        "/observers/actions", json={"action": "explode", "selector": {"kind": "ticker"}}
+    )
+    assert unknown.status_code == 422
+    assert (await api.get("/observers/actions")).status_code == 405
