@@ -285,13 +285,18 @@ class OutputPublisher:
             raise BrokerUnavailable("no broker session")
         taken: dict[uuid.UUID, list[_Pending]] = {}
         size = 0
+        # An observer with a copy not yet looked up (its first commit landed while a lookup
+        # awaited) waits for the next round, which looks it up first.
+        waiting = {oid for oid, _ in self._unlooked}
         for oid, queue in self._pending.items():
+            if oid in waiting:
+                continue
             for p in queue:  # a prefix of each observer's queue: its order holds
                 if size >= ROUND:
                     break
                 taken.setdefault(oid, []).append(p)
                 size += len(p.commit.records)
-        if size >= ROUND:
+        if size >= ROUND or waiting:
             self._wake.set()  # the rest in the next round
         commits = [p.commit for ps in taken.values() for p in ps]
         started = time.time()
@@ -319,11 +324,16 @@ class OutputPublisher:
         """Before a copy's first records: what earlier copies of that observer committed and
         nobody confirmed (on a service that died or froze, or here, a copy whose last commit
         landed after it was gone), older than them, goes first."""
-        new = self._unlooked
+        # Taken out before the lookup awaits: a copy whose first commit lands meanwhile is
+        # looked up in the next round, not marked looked unasked.
+        new, self._unlooked = self._unlooked, set()
         if not new:
             return
-        found = await self.store.outputs_backlog(sorted({oid for oid, _ in new}, key=str))
-        self._unlooked = set()
+        try:
+            found = await self.store.outputs_backlog(sorted({oid for oid, _ in new}, key=str))
+        except BaseException:
+            self._unlooked |= new
+            raise
         self._looked |= new
         # Per observer, the first seq of the copies looked up now: what is older goes first.
         first: dict[uuid.UUID, int] = {}

@@ -212,3 +212,58 @@ async def test_a_copy_that_commits_nothing_is_restarted_for_no_progress() -> Non
 
 def test_the_limit_is_what_the_docs_say() -> None:
     assert outputs_module.LIMIT == 10_000
+
+
+async def test_a_copy_new_while_another_lookup_is_in_flight_still_gets_its_older_first() -> None:
+    """The publisher looks up what other copies left before a copy's first records. A copy whose
+    first commit lands while another copy's lookup awaits the database is looked up in the
+    next round: its observer's older commits still go out before its own."""
+    from observer_service.fakes import InMemoryStore
+    from observer_service.metrics import ServiceMetrics
+    from observer_service.outputs import OutputPublisher
+
+    store = InMemoryStore(uuid.uuid4())
+    a, b = uuid.uuid4(), uuid.uuid4()
+    store.left_by_others[(b, 1)] = Committed(b, 1, 1, "k", "b", 0.0, ('{"n": 1}', '{"n": 2}'))
+    gate = asyncio.Event()
+    real = store.outputs_backlog
+    looked_up: list[list[uuid.UUID]] = []
+
+    async def slow_lookup(ids: Any) -> list[Committed]:
+        looked_up.append(list(ids))
+        await gate.wait()
+        return await real(ids)
+
+    store.outputs_backlog = slow_lookup  # type: ignore[method-assign,assignment]
+    sent: list[tuple[uuid.UUID, int]] = []
+
+    class Session:
+        is_open = True
+
+        async def publish_outputs(self, commits: Any) -> None:
+            sent.extend((o.observer_id, o.seq) for c in commits for o in c.outputs())
+
+    publisher = OutputPublisher(store, lambda: Session(), ServiceMetrics())  # type: ignore[arg-type,return-value]
+    owners = {}
+    for oid, first in ((a, 1), (b, 3)):
+        owners[oid] = CopyOutputs(
+            observer_id=oid,
+            epoch=2,
+            kind="k",
+            name="n",
+            last_seq=first - 1,
+            write=lambda _: asyncio.sleep(0),
+            commit_every=None,
+            to_json=str,
+        )
+        publisher.register(owners[oid])
+    running = asyncio.create_task(publisher.run())
+    try:
+        publisher.landed(Checkpoint(a, 2, None, ('{"n": 1}',), 1))
+        await until(lambda: looked_up == [[a]])
+        publisher.landed(Checkpoint(b, 2, None, ('{"n": 3}',), 3))  # during a's lookup
+        gate.set()
+        await until(lambda: (b, 3) in sent)
+        assert [seq for oid, seq in sent if oid == b] == [1, 2, 3]
+    finally:
+        running.cancel()
