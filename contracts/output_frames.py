@@ -73,7 +73,8 @@ class OutputFrames:
 
     def __init__(self, *, channel: int, max_body: int, exchange: str) -> None:
         self.channel = channel
-        self.max_body = max_body
+        # A frame_max of 0 (no limit) gives aiormq's max_content_size as -8.
+        self.max_body = max_body if max_body > 0 else 1 << 31
         self._exchange = _short(exchange)
         self._content_type = _short(CONTENT_TYPE)
 

@@ -90,3 +90,12 @@ def test_several_commits_keep_their_order() -> None:
     frames = OutputFrames(channel=7, max_body=131_064, exchange="e")
     ids = [h.properties.message_id for _, h, _ in _messages(b"".join(frames.messages(commits)))]
     assert ids == [f"{a}:1", f"{a}:2", f"{b}:9", f"{a}:3"]
+
+
+def test_a_broker_without_a_frame_limit_gets_each_body_in_one_frame() -> None:
+    commit = Committed(uuid.uuid4(), 1, 1, "k", "n", 1.0, ('"a"', '"b"'))
+    frames = OutputFrames(channel=7, max_body=0 - 8, exchange="e")  # frame_max 0: no limit
+    assert [body for _, _, body in _messages(b"".join(frames.messages([commit])))] == [
+        b'"a"',
+        b'"b"',
+    ]
