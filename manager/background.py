@@ -249,6 +249,7 @@ class Audit:
 
     async def once(self) -> int:
         ready = await self.publisher.work_queue_ready()
+        self.metrics.queue_ready.set(ready)
         now = time.monotonic()
         self._forget(now)
         async with self.store.transaction() as tx:

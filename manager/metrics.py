@@ -10,16 +10,14 @@ control message names.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from contracts import __version__
-from contracts.errors import Transient
 from contracts.metrics import Metrics
 from manager import repository as repo
 from manager.store import ManagerStore
@@ -66,7 +64,7 @@ class ManagerMetrics(Metrics):
         self.queue_ready = m.gauge(
             "orch_work_queue_ready",
             "Start messages ready in the work queue: observers waiting for a free slot (the "
-            "broker's count; kept as it was while the broker is away)",
+            "leader's view, read by its audit each pass; 0 on other replicas)",
         )
         self.outbox_age = m.gauge(
             "orch_outbox_oldest_age_seconds", "Age of the oldest outbox record (0 when empty)"
@@ -97,15 +95,8 @@ class ManagerMetrics(Metrics):
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
         self.http.labels(route, method, str(code)).observe(seconds)
 
-    async def refresh(
-        self,
-        store: ManagerStore,
-        *,
-        leads: bool,
-        queue_ready: Callable[[], Awaitable[int]] | None = None,
-    ) -> None:
-        """Read the cluster's state from the database (and ``queue_ready`` from the broker),
-        unless it was read lately."""
+    async def refresh(self, store: ManagerStore, *, leads: bool) -> None:
+        """Read the cluster's state from the database, unless it was read lately."""
         self.leader.set(1 if leads else 0)
         now = time.monotonic()
         if now - self._refreshed < self.refresh_every:
@@ -129,9 +120,6 @@ class ManagerMetrics(Metrics):
             self.lease_age.labels(*labels).set(s.heartbeat_age)
         self.outbox_backlog.set(state.outbox_backlog)
         self.outbox_age.set(state.outbox_age or 0.0)
-        if queue_ready is not None:
-            with contextlib.suppress(Transient):
-                self.queue_ready.set(await queue_ready())
 
     def render(self, *, service_ids: bool = True) -> bytes:
         """The exposition; without ``service_ids``, each service's series by its name only."""

@@ -41,11 +41,7 @@ async def metrics(request: Request, state: RuntimeDep) -> Response:
             "Authorization: Bearer …"
         )
     try:
-        await state.metrics.refresh(
-            state.store,
-            leads=state.leadership.is_leader,
-            queue_ready=state.publisher.work_queue_ready,
-        )
+        await state.metrics.refresh(state.store, leads=state.leadership.is_leader)
     except Transient as exc:
         log.warning("metrics: cluster state not refreshed: %s", exc)
     return Response(state.metrics.render(service_ids=known), media_type=CONTENT_TYPE_LATEST)

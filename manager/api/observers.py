@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
-from contracts.errors import NameTaken, OrchError, TooLarge
+from contracts.errors import NameTaken, OrchError, TooLarge, Transient
 from contracts.kinds import get_kind, mask_params, secret_values
 from contracts.masking import mask
 from contracts.statuses import ObserverStatus
@@ -159,7 +159,8 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
     oldest first, up to `limit`: each as its own call would, in a transaction of its own, one
     that cannot be done (a resume of one not paused: 409) failing alone with its `problem`.
     The cancels they need are published together at the end. Ids asked for that are deleted
-    or unknown are items of 404."""
+    or unknown are items of 404. When the database goes away midway, the answer is 503: what
+    was done stays done (repeating the request is harmless)."""
     sel = body.selector
     async with state.store.autocommit() as tx:
         ids, more = await repo.select_for_action(
@@ -173,17 +174,21 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
     change = _CHANGES[body.action]
     items: list[dict[str, Any]] = []
     pending: list[Pending] = []
-    for oid in ids:
-        try:
-            async with state.store.transaction() as tx:
-                row, published = await change(tx, oid)
-        except OrchError as exc:
-            code = status_of(exc)
-            items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
-            continue
-        pending += published
-        items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
-    await state.outbox.publish_now(pending)
+    try:
+        for oid in ids:
+            try:
+                async with state.store.transaction() as tx:
+                    row, published = await change(tx, oid)
+            except Transient:
+                raise  # the database is away: the rest would wait for it one by one (503)
+            except OrchError as exc:
+                code = status_of(exc)
+                items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
+                continue
+            pending += published
+            items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
+    finally:  # what was done is published, whatever stopped the rest
+        await state.outbox.publish_now(pending)
     taken = set(ids)
     missing = [] if more else [oid for oid in dict.fromkeys(sel.ids or ()) if oid not in taken]
     for oid in missing:
