@@ -44,9 +44,11 @@ EVENTS_EACH = (
     "INSERT INTO observer_events (observer_id, event, detail) "
     "SELECT i, :event, d FROM unnest(CAST(:ids AS uuid[]), CAST(:details AS text[])) AS x(i, d)"
 )
+# The service's name too, for services long gone (their rows stay, deleted).
 LIST_EVENTS = (
-    "SELECT at, event, service_id, epoch, detail FROM observer_events "
-    "WHERE observer_id = :id ORDER BY id"
+    "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, e.detail "
+    "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
+    "WHERE e.observer_id = :id ORDER BY e.id"
 )
 
 # ----------------------------------------------------------------------------------- outbox

@@ -161,6 +161,7 @@ class ObserverEventOut(BaseModel):
     at: datetime
     event: str
     service_id: uuid.UUID | None
+    service_name: str | None = Field(default=None, description="that service's name")
     epoch: int | None
     detail: str | None
 

@@ -439,7 +439,7 @@ def _render_events(rows: list[dict[str, Any]]) -> None:
     table = Table("at", "event", "service", "epoch", "detail")
     for e in rows:
         epoch = "" if e["epoch"] is None else str(e["epoch"])
-        service = (e["service_id"] or "")[:8]
+        service = e.get("service_name") or (e["service_id"] or "")[:8]
         table.add_row(
             shown(e["at"][:23]), shown(e["event"]), shown(service), epoch, shown(e["detail"] or "")
         )

@@ -178,13 +178,15 @@ async function start() {
   $("#filters").addEventListener("submit", (e) => e.preventDefault());
   let debounce = null;
   $("#filters").addEventListener("input", () => {
+    filtersToUrl();
     clearTimeout(debounce);
     debounce = setTimeout(() => { state.lists.observers.offset = 0; refresh(); }, 250);
   });
+  filtersFromUrl();
   $("#create-go").onclick = createMany;
   $("#f-restart").onclick = () => bulk("restart");
   $("#f-delete").onclick = () => bulk("delete");
-  window.addEventListener("hashchange", () => { window.scrollTo(0, 0); refresh(); });
+  window.addEventListener("hashchange", () => { window.scrollTo(0, 0); filtersFromUrl(); refresh(); });
   makeLists();
   try {
     signedIn(await api("GET", "/whoami", null, undefined, token()));
@@ -254,6 +256,7 @@ async function signedIn(who) {
     const select = $("#filters select[name=kind]");
     select.replaceChildren(el("option", "any"), ...state.kinds.map((k) => el("option", k.name)));
     select.options[0].value = "";
+    filtersFromUrl();  // a kind named in the address can be chosen only now
   } catch (err) { report("Loading the kinds", err); }
   clearInterval(state.timer);
   state.timer = setInterval(refresh, REFRESH_MS);
@@ -426,7 +429,7 @@ function activity(figure, data) {
     data.buckets.forEach((b, i) => {
       if (!b[key]) return;
       const h = Math.max(2, (b[key] / max) * (H - 2));
-      const r = svg("rect", { x: (i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar bar-${key}` });
+      const r = svg("rect", { x: (i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar-${key}` });
       const t = svg("title");
       t.textContent = `${stamp(b.at)}: ${b[key]} ${label}`;
       r.append(t);
@@ -467,6 +470,7 @@ function totals(page) {
     b.onclick = () => {
       const sel = $("#filters select[name=status]");
       sel.value = sel.value === status ? "" : status;
+      filtersToUrl();
       state.lists.observers.offset = 0;
       refresh();
     };
@@ -611,7 +615,7 @@ async function renderObserver(id) {
   $("#o-events tbody").replaceChildren(...events.slice().reverse().map((e) => {
     const s = state.services.get(e.service_id);
     const tr = el("tr");
-    tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : short(e.service_id)), td(e.epoch ?? ""), td(e.detail ?? ""));
+    tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : e.service_name ? nameNode(e.service_name) : short(e.service_id)), td(e.epoch ?? ""), td(e.detail ?? ""));
     return tr;
   }));
 }
@@ -662,6 +666,32 @@ async function createMany() {
     $("#create-go").disabled = false;
   }
   await refresh();
+}
+
+// ------------------------------------------------------------------------------ filters
+// The overview's filters live in the address (#/?status=failed&kind=…): a link or a reload
+// shows the same list.
+const FILTERS = ["q", "status", "kind", "include_deleted"];
+
+function filtersToUrl() {
+  const f = new FormData($("#filters"));
+  const params = new URLSearchParams();
+  for (const k of FILTERS) { const v = (f.get(k) || "").toString().trim(); if (v) params.set(k, v); }
+  const query = params.toString();
+  const here = query ? `#/?${query}` : "#/";
+  history.replaceState(null, "", here);
+  for (const a of $$('a[href^="#/"][data-nav="overview"], a.brand')) a.setAttribute("href", here);
+}
+
+function filtersFromUrl() {
+  const h = window.location.hash;
+  if (route()[0] !== "overview") return;
+  const params = new URLSearchParams(h.includes("?") ? h.slice(h.indexOf("?") + 1) : "");
+  const form = $("#filters");
+  form.elements.q.value = params.get("q") || "";
+  form.elements.status.value = params.get("status") || "";
+  form.elements.kind.value = params.get("kind") || "";
+  form.elements.include_deleted.checked = params.get("include_deleted") === "true";
 }
 
 // ------------------------------------------------------------------------------ the loop

@@ -175,6 +175,7 @@ async def test_every_action_from_the_command_line(cluster: Cluster) -> None:
     assert f"{oid}: processing" in resumed.stdout
     events = json.loads((await _run(cluster, "observers", "events", oid, "--json")).stdout)
     assert [e["event"] for e in events][:4] == ["created", "taken", "pausing", "paused"]
+    assert events[1]["service_name"] == "a", "a history names its services"
     kinds = json.loads((await _run(cluster, "kinds", "--json")).stdout)
     assert "ticker" in {k["name"] for k in kinds}
     services = json.loads((await _run(cluster, "services", "list", "--json")).stdout)

@@ -236,6 +236,15 @@ async def test_the_console_for_an_operator(
     await page.wait_for_selector("#activity .spark-failed rect.bar-failed")
     title = await page.locator("#activity .spark-failed rect title").first.text_content()
     assert "failures" in (title or "")
+    # Each column is drawn as wide as its minute (the load bar's CSS once sized them all).
+    widths = await page.eval_on_selector_all(
+        "#activity svg rect", "rs => rs.map(r => r.getBoundingClientRect().width)"
+    )
+    chart = await page.eval_on_selector(
+        "#activity .spark-taken svg", "s => s.getBoundingClientRect().width"
+    )
+    assert widths, "no column drawn"
+    assert max(widths) < chart / 10, (widths, chart)
 
     # A hostile name: text only (no element made of it), isolated, truncated, whole in its title.
     bdi = page.locator(f'#observers tr[data-id="{odd}"] td:first-child bdi.name')
@@ -251,6 +260,17 @@ async def test_the_console_for_an_operator(
     await page.uncheck("#filters input[name=include_deleted]")
     await page.wait_for_selector(f'#observers tr[data-id="{gone}"]', state="detached")
     await shot(page, shots, "overview")
+
+    # Filters live in the address: a reload (or a link) shows the same list.
+    await page.click("#totals [data-status=failed]")
+    await page.wait_for_function("location.hash.includes('status=failed')")
+    await page.reload()
+    await page.wait_for_selector(f'#observers tr[data-id="{failed[0]}"]')
+    assert await page.eval_on_selector("#filters select[name=status]", "s => s.value") == "failed"
+    assert not await _has(page, f'#observers tr[data-id="{tickers[0]}"]')
+    await page.click("#totals [data-status=failed]")  # off again
+    await page.wait_for_function("!location.hash.includes('status=')")
+    await page.wait_for_selector(f'#observers tr[data-id="{tickers[0]}"]')
 
     # Sorting by a column, both ways, by the server.
     await page.click("#observers th[data-col=name] button")
