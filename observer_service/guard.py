@@ -129,6 +129,8 @@ class _Guarded:
         ended = time.monotonic()
         took = ended - step.started
         watch.step = None
+        if took > MARK_AFTER:  # rare: only then is the scheduler asked how long it made it wait
+            took = watch.kind_time(step, ended)
         if took > MARK_AFTER and not watch.process_paused(step.started):
             watch.long_step(ended)
         witness = timing.witness

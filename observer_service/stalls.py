@@ -15,12 +15,21 @@ The watchdog thread also tells, while the loop is still blocked, which copy is r
 marks the service stalled in the database (``services.stalled_since``, cleared by the next
 renewal) once a step passes ``MARK_AFTER``: a process whose loop is blocked cannot notice that
 its lease session ended, so no taker may treat it as gone before its lease expires.
+
+A step is timed by what the kind did with it, not by the wall clock alone. On a busy host the
+loop's thread waits for a CPU in the middle of a step, and that wait is the scheduler's doing
+(every process of the host waits alike), not the kind's: counted, it marks a healthy service
+stalled, which turns off fast crash takeover and keeps the leader from placing work on it, and
+ends healthy copies with ``LoopBlocked``. Where the kernel keeps scheduler statistics (Linux's
+``/proc/self/task/<tid>/schedstat``), the time the loop's thread spent waiting on a run queue
+while the watchdog watched a step is taken off that step; elsewhere the wall clock is all.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -56,6 +65,33 @@ class Step:
     label: str
     started: float
     observer_id: uuid.UUID | None = None
+    #: The loop thread's run-queue wait (seconds, ``RunQueue``) when the watchdog first saw
+    #: this step; None until then, or where the kernel does not tell.
+    waited: float | None = None
+    #: The watchdog's last reading before the step began: (monotonic, run-queue wait).
+    before: tuple[float, float] | None = None
+
+
+class RunQueue:
+    """How long one thread of this process has waited for a CPU while runnable, in seconds,
+    from the kernel's scheduler statistics: None where they are not kept (not Linux, or a
+    kernel without schedstats)."""
+
+    def __init__(self, native_id: int) -> None:
+        self._path = f"/proc/self/task/{native_id}/schedstat"
+
+    def waited(self) -> float | None:
+        try:
+            fd = os.open(self._path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            # "<ns on a cpu> <ns waiting on a run queue> <timeslices>"
+            return int(os.read(fd, 128).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+        finally:
+            os.close(fd)
 
 
 class ThreadWrites(Protocol):
@@ -80,8 +116,11 @@ class StallWatch:
         lease_valid: Callable[[], bool] = lambda: True,
         outlives_lease: float = 0.0,
         writes: ThreadWrites | None = None,
+        run_queue: RunQueue | None = None,
     ) -> None:
         self.threshold = threshold
+        #: The loop thread's run-queue wait; set by ``start`` (from the loop's thread).
+        self.run_queue = run_queue
         #: The shortest step that can cost a healthy service its lease (renewals are due every
         #: renew_interval): a lease lost during a shorter step was lost for another reason.
         self.outlives_lease = outlives_lease
@@ -91,6 +130,8 @@ class StallWatch:
         self.step: Step | None = None
         #: When the last step longer than MARK_AFTER ended (monotonic).
         self.last_long = -math.inf
+        #: The watchdog's last reading of the loop thread's run-queue wait: (monotonic, wait).
+        self._reading: tuple[float, float] | None = None
         #: The watchdog's last wake-up, and when the last whole-process pause it saw ended.
         self._beat = 0.0
         self._paused_until = 0.0
@@ -105,6 +146,27 @@ class StallWatch:
         now = time.monotonic()
         return self._paused_until > since or now - self._beat > PROCESS_PAUSE
 
+    def kind_time(self, step: Step, ended: float) -> float:
+        """Seconds of ``step`` up to ``ended`` that were the kind's: its length less what the
+        loop's thread surely spent waiting for a CPU within it. Two readings bound that wait
+        from below: the wait since the watchdog first saw the step (all of it within the
+        step), and the wait since the watchdog's last reading before the step began, less the
+        time from that reading to the step's start (the most it can hold from before). The
+        larger is taken off; a kind is never credited with a wait it may not have had."""
+        took = ended - step.started
+        if self.run_queue is None:
+            return took
+        now = self.run_queue.waited()
+        if now is None:
+            return took
+        waited = 0.0
+        if step.waited is not None:
+            waited = now - step.waited
+        before = step.before or self._reading
+        if before is not None and before[0] <= step.started:
+            waited = max(waited, now - before[1] - (step.started - before[0]))
+        return took - max(0.0, waited)
+
     def long_step(self, ended: float) -> None:
         """The guard saw a step longer than MARK_AFTER end."""
         self.last_long = ended
@@ -114,7 +176,9 @@ class StallWatch:
         now = time.monotonic()
         step = self.step
         return now - self.last_long < REMEMBER or (
-            step is not None and now - step.started > MARK_AFTER
+            step is not None
+            and now - step.started > MARK_AFTER
+            and self.kind_time(step, now) > MARK_AFTER
         )
 
     def blamed(self, seconds: float, *, lease_valid: bool) -> bool:
@@ -124,6 +188,8 @@ class StallWatch:
     def start(self) -> None:
         """Watch from a thread of its own (the loop cannot watch itself while it is blocked)."""
         if self._thread is None:
+            if self.run_queue is None:
+                self.run_queue = RunQueue(threading.get_native_id())
             self._beat = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
             self._thread.start()
@@ -144,12 +210,20 @@ class StallWatch:
                 self._paused_until = now
             self._beat = now
             step = self.step
+            last = self._reading
+            if self.run_queue is not None:
+                taken_at, wait = time.monotonic(), self.run_queue.waited()
+                self._reading = None if wait is None else (taken_at, wait)
             if step is None:
                 continue
             if step is not seen:
                 seen, valid_then, told, blamed = step, self._lease_valid(), False, False
                 marked = False
-            blocked = time.monotonic() - step.started
+                if self._reading is not None:
+                    step.waited = self._reading[1]
+                if last is not None and last[0] <= step.started:
+                    step.before = last
+            blocked = self.kind_time(step, time.monotonic())
             if not marked and blocked > MARK_AFTER and self._writes is not None:
                 marked = True
                 try:

@@ -263,3 +263,29 @@ async def fenced_writer(ctx: ObserverContext) -> None:
         await write()
         await ctx.checkpoint({"n": n})
         await ctx.sleep(p.interval)
+
+
+class BurnerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Seconds of CPU each step computes for (its thread's CPU time, not the wall clock).
+    burn: float = 0.02
+    #: Seconds between two steps.
+    every: float = 0.05
+
+
+@observer_kind("burner", params=BurnerParams)
+async def burner(ctx: ObserverContext) -> None:
+    """Computes for ``burn`` seconds of CPU in each step, and checkpoints how many steps it made
+    and the longest one on the wall clock: on a CPU it shares, a step takes many times its CPU
+    time, waiting for the CPU."""
+    p: BurnerParams = ctx.params
+    state = ctx.last_checkpoint or {"steps": 0, "longest": 0.0}
+    while True:
+        began, cpu = time.monotonic(), time.thread_time()
+        while time.thread_time() - cpu < p.burn:
+            pass
+        state["longest"] = max(state["longest"], time.monotonic() - began)
+        state["steps"] += 1
+        await ctx.checkpoint(state)
+        await ctx.sleep(p.every)
