@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Self, TypeVar, get_args, get_origin
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
@@ -105,6 +106,9 @@ class KindSpec:
     #: with ``ctx.emit`` (None: records are committed only with ``ctx.checkpoint``). For kinds
     #: with nothing to resume from: see ``docs/outputs.md`` for what each mode guarantees.
     commit_every: float | None = None
+    #: The params' JSON schema as a service advertised it, for a kind known only from services'
+    #: adverts (``from_advert``: no code, no params model); params are checked against it.
+    params_schema: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         found = secret_fields(self.params_model) if self.params_model is not None else set()
@@ -114,6 +118,8 @@ class KindSpec:
         """Validated params as JSON-ready data, secrets as they were given (they are stored so:
         the kind needs them); raises InvalidParams with a readable message."""
         if self.params_model is None:
+            if self.params_schema is not None:
+                _check_schema(self.name, self.params_schema, params)
             return params
         try:
             model = self.params_model.model_validate(params, context=CLIENT)
@@ -127,11 +133,61 @@ class KindSpec:
         """``params`` as a ``read`` token may see them: see ``mask_params``."""
         return mask_params(params, self)
 
+    def advert(self) -> dict[str, Any]:
+        """What a service tells of this kind in its row (``services.kinds``): enough for the
+        manager and the operator to know it without its code."""
+        return {
+            "description": self.description,
+            "params_schema": (
+                self.params_model.model_json_schema() if self.params_model is not None else None
+            ),
+            "secret_params": sorted(self.secret_params),
+            "restart_policy": self.restart_policy.model_dump(),
+        }
+
+    @classmethod
+    def from_advert(cls, name: str, advert: dict[str, Any]) -> KindSpec:
+        """A kind as a service advertised it (``advert``): its params are checked against the
+        advertised schema, its secrets masked, its restart policy known; it cannot run here."""
+        return cls(
+            name=name,
+            run=_not_here,
+            restart_policy=RestartPolicy.model_validate(advert.get("restart_policy") or {}),
+            description=str(advert.get("description") or ""),
+            origin="advertised",
+            secret_params=frozenset(advert.get("secret_params") or ()),
+            params_schema=advert.get("params_schema"),
+        )
+
     def policy(self, override: dict[str, Any] | None) -> RestartPolicy:
         """The kind's restart policy with an observer's own fields over it."""
         if not override:
             return self.restart_policy
         return RestartPolicy.model_validate({**self.restart_policy.model_dump(), **override})
+
+
+async def _not_here(ctx: Any) -> None:
+    raise RuntimeError("a kind known from services' adverts runs only on those services")
+
+
+def _check_schema(kind: str, schema: dict[str, Any], params: dict[str, Any]) -> None:
+    """Raise InvalidParams unless ``params`` meet ``schema``: where and which rule failed,
+    never the value (the API does not echo what a client sent)."""
+    validator_class = jsonschema.validators.validator_for(schema)
+    problems = []
+    for error in sorted(validator_class(schema).iter_errors(params), key=lambda e: e.path):
+        where = ".".join(str(p) for p in error.absolute_path) or "params"
+        if error.validator == "required":
+            given: Any = error.instance if isinstance(error.instance, dict) else {}
+            wanted: Any = error.validator_value
+            missing = [str(r) for r in wanted if r not in given]
+            problems.append(f"{where}: missing {', '.join(missing)}")
+        elif error.validator == "additionalProperties":
+            problems.append(f"{where}: an unknown field")
+        else:
+            problems.append(f"{where}: fails {error.validator!r} ({error.validator_value!r})")
+    if problems:
+        raise InvalidParams(f"invalid params for kind {kind!r}: {'; '.join(problems)}")
 
 
 #: The validation context of params a client sent (the manager's check): a validator that

@@ -69,6 +69,9 @@ class Service(Base):
     #: When the service last came back after losing its lease: for a while after, the leader
     #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
     rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The kinds it runs, as it advertised them when it joined: {name: {"version", "description",
+    #: "params_schema", "secret_params"}}. None: a service of an earlier release (every kind).
+    kinds: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
     __table_args__ = (
         Index(
@@ -122,6 +125,9 @@ class Observer(Base):
     #: The number of the current copy's last commit (reset by every take): a commit retried
     #: after its answer was lost is known by its number and never lands twice.
     commit_no: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    #: Why nobody runs it while it waits for a service able to ("no live service runs kind
+    #: 'x'"); cleared by the take that starts it.
+    waiting: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         CheckConstraint(

@@ -6,12 +6,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.errors import BrokerUnavailable, Transient
-from contracts.messages import DirectedStart, Message
+from contracts.messages import DirectedStart, Message, StartMessage
 from contracts.routing import WORK, Destination
 from contracts.statuses import STOPPING, ObserverStatus
 from manager import repository as repo
@@ -83,19 +83,27 @@ async def _free_slots(
     return {sid: n for sid, n in free.items() if sid in present}
 
 
-def place(free: dict[uuid.UUID, int], count: int) -> list[uuid.UUID | None]:
-    """Targets for ``count`` observers: the service with the most free slots first; None (the
-    shared work queue) once every service in ``free`` is full."""
+def place(
+    free: dict[uuid.UUID, int], kinds: Sequence[str], runs: dict[uuid.UUID, repo.Runs]
+) -> list[uuid.UUID | None]:
+    """Targets for observers of these ``kinds``: of the services in ``free`` that run the kind
+    (``runs``: None for a service of an earlier release, which runs every kind), the one with
+    the most free slots first; None (the shared work queue) once none of them has room."""
     slots = dict(free)
     out: list[uuid.UUID | None] = []
-    for _ in range(count):
-        best = max(slots, key=lambda k: slots[k], default=None)
+    for kind in kinds:
+        able = [sid for sid in slots if _runs(runs.get(sid), kind)]
+        best = max(able, key=lambda k: slots[k], default=None)
         if best is None or slots[best] <= 0:
             out.append(None)
             continue
         slots[best] -= 1
         out.append(best)
     return out
+
+
+def _runs(kinds: repo.Runs, kind: str) -> bool:
+    return kinds is None or kind in kinds
 
 
 async def redispatch(
@@ -105,21 +113,37 @@ async def redispatch(
     *,
     present: Collection[uuid.UUID],
     margin: float,
+    placed_only: bool = False,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
-    live service with room, chosen here from the leases and the control queues, not by the
-    broker (``present``: the services found on the broker just before this transaction)."""
-    starts = await repo.new_dispatches(tx, ids, why)
-    if not starts:
+    live service with room that runs its kind, chosen here from the leases, the control queues
+    and the kinds advertised, not by the broker (``present``: the services found on the broker
+    just before this transaction); to the work queue when none has room. ``placed_only``: those
+    that no such service has room for are left as they are."""
+    if not ids:
         return []
-    targets = place(await _free_slots(tx, present, margin), len(starts))
+    free = await _free_slots(tx, present, margin)
+    kinds = await repo.kinds_of(tx, ids)
+    runs = await repo.kinds_run(tx, list(free))
+    targets = dict(zip(ids, place(free, [kinds.get(i, "") for i in ids], runs), strict=True))
+    if placed_only:
+        ids = [i for i in ids if targets[i] is not None]
+    starts = await repo.new_dispatches(tx, ids, why)
     messages: list[tuple[Destination, Message]] = []
-    for start, target in zip(starts, targets, strict=True):
+    for start in starts:
+        target = targets[start.observer_id]
         if target is None:
             messages.append((WORK, start))
         else:
             messages.append((Destination.service(target), DirectedStart.of(start)))
     return await repo.add_outbox(tx, messages)
+
+
+def waiting_reason(kind: str, live: Sequence[repo.Runs]) -> str:
+    """Why an observer of ``kind`` that no service with room runs still waits."""
+    if any(_runs(k, kind) for k in live):
+        return f"every live service that runs kind {kind!r} is full"
+    return f"no live service runs kind {kind!r}"
 
 
 @dataclass
@@ -199,7 +223,38 @@ class Sweeper:
             log.warning("re-dispatching %d observers of dead services", len(moving))
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
         await self.box.publish_now(pending)
-        return len(orphans)
+        return len(orphans) + await self._place_waiting(present)
+
+    async def _place_waiting(self, present: Collection[uuid.UUID]) -> int:
+        """Observers passed on by a service that lacks their kind: each is sent to a service
+        that runs it and has room, as soon as one has; the others say why they wait."""
+        async with self.store.transaction() as tx:
+            rows = await repo.waiting(tx)
+            if not rows:
+                return 0
+            ids = [r.id for r in rows]
+            pending = await redispatch(
+                tx,
+                ids,
+                "to a service that runs its kind",
+                present=present,
+                margin=self.margin,
+                placed_only=True,
+            )
+            placed = {
+                p.message.observer_id
+                for p in pending
+                if isinstance(p.message, StartMessage | DirectedStart)
+            }
+            live = await repo.live_kinds(tx)
+            await repo.set_waiting(
+                tx, {r.id: waiting_reason(r.kind, live) for r in rows if r.id not in placed}
+            )
+        if pending:
+            log.info("sending %d waiting observers to services that run their kind", len(pending))
+            self.metrics.redispatches.labels("kind_found").inc(len(pending))
+        await self.box.publish_now(pending)
+        return len(pending)
 
     def _gone(
         self, ended: list[uuid.UUID], probed: dict[uuid.UUID, bool | None]

@@ -80,7 +80,7 @@ class ManagerMetrics(Metrics):
         self.leader = m.gauge("orch_leader", "1 while this replica leads, else 0")
         self.redispatches = m.counter(
             "orch_redispatches_total",
-            "Observers re-dispatched by the leader, by reason (holder_gone, stuck)",
+            "Observers re-dispatched by the leader, by reason (holder_gone, stuck, kind_found)",
             "reason",
         )
         self.moves = m.counter(

@@ -23,12 +23,14 @@ def _v(status: ObserverStatus | Event) -> str:
 OBSERVER_COLUMNS = (
     "o.id, o.name, o.kind, o.params, o.status, o.service_id, o.epoch, o.checkpoint, "
     "o.checkpointed_at, o.restart_count, o.last_error, o.restart_policy, o.created_at, "
-    "o.modified_at, o.started_at, o.output_seq, o.committed_at"
+    "o.modified_at, o.started_at, o.output_seq, o.committed_at, o.waiting"
 )
 
 SERVICE_COLUMNS = (
     "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
     "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, "
+    "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds) ORDER BY 1) "
+    "END AS kinds, "
     f"(SELECT count(*) FROM observers o WHERE o.service_id = s.id AND {sql_in('o.status', HELD)})"
     " AS running"
 )
@@ -191,9 +193,38 @@ SELECT o.id, o.status FROM observers o
 """
 # New dispatch ids (old start messages become stale), nobody holding them.
 REDISPATCH = (
-    "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, "
+    "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, waiting = NULL, "
     "dispatched_at = now(), modified_at = now() WHERE o.id = ANY(:ids) "
     "RETURNING o.id, o.dispatch_id"
+)
+# What kind each of these observers is.
+KINDS_OF = "SELECT id, kind FROM observers WHERE id = ANY(:ids)"
+# The kinds each of these services runs; NULL for a service of an earlier release (every kind).
+_KIND_NAMES = "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds)) END"
+KINDS_RUN = f"SELECT s.id, {_KIND_NAMES} AS kinds FROM services s WHERE s.id = ANY(:ids)"
+# The kinds each live service that takes work runs (as KINDS_RUN).
+LIVE_KINDS = (
+    f"SELECT {_KIND_NAMES} AS kinds FROM services s WHERE {live_service('s')} AND NOT s.draining"
+)
+# What each live service advertised of its kinds (NULL: an earlier release, every kind).
+LIVE_ADVERTS = f"SELECT s.name, s.kinds FROM services s WHERE {live_service('s')} ORDER BY s.name"
+# Of each kind any service advertised, the advert of the newest service that runs it, a live
+# one first.
+ADVERTS = f"""
+SELECT DISTINCT ON (k.key) k.key AS name, k.value AS advert
+  FROM services s, jsonb_each(s.kinds) AS k
+ ORDER BY k.key, {live_service("s")} DESC, s.created_at DESC
+"""
+# Live observers nobody holds that a service passed on (it lacks their kind), oldest first.
+WAITING = f"""
+SELECT o.id, o.kind, o.waiting FROM observers o
+ WHERE o.waiting IS NOT NULL AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
+ ORDER BY o.created_at LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
+"""
+# Why each still waits, where that changed.
+SET_WAITING = (
+    "UPDATE observers o SET waiting = m.why FROM unnest(CAST(:ids AS uuid[]), "
+    "CAST(:whys AS text[])) AS m(id, why) WHERE o.id = m.id AND o.waiting IS DISTINCT FROM m.why"
 )
 # Free slots of every service that surely lives (lease valid for :m more seconds), takes work,
 # and keeps its lease: not stalled by kind code, and not back from a lost lease within :p seconds
@@ -211,7 +242,7 @@ SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
 TAKEN_LATELY = "SELECT max(started_at) > now() - make_interval(secs => :g) FROM observers"
 UNHELD_STUCK = f"""
 SELECT o.id FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
-   AND o.dispatched_at < now() - make_interval(secs => :g)
+   AND o.waiting IS NULL AND o.dispatched_at < now() - make_interval(secs => :g)
    AND o.modified_at < now() - make_interval(secs => :g)
    AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text)
  LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
@@ -232,9 +263,11 @@ SELECT s.id, s.worker_count, count(o.id) AS running FROM services s
    AND (s.rejoined_at IS NULL OR s.rejoined_at < now() - make_interval(secs => :age))
  GROUP BY s.id, s.worker_count
 """
+# Of the kinds :kinds (NULL: any), those a move's target runs.
 PICK_TO_MOVE = (
     f"SELECT id FROM observers WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
-    "AND NOT (id = ANY(:recent)) ORDER BY started_at DESC LIMIT :n"
+    "AND NOT (id = ANY(:recent)) AND (CAST(:kinds AS text[]) IS NULL OR kind = ANY(:kinds)) "
+    "ORDER BY started_at DESC LIMIT :n"
 )
 # The moves decided, recorded on the rows in the transaction that writes their handoff
 # messages: only a row still running on its donor is marked (and only those are sent).
@@ -331,7 +364,7 @@ VIEW_OBSERVERS = (
     "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
     "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
     "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, o.output_seq, "
-    "o.committed_at, "
+    "o.committed_at, o.waiting, "
     # Only to mask an error that quotes them (one written before errors were masked at write).
     "CASE WHEN o.last_error IS NOT NULL THEN o.params END AS params, "
     "clock_timestamp() AS now "

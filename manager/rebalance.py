@@ -18,6 +18,7 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -197,11 +198,15 @@ class Rebalancer:
             total = sum(x.running for x in loads)
             moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
             recent = self.ledger.recent()
+            runs = await repo.kinds_run(tx, [x.service_id for x in loads])
             handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]] = []  # observer, from, to
-            for donor in {d for d, _ in moves}:
-                to = [t for d, t in moves if d == donor]
-                picked = await repo.pick_to_move(tx, donor, recent=recent, n=len(to))
-                handoffs += [(o, donor, t) for o, t in zip(picked, to, strict=False)]
+            for (donor, target), n in Counter(moves).items():
+                # Only observers of kinds the target runs (it would pass the others on).
+                picked = await repo.pick_to_move(
+                    tx, donor, recent=recent, n=n, kinds=runs.get(target)
+                )
+                recent = [*recent, *picked]
+                handoffs += [(o, donor, target) for o in picked]
             marked = await repo.record_handoffs(tx, handoffs)
             handoffs = [h for h in handoffs if h[0] in marked]
             pending = await repo.add_outbox(

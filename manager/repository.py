@@ -459,6 +459,50 @@ async def new_dispatches(tx: Tx, ids: list[uuid.UUID], why: str) -> list[StartMe
     return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
 
 
+async def kinds_of(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """The kind of each of these observers."""
+    return {r.id: r.kind for r in await tx.rows(q.KINDS_OF, ids=ids)} if ids else {}
+
+
+#: The kinds a service runs; None for a service of an earlier release (which ran every kind).
+Runs = frozenset[str] | None
+
+
+async def kinds_run(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Runs]:
+    """The kinds each of these services advertised."""
+    rows = await tx.rows(q.KINDS_RUN, ids=ids) if ids else []
+    return {r.id: None if r.kinds is None else frozenset(r.kinds) for r in rows}
+
+
+async def live_kinds(tx: Tx) -> list[Runs]:
+    """The kinds of each live service that takes work."""
+    return [None if r.kinds is None else frozenset(r.kinds) for r in await tx.rows(q.LIVE_KINDS)]
+
+
+async def adverts(tx: Tx) -> dict[str, dict[str, Any]]:
+    """Of each kind any service advertised, the advert of the newest that runs it (a live
+    one first)."""
+    return {r.name: r.advert for r in await tx.rows(q.ADVERTS)}
+
+
+async def live_adverts(tx: Tx) -> list[tuple[str, dict[str, Any] | None]]:
+    """What each live service advertised of its kinds, by service name (None: an earlier
+    release, which runs every kind)."""
+    return [(r.name, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
+
+
+async def waiting(tx: Tx) -> list[Row]:
+    """Live observers nobody holds that wait for a service that runs their kind: id, kind and
+    why, locked."""
+    return await tx.rows(q.WAITING)
+
+
+async def set_waiting(tx: Tx, why: dict[uuid.UUID, str]) -> None:
+    """Why each of these observers still waits."""
+    if why:
+        await tx.rows(q.SET_WAITING, ids=list(why), whys=list(why.values()))
+
+
 #: A service back from a lost lease gets no directed start for this many margins (two lease
 #: lengths with the default margin of half a lease): it must show that it keeps its lease first.
 PROBATION_MARGINS = 4
@@ -495,10 +539,12 @@ async def loads(tx: Tx, min_age: float) -> list[Row]:
 
 
 async def pick_to_move(
-    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int
+    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int, kinds: Runs = None
 ) -> list[uuid.UUID]:
-    """Up to ``n`` observers running on ``donor``, none of ``recent``."""
-    return await tx.values(q.PICK_TO_MOVE, s=donor, recent=recent, n=n)
+    """Up to ``n`` observers running on ``donor``, none of ``recent``, each of one of ``kinds``
+    (those the move's target runs; None: any)."""
+    wanted = None if kinds is None else sorted(kinds)
+    return await tx.values(q.PICK_TO_MOVE, s=donor, recent=recent, n=n, kinds=wanted)
 
 
 async def record_handoffs(

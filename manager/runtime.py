@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from contracts.clock import Clock
 from contracts.errors import NameTaken, Transient
-from contracts.kinds import KindSpec, load_kinds
+from contracts.kinds import KindSpec, get_kind, load_kinds
 from manager import background
 from manager import repository as repo
 from manager.intake import GroupCommit
@@ -25,6 +27,11 @@ from manager.settings import ManagerSettings
 from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two reads of the kinds' adverts; and how fresh a read must be for a create
+#: of a kind not found in it to be refused without reading again.
+ADVERTS_EVERY = 5.0
+ADVERTS_FRESH = 1.0
 
 
 class ManagerRuntime:
@@ -39,6 +46,10 @@ class ManagerRuntime:
         self.settings = settings
         self.metrics = metrics or ManagerMetrics(refresh=settings.metrics_refresh)
         self.kinds = kinds if kinds is not None else load_kinds(settings.kind_module_list)
+        #: Kinds this manager has no code for, as services advertise them (``read_adverts``):
+        #: creates of them are checked against the advertised schema, their secrets masked.
+        self.advertised: dict[str, KindSpec] = {}
+        self._adverts_read = -math.inf
         self.store = ManagerStore(settings)
         self.publisher = Publisher(settings, died=self._died)
         self.outbox = Outbox(self.store, self.publisher)
@@ -55,6 +66,36 @@ class ManagerRuntime:
         self.fatal = asyncio.Event()
         self.error: BaseException | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    def kind_spec(self, name: str) -> KindSpec | None:
+        """The kind, from this manager's code or else from the services' adverts."""
+        return self.kinds.get(name) or self.advertised.get(name)
+
+    def all_kinds(self) -> dict[str, KindSpec]:
+        return {**self.advertised, **self.kinds}
+
+    async def kind(self, name: str) -> KindSpec:
+        """The kind a create names; the adverts are read again (at most once a second) for a
+        kind not known yet. Raises UnknownKind, naming the kinds there are."""
+        spec = self.kind_spec(name)
+        if spec is None and time.monotonic() - self._adverts_read > ADVERTS_FRESH:
+            await self.read_adverts()
+            spec = self.kind_spec(name)
+        if spec is None:
+            return get_kind(self.all_kinds(), name)
+        return spec
+
+    async def read_adverts(self) -> None:
+        """What the services advertised of the kinds this manager has no code for: of each
+        kind, the advert of the newest service that runs it (a live one first)."""
+        async with self.store.autocommit() as tx:
+            adverts = await repo.adverts(tx)
+        self.advertised = {
+            name: KindSpec.from_advert(name, advert)
+            for name, advert in adverts.items()
+            if name not in self.kinds
+        }
+        self._adverts_read = time.monotonic()
 
     async def _create_rows(
         self, new: Sequence[repo.NewObserver]
@@ -119,6 +160,9 @@ class ManagerRuntime:
         await self.store.open()
         await self.publisher.start()
         self._spawn(self.creates.run(), "group-commit")
+        self._spawn(
+            background.every(ADVERTS_EVERY, self.read_adverts, "kinds' adverts")(), "adverts"
+        )
         self._spawn(
             background.every(0.1, self.outbox.delete_published, "outbox cleanup")(),
             "outbox-cleanup",

@@ -148,6 +148,11 @@ class ObserverOut(BaseModel):
     committed_at: datetime | None = Field(
         default=None, description="when its current copy last committed (progress)"
     )
+    waiting: str | None = Field(
+        default=None,
+        description="why nobody runs it while it waits for a service able to (a service "
+        "without its kind passed it on; it starts when one that runs the kind has room)",
+    )
 
 
 class ObserverPage(BaseModel):
@@ -179,6 +184,11 @@ class ServiceOut(BaseModel):
     lease_expires_at: datetime
     is_deleted: bool
     draining: bool
+    kinds: list[str] | None = Field(
+        default=None,
+        description="the kinds it runs, as it advertised them (null: a service of an earlier "
+        "release, which runs every kind)",
+    )
 
 
 class KindOut(BaseModel):
@@ -186,6 +196,10 @@ class KindOut(BaseModel):
     description: str
     params_schema: dict[str, Any] | None
     restart_policy: RestartPolicy
+    services: list[str] = Field(
+        default_factory=list,
+        description="the live services that run it (its observers wait while there is none)",
+    )
 
 
 class LeaderOut(BaseModel):

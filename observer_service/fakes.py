@@ -20,7 +20,7 @@ from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.outputs import Committed, Output
-from contracts.statuses import HELD, STOPPED, ObserverStatus
+from contracts.statuses import HELD, LIVE, STOPPED, ObserverStatus
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
@@ -73,6 +73,8 @@ class Row:
     events: list[str] = field(default_factory=list)
     output_seq: int = 0
     name: str = "fake"
+    #: Why nobody runs it (``observers.waiting``): cleared by every take.
+    waiting: str | None = None
 
     @property
     def start(self) -> StartMessage:
@@ -195,7 +197,7 @@ class InMemoryStore:
             if decision is Decision.TAKE:
                 row.status, row.service_id = ObserverStatus.PROCESSING, self.me
                 row.epoch += 1
-                row.handoff_to = None
+                row.handoff_to = row.waiting = None
                 row.events.append("taken")
                 resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:
@@ -302,6 +304,17 @@ class InMemoryStore:
         if row is None or row.status not in (ObserverStatus.PROCESSING, ObserverStatus.CREATED):
             return False
         row.status, row.service_id, row.last_error = ObserverStatus.FAILED, None, reason
+        return True
+
+    async def pass_on(self, observer_id: uuid.UUID, dispatch_id: uuid.UUID, why: str) -> bool:
+        self._up("pass_on")
+        row = self.rows.get(observer_id)
+        if row is None or row.dispatch_id != dispatch_id or row.status not in LIVE:
+            return False
+        holder = self.services.get(row.service_id) if row.service_id is not None else None
+        if holder is not None and holder.live:
+            return False
+        row.waiting = why
         return True
 
     async def reconcile(self, running: set[uuid.UUID]) -> int:

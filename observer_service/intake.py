@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
-from contracts.errors import BrokerUnavailable, Fenced, LeaseLost
+from contracts.errors import BrokerUnavailable, Fenced, LeaseLost, Transient
 from contracts.kinds import KindSpec, RestartPolicy, secret_values
 from contracts.logs import observer_log
 from contracts.masking import mask
@@ -225,6 +225,9 @@ class Intake:
                 result = TakeResult(Decision.DROP_DUPLICATE)
                 break
             await asyncio.sleep(min(backoff.next(), max(0.005, result.holder_remaining)))
+        if result.decision is Decision.NOT_HERE and not await self._pass_on(start, result):
+            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            return None
         if result.decision is not Decision.TAKE:
             observer_log(log, observer_id=start.observer_id).info(
                 "start message: %s", result.decision.value
@@ -245,6 +248,21 @@ class Intake:
             return None
         return taken
 
+    async def _pass_on(self, start: StartMessage, result: TakeResult) -> bool:
+        """Leave an observer whose kind is not installed here to the leader, which sends it to a
+        service that runs the kind: False when that could not be written (the start is then
+        requeued, after a pause, for whoever takes it next)."""
+        why = f"kind {result.kind!r} is not installed on service {self.name}"
+        try:
+            await self.store.pass_on(start.observer_id, start.dispatch_id, why)
+        except Transient as exc:
+            observer_log(log, observer_id=start.observer_id).warning(
+                "could not pass on a start for kind %r: %s", result.kind, exc
+            )
+            await asyncio.sleep(self.lease.timings.renew_interval)
+            return False
+        return True
+
     async def _submit_take(self, request: StartRequest) -> TakeResult:
         """A take in the next batch; RowLocked where its row was locked (retried alone)."""
         return landed(await self.takes.submit(request))
@@ -252,7 +270,7 @@ class Intake:
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
         self.metrics.take_batch.observe(len(requests))
-        return await take_many(self.store, requests, self.departed)
+        return await take_many(self.store, requests, self.departed, kinds=self.kinds)
 
     async def _holder_gone(self, result: TakeResult) -> bool:
         """Whether the holder, whose database session has ended, is off the broker too. One

@@ -96,6 +96,7 @@ async def serve(
         host=default_host(),
         version=__version__,
         connect_timeout=max(1.0, timings.ttl / 2),
+        kinds={name: spec.advert() for name, spec in kinds.items()},
     )
     service = ObserverService(
         service_id=service_id,

@@ -86,6 +86,8 @@ class TakeResult:
     holder_key: int | None = None
     #: For WAIT: seconds until the holder's lease expires.
     holder_remaining: float = 0.0
+    #: The observer's kind, as the facts read saw it (None: no such observer, or taken).
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,12 @@ class Store(TakeRows, Protocol):
     async def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
         """Fail the observer whatever copy holds it (it blocked the event loop past the lease:
         not fenced, since this service's lease is gone by then)."""
+        ...
+
+    async def pass_on(self, observer_id: uuid.UUID, dispatch_id: uuid.UUID, why: str) -> bool:
+        """Leave the observer, whose kind is not installed here, waiting for the leader to send
+        it to a service that runs it (only while ``dispatch_id`` is current and no live service
+        holds it): whether it was left so."""
         ...
 
     async def reconcile(self, running: set[uuid.UUID]) -> int: ...

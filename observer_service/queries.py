@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from contracts.statuses import (
     HELD,
+    LIVE,
     STOPPED,
     STOPPING,
     Event,
@@ -130,7 +131,7 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
-    "handoff_to = NULL, committed_at = NULL, modified_at = now()",
+    "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now()",
     f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
     events=(event(Event.TAKEN), "u.detail"),
 )
@@ -141,6 +142,16 @@ COMPLETE_STOP = skipping_locked(
     "o.status",
     events=(_let_go_event("u.status"), "'not running'"),
 )
+
+# $1 id, $2 dispatch id, $3 why: a start for a kind this service lacks, passed on to the leader
+# (``waiting``), which sends it to a service that runs the kind. Only while that dispatch is
+# current and no live service holds the observer (a holder that crashed is the sweeper's).
+PASS_ON = f"""
+UPDATE observers o SET waiting = $3, modified_at = now()
+ WHERE o.id = $1 AND o.dispatch_id = $2 AND {sql_in("o.status", LIVE)}
+   AND NOT EXISTS (SELECT 1 FROM services s WHERE s.id = o.service_id AND {live_service("s")})
+RETURNING o.id
+"""
 
 # -------------------------------------------------------------------- writes of a running copy
 # The rows of a batch ($1 ids), held by me ($2), each for one copy: $3 is a JSON object keyed
@@ -281,13 +292,14 @@ SELECT (SELECT draining FROM services WHERE id = $2) AS draining,
 """
 
 # ------------------------------------------------------------------------------------ lease
-# $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 lock key, $8 ttl: register,
-# or come back after a fence (with the new session's lock key; ``rejoined_at`` keeps the leader's
-# directed starts and moves away for a while: see manager FREE_SLOTS).
+# $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 the kinds it runs (JSON
+# text), $8 lock key, $9 ttl: register, or come back after a fence (with the new session's lock
+# key; ``rejoined_at`` keeps the leader's directed starts and moves away for a while: see
+# manager FREE_SLOTS).
 JOIN = """
-INSERT INTO services AS s (id, name, worker_count, host, pid, version, lock_key,
+INSERT INTO services AS s (id, name, worker_count, host, pid, version, kinds, lock_key,
                            lease_expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() + make_interval(secs => $8))
+VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, clock_timestamp() + make_interval(secs => $9))
 ON CONFLICT (id) DO UPDATE
    SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
        is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now(),

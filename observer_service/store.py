@@ -14,7 +14,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -170,6 +170,11 @@ class PgStore:
     async def blame(self, observer_id: uuid.UUID, reason: str) -> bool:
         with database_errors():
             row = await self.pool.fetchrow(q.BLAME, observer_id, self.me, reason)
+        return row is not None
+
+    async def pass_on(self, observer_id: uuid.UUID, dispatch_id: uuid.UUID, why: str) -> bool:
+        with database_errors():
+            row = await self.pool.fetchrow(q.PASS_ON, observer_id, dispatch_id, why)
         return row is not None
 
     async def reconcile(self, running: set[uuid.UUID]) -> int:
@@ -407,10 +412,12 @@ class PgLeaseDatabase:
         host: str,
         version: str,
         connect_timeout: float,
+        kinds: dict[str, Any] | None = None,
     ) -> None:
         self.dsn = dsn
         self.service_id = service_id
-        self._row = (name, worker_count, host, os.getpid(), version)
+        #: The row it joins with; its kinds as JSON text (one round trip: no type introspection).
+        self._row = (name, worker_count, host, os.getpid(), version, json.dumps(kinds or {}))
         self.connect_timeout = connect_timeout
 
     async def connect(self, on_end: Callable[[], None]) -> PgLeaseSession:

@@ -8,7 +8,7 @@ loop through the in-memory store as the services run on PostgreSQL.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 from observer_service.ports import LOCKED, Locked, Seen, StartRequest, Taken, TakeResult, TakeRows
@@ -25,11 +25,12 @@ async def take_many(
     departed: Departed,
     *,
     rounds: int = ROUNDS,
+    kinds: Container[str] | None = None,
 ) -> list[TakeResult | Locked]:
     """Decide on every start with one read, then write every take (and every completed stop)
     with one compare-and-set each; a row that changed in between is read and decided again, at
     most ``rounds`` reads in all. ``departed``: holder sessions proven over, updated with every
-    lock found free."""
+    lock found free. ``kinds``: the kinds installed here (None: every kind)."""
     results: dict[int, TakeResult | Locked] = {}
     todo = list(enumerate(requests))
     for _ in range(rounds):
@@ -40,7 +41,7 @@ async def take_many(
         for i, req in todo:
             row = seen.get(req.observer_id)
             decision = decide(
-                facts(row, req, rows.me, departed),
+                facts(row, req, rows.me, departed, kinds),
                 me=rows.me,
                 redelivered=req.redelivered,
                 running_here=req.running_here,
@@ -51,6 +52,7 @@ async def take_many(
                 continue
             results[i] = TakeResult(
                 decision,
+                kind=None if row is None else row.kind,
                 holder=None if row is None else row.holder,
                 holder_key=None if row is None else row.holder_key,
                 holder_remaining=0.0 if row is None else row.holder_remaining,
@@ -79,9 +81,16 @@ async def take_many(
     return [results[i] for i in range(len(requests))]
 
 
-def facts(row: Seen | None, req: StartRequest, me: uuid.UUID, departed: Departed) -> Facts:
+def facts(
+    row: Seen | None,
+    req: StartRequest,
+    me: uuid.UUID,
+    departed: Departed,
+    kinds: Container[str] | None = None,
+) -> Facts:
     """The take rule's facts about ``row`` for ``req``; a lock found free is recorded in
-    ``departed``, and what was proven there before counts as well."""
+    ``departed``, and what was proven there before counts as well. ``kinds``: those installed
+    here (None: every kind)."""
     if row is None:
         return Facts(exists=False)
     other = row.holder not in (None, me)
@@ -96,6 +105,7 @@ def facts(row: Seen | None, req: StartRequest, me: uuid.UUID, departed: Departed
         holder_live=row.holder_live,
         holder_lock_free=lock_free,
         holder_off_broker=off_broker,
+        kind_here=kinds is None or row.kind in kinds,
     )
 
 

@@ -114,7 +114,7 @@ def _observer_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Table:
         status = shown(o["status"])
         style = {"failed": "red", "pausing": "yellow", "paused": "yellow"}.get(o["status"])
         restarts = str(o["restart_count"]) if o["restart_count"] else ""
-        service = o["service_id"] or ""
+        service = o["service_id"] or ("waiting" if o.get("waiting") else "")
         table.add_row(
             shown(o["id"]),
             shown(o["name"]),
@@ -433,6 +433,8 @@ def _render_observer(o: dict[str, Any]) -> None:
         out.print("checkpoint:", shown(json.dumps(o["checkpoint"])), highlight=False)
     if o["last_error"]:
         out.print(f"[red]last error:[/red] {shown(o['last_error'])}", highlight=False)
+    if o.get("waiting"):
+        out.print(f"[yellow]waiting:[/yellow] {shown(o['waiting'])}", highlight=False)
 
 
 def _render_events(rows: list[dict[str, Any]]) -> None:
@@ -590,10 +592,11 @@ def services_list(
         return
     table = Table()
     table.add_column("id", no_wrap=True, min_width=36)  # whole, to be copied
-    for header in ("name", "running", "host", "pid", "state", "last renewal"):
+    for header in ("name", "running", "host", "pid", "state", "last renewal", "kinds"):
         table.add_column(header)
     for s in rows:
         state = "deleted" if s["is_deleted"] else "draining" if s["draining"] else "live"
+        kinds = s.get("kinds")
         table.add_row(
             shown(s["id"]),
             shown(s["name"]),
@@ -602,6 +605,7 @@ def services_list(
             shown(s["pid"]),
             state,
             shown(s["last_heartbeat_at"][:23]),
+            "every kind (an earlier release)" if kinds is None else shown(", ".join(kinds)),
         )
     out.print(table)
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
 from contracts.errors import NameTaken, OrchError, TooLarge, Transient
-from contracts.kinds import get_kind, mask_params, secret_values
+from contracts.kinds import mask_params, secret_values
 from contracts.masking import mask
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
@@ -63,7 +63,7 @@ def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, An
     if raw:
         return row
     masked = dict(row)
-    spec = state.kinds.get(row["kind"])
+    spec = state.kind_spec(row["kind"])
     params = (row["params"] or {}) if "params" in row else None
     if params is not None:
         masked["params"] = mask_params(params, spec)
@@ -74,9 +74,9 @@ def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, An
     return masked
 
 
-def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
+async def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
     """What to insert, once the kind took the params (raises InvalidInput, TooLarge)."""
-    spec = get_kind(state.kinds, body.kind)
+    spec = await state.kind(body.kind)
     params = spec.validate_params(body.params)
     limit = state.settings.max_params_bytes
     if len(json.dumps(params)) > limit:
@@ -96,7 +96,7 @@ def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
 async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, Any]:
     """Start an observer. It is `created` at once and `processing` when a service takes it."""
     # Written with the creates that arrive meanwhile: one statement, one publish (intake.py).
-    return await state.creates.create(_new(state, body))
+    return await state.creates.create(await _new(state, body))
 
 
 @router.post(
@@ -115,7 +115,7 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
     names: dict[str, str] = {}  # key: the first name with it
     for i, raw in enumerate(body.observers):
         try:
-            new = _new(state, ObserverCreate.model_validate(raw))
+            new = await _new(state, ObserverCreate.model_validate(raw))
             if (first := names.get(new.key)) is not None:
                 raise NameTaken(first, alike=first != new.name)
             names[new.key] = new.name
@@ -291,7 +291,7 @@ async def observer_events(
         row, events = await repo.list_events(tx, observer_id)
     if raw:
         return events
-    values = secret_values(row["params"] or {}, state.kinds.get(row["kind"]))
+    values = secret_values(row["params"] or {}, state.kind_spec(row["kind"]))
     return [
         {
             **e,

@@ -71,19 +71,24 @@ async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str,
     response_model=list[KindOut],
     operation_id="listKinds",
     dependencies=[READ],
-    responses=responses(*AUTH),
+    responses=responses(*AUTH, 503),
 )
 async def list_kinds(state: RuntimeDep) -> list[dict[str, Any]]:
-    """The kinds this cluster runs, with their params' JSON schema and restart policy."""
-    return [
-        {
-            "name": k.name,
-            "description": k.description,
-            "params_schema": k.params_model.model_json_schema() if k.params_model else None,
-            "restart_policy": k.restart_policy,
-        }
-        for k in sorted(state.kinds.values(), key=lambda k: k.name)
-    ]
+    """The kinds this cluster runs, with their params' JSON schema, restart policy and the live
+    services that run them: those this manager knows, and those the services advertise."""
+    async with state.store.autocommit() as tx:
+        adverts = await repo.live_adverts(tx)
+    kinds: dict[str, dict[str, Any]] = {
+        k.name: {**k.advert(), "name": k.name, "services": []} for k in state.kinds.values()
+    }
+    for _, advertised in adverts:
+        for name, advert in (advertised or {}).items():
+            kinds.setdefault(name, {**advert, "name": name, "services": []})
+    for service, advertised in adverts:
+        for name, kind in kinds.items():
+            if advertised is None or name in advertised:
+                kind["services"].append(service)
+    return [kinds[name] for name in sorted(kinds)]
 
 
 @router.get(

@@ -73,6 +73,9 @@ class ObserverRow(BaseModel):
     committed_at: datetime | None = Field(
         default=None, description="when its current copy last committed (progress)"
     )
+    waiting: str | None = Field(
+        default=None, description="why nobody runs it while it waits for a service able to"
+    )
 
 
 class ObserverView(BaseModel):
@@ -236,10 +239,11 @@ async def view_observers(
         total = sum(totals.values()) - (0 if include_deleted else totals.get("deleted", 0))
     items = []
     now = None
+    kinds = state.all_kinds()
     for r in rows:
         row = dict(r)
         now = row.pop("now")
-        policy = _policy(state.kinds, row["kind"], row.pop("restart_policy"))
+        policy = _policy(kinds, row["kind"], row.pop("restart_policy"))
         waiting, left = backoff(row, policy, now)
         row = shown(state, row, raw)  # as GET /observers/{id} shows it to a read token
         del row["params"]  # loaded only to mask the error: never shown here

@@ -270,7 +270,8 @@ const COLUMNS = {
   status: { label: "status", sort: "status", cell: statusPill },
   service: {
     label: "service", sort: "service",
-    cell: (o) => o.service_id ? nameNode(o.service_name || short(o.service_id), `#/services/${o.service_id}`) : "",
+    cell: (o) => o.service_id ? nameNode(o.service_name || short(o.service_id), `#/services/${o.service_id}`)
+      : o.waiting ? Object.assign(el("span", "waiting", "waiting"), { title: o.waiting }) : "",
   },
   epoch: { label: "epoch", sort: "epoch", cell: (o) => o.epoch },
   restarts: { label: "restarts", sort: "restarts", cell: (o) => el("span", restarts(o), o.in_backoff ? "restarts backoff" : "restarts") },
@@ -582,7 +583,8 @@ async function renderObserver(id) {
   $("#o-state").textContent = pill.textContent;
   $("#o-state").className = pill.className;
   $("#o-state").title = pill.title;
-  const svc = o.service_id ? nameNode(v.service_name || short(o.service_id), `#/services/${o.service_id}`) : "none";
+  const svc = o.service_id ? nameNode(v.service_name || short(o.service_id), `#/services/${o.service_id}`)
+    : o.waiting ? `none: waiting (${o.waiting})` : "none";
   const fields = [["id", o.id], ["kind", o.kind], ["status", o.status], ["service", svc],
     ["epoch", o.epoch], ["restarts", restarts(v) || "none"], ["params", JSON.stringify(o.params)],
     ["created", when(o.created_at)], ["started", when(o.started_at)],

@@ -87,7 +87,10 @@ async def test_the_console_follows_a_move_and_acts(
     await _sign_in(page, cluster.token or "")
     assert await page.inner_text("#who-name") == "local-admin"
     assert await page.inner_text("#who-role") == "admin"
-    kinds = await page.locator("#filters select[name=kind] option").all_inner_texts()
+    # The kinds load after the sign-in shows who you are (GET /kinds reads the services').
+    options = "#filters select[name=kind] option"
+    await page.wait_for_selector(f"{options}:text-is('always_fails')", state="attached")
+    kinds = await page.locator(options).all_inner_texts()
     assert {"always_fails", "recorder", "ticker"} <= set(kinds), "kinds loaded after sign-in"
     await page.wait_for_selector("#services tbody tr")
     watched = str(ids[0])

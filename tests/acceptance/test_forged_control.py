@@ -85,7 +85,11 @@ async def test_forged_drain_cancel_handoff_and_start_change_nothing(
     await cluster.wait_all_running(ids, timeout=15)
     b = await cluster.start_service("b", worker_count=10)
     a_id, b_id = await cluster.service_id(a), await cluster.service_id(b)
-    assert await forger.consumers() == 2
+
+    async def both_consume() -> bool:  # b joins the database before it consumes
+        return await forger.consumers() == 2
+
+    await wait_for(both_consume, timeout=10, what="both services consuming the work queue")
     epochs = await _epochs(cluster, ids)
     assert {e for e, _ in epochs.values()} == {1}
 

@@ -122,6 +122,8 @@ class KeyedParams(BaseModel):
     #: A default, so that ``orch verify --kinds tests.support.kinds`` runs it too (it fails on
     #: its own error, which the verdict reports and does not count against the promise).
     api_key: SecretStr = SecretStr("verify-default-key")
+    #: A secret by its type alone (its name is not one the generic masking knows).
+    pin: SecretStr | None = None
 
 
 @observer_kind(

@@ -210,8 +210,22 @@ async def test_a_short_task_that_dies_of_a_bug_stops_the_service_loudly() -> Non
     )
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(broker.opened.wait(), 2)
-    await broker.session.deliver(store.add("not-installed").start)
+    # An observer whose restart policy no kind accepts cannot run: it is failed.
+    await broker.session.deliver(store.add("tick", restart_policy={"max_restarts": -1}).start)
     assert await asyncio.wait_for(task, 5) == 1
+
+
+async def test_a_start_for_a_kind_not_installed_here_is_passed_on_never_failed() -> None:
+    """A fleet rolls a new kind out to some services first: a start of it that reaches one
+    without it is neither taken nor failed there. It is acked and left waiting (with why) for
+    the leader, which sends it to a service that runs the kind."""
+    async with harness() as h:
+        row = h.store.add("not-installed")
+        delivery = await h.run(row)
+        await until(lambda: delivery.outcome == "ack")
+        assert (row.status, row.service_id, row.epoch) == (S.CREATED, None, 0)
+        assert row.waiting == "kind 'not-installed' is not installed on service unit"
+        assert "failed" not in row.events
 
 
 # ---------------------------------------------------------------------------- admission

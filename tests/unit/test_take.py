@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -84,3 +85,19 @@ def test_redelivery_from_a_live_holder_needs_proof_its_process_is_gone() -> None
 
 def test_a_copy_running_here_is_never_taken_again_whatever_the_row_says() -> None:
     assert run(live(S.ON_DELETING, ME, holder_live=True), here=True) is D.DROP_DUPLICATE
+
+
+def test_a_kind_not_installed_here_is_passed_on_never_taken() -> None:
+    me, other = uuid.uuid4(), uuid.uuid4()
+    free = Facts(exists=True, status=S.CREATED, dispatch_current=True, kind_here=False)
+    assert decide(free, me=me, redelivered=False, running_here=False) is D.NOT_HERE
+    assert decide(free, me=me, redelivered=False, running_here=False, room=False) is (D.NOT_HERE), (
+        "passed on without waiting for a slot it would not use"
+    )
+    held = replace(free, status=S.PROCESSING, holder=other, holder_live=True)
+    assert decide(held, me=me, redelivered=False, running_here=False) is D.DROP_DUPLICATE
+    assert decide(held, me=me, redelivered=True, running_here=False) is D.NOT_HERE
+    stopping = replace(free, status=S.ON_DELETING)
+    assert decide(stopping, me=me, redelivered=False, running_here=False) is (D.COMPLETE_STOP), (
+        "a stop nobody runs is completed by whoever sees it, kind or not"
+    )
