@@ -149,10 +149,13 @@ class KindSpec:
     def from_advert(cls, name: str, advert: dict[str, Any]) -> KindSpec:
         """A kind as a service advertised it (``advert``): its params are checked against the
         advertised schema, its secrets masked, its restart policy known; it cannot run here."""
+        # Read as the tolerant reader reads messages: a field of a later release is ignored.
+        policy = advert.get("restart_policy") or {}
+        known = {k: v for k, v in policy.items() if k in RestartPolicy.model_fields}
         return cls(
             name=name,
             run=_not_here,
-            restart_policy=RestartPolicy.model_validate(advert.get("restart_policy") or {}),
+            restart_policy=RestartPolicy.model_validate(known, strict=False),
             description=str(advert.get("description") or ""),
             origin="advertised",
             secret_params=frozenset(advert.get("secret_params") or ()),
@@ -261,6 +264,10 @@ def mask_params(params: dict[str, Any], spec: KindSpec | None) -> dict[str, Any]
     only."""
     model = spec.params_model if spec is not None else None
     extra = spec.secret_params if spec is not None else frozenset()
+    if spec is not None and model is None and spec.params_schema is not None:
+        # A kind known from its advert alone: its nested secrets are found in its schema.
+        schema = spec.params_schema
+        params = _schema_masked(params, schema, schema.get("$defs") or {}, 0)
     declared = params.get(SECRET_QUERY)
     names = tuple(n for n in (declared if isinstance(declared, list) else []) if isinstance(n, str))
     return _masked(params, model, extra, names)  # type: ignore[no-any-return]
@@ -320,6 +327,51 @@ def _masked(
         inner = _models_in(info.annotation) if info is not None else []
         out[key] = _masked(v, inner[0] if len(inner) == 1 else None, names=names)
     return out
+
+
+def _resolved(schema: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    for _ in range(32):  # a $ref to a $ref …, never for ever
+        if not isinstance(schema, dict) or "$ref" not in schema:
+            break
+        schema = defs.get(str(schema["$ref"]).rsplit("/", 1)[-1], {})
+    return schema if isinstance(schema, dict) else {}
+
+
+def _branches(schema: dict[str, Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schema and the alternatives it allows (``X | None`` is an anyOf)."""
+    out = [schema]
+    for key in ("anyOf", "oneOf", "allOf"):
+        out += [_resolved(s, defs) for s in schema.get(key) or []]
+    return out
+
+
+def _schema_masked(value: Any, schema: Any, defs: dict[str, Any], depth: int) -> Any:
+    """``value`` with every part its JSON schema marks secret (``writeOnly``, ``format:
+    password``: a pydantic secret type; ``secret: true``: marked so) as ``***``."""
+    if value is None or value == "" or depth > 32:
+        return value
+    branches = _branches(_resolved(schema, defs), defs)
+    if any(
+        b.get("writeOnly") is True or b.get("format") == "password" or b.get("secret") is True
+        for b in branches
+    ):
+        return SECRET
+    if isinstance(value, dict):
+        out = dict(value)
+        for b in branches:
+            props = b.get("properties") or {}
+            extra = b.get("additionalProperties")
+            for key, v in out.items():
+                inner = props.get(key, extra if isinstance(extra, dict) else None)
+                if inner is not None:
+                    out[key] = _schema_masked(v, inner, defs, depth + 1)
+        return out
+    if isinstance(value, list):
+        items = [b["items"] for b in branches if isinstance(b.get("items"), dict)]
+        for inner in items:
+            value = [_schema_masked(v, inner, defs, depth + 1) for v in value]
+        return value
+    return value
 
 
 class KindLoadError(StartupError):

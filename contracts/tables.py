@@ -69,8 +69,9 @@ class Service(Base):
     #: When the service last came back after losing its lease: for a while after, the leader
     #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
     rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    #: The kinds it runs, as it advertised them when it joined: {name: {"version", "description",
-    #: "params_schema", "secret_params"}}. None: a service of an earlier release (every kind).
+    #: The kinds it runs, as it advertised them when it joined: {name: {"description",
+    #: "params_schema", "secret_params", "restart_policy"}}. None: a service of an earlier
+    #: release (every kind).
     kinds: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
     __table_args__ = (

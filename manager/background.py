@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.errors import BrokerUnavailable, Transient
-from contracts.messages import DirectedStart, Message, StartMessage
+from contracts.messages import DirectedStart, Message
 from contracts.routing import WORK, Destination
 from contracts.statuses import STOPPING, ObserverStatus
 from manager import repository as repo
@@ -139,13 +139,6 @@ async def redispatch(
     return await repo.add_outbox(tx, messages)
 
 
-def waiting_reason(kind: str, live: Sequence[repo.Runs]) -> str:
-    """Why an observer of ``kind`` that no service with room runs still waits."""
-    if any(_runs(k, kind) for k in live):
-        return f"every live service that runs kind {kind!r} is full"
-    return f"no live service runs kind {kind!r}"
-
-
 @dataclass
 class OutputRelay:
     """Publishes the outputs that a gone service committed and nobody confirmed (its
@@ -229,10 +222,8 @@ class Sweeper:
         """Observers passed on by a service that lacks their kind: each is sent to a service
         that runs it and has room, as soon as one has; the others say why they wait."""
         async with self.store.transaction() as tx:
-            rows = await repo.waiting(tx)
-            if not rows:
-                return 0
-            ids = [r.id for r in rows]
+            free = await _free_slots(tx, present, self.margin)
+            ids = await repo.waiting(tx, (await repo.kinds_run(tx, list(free))).values())
             pending = await redispatch(
                 tx,
                 ids,
@@ -241,15 +232,7 @@ class Sweeper:
                 margin=self.margin,
                 placed_only=True,
             )
-            placed = {
-                p.message.observer_id
-                for p in pending
-                if isinstance(p.message, StartMessage | DirectedStart)
-            }
-            live = await repo.live_kinds(tx)
-            await repo.set_waiting(
-                tx, {r.id: waiting_reason(r.kind, live) for r in rows if r.id not in placed}
-            )
+            await repo.set_waiting(tx, await repo.unexplained(tx, await repo.live_kinds(tx)))
         if pending:
             log.info("sending %d waiting observers to services that run their kind", len(pending))
             self.metrics.redispatches.labels("kind_found").inc(len(pending))

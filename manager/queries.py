@@ -128,21 +128,22 @@ SELECT o.status, o.service_id, COALESCE({live_service("s")}, false) AS live
 SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
 # Being stopped by a holder that is gone: complete the stop (deleted, paused).
 COMPLETE_STOPS = (
-    f"UPDATE observers SET status = {sql_stopped('status')}, service_id = NULL, "
+    f"UPDATE observers SET status = {sql_stopped('status')}, service_id = NULL, waiting = NULL, "
     "modified_at = now() WHERE id = ANY(:ids) RETURNING id, status"
 )
 # :status is deleted or paused: nothing runs the observer, so the stop is done at once.
 STOP_NOW = (
-    "UPDATE observers SET status = :status, service_id = NULL, modified_at = now() WHERE id = :id"
+    "UPDATE observers SET status = :status, service_id = NULL, waiting = NULL, modified_at = now() "
+    "WHERE id = :id"
 )
 RESUME = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, dispatch_id = :d, "
-    "dispatched_at = now(), modified_at = now() WHERE id = :id"
+    "waiting = NULL, dispatched_at = now(), modified_at = now() WHERE id = :id"
 )
 RESTART = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, restart_count = 0, "
-    "restarted_at = NULL, dispatch_id = :d, dispatched_at = now(), modified_at = now() "
-    "WHERE id = :id"
+    "restarted_at = NULL, dispatch_id = :d, waiting = NULL, dispatched_at = now(), "
+    "modified_at = now() WHERE id = :id"
 )
 
 # --------------------------------------------------------------------------------- services
@@ -215,13 +216,26 @@ SELECT DISTINCT ON (k.key) k.key AS name, k.value AS advert
   FROM services s, jsonb_each(s.kinds) AS k
  ORDER BY k.key, {live_service("s")} DESC, s.created_at DESC
 """
-# Live observers nobody holds that a service passed on (it lacks their kind), oldest first.
+# Live observers nobody holds that a service passed on (it lacks their kind), oldest first: of
+# the kinds :kinds (a service with room runs them), or of any kind with :every (a service with
+# room runs every kind). The partial index of unheld observers finds them.
+_WAITING = f"o.waiting IS NOT NULL AND o.service_id IS NULL AND {sql_in('o.status', LIVE)}"
 WAITING = f"""
-SELECT o.id, o.kind, o.waiting FROM observers o
- WHERE o.waiting IS NOT NULL AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
+SELECT o.id FROM observers o
+ WHERE {_WAITING} AND (CAST(:every AS boolean) OR o.kind = ANY(:kinds))
  ORDER BY o.created_at LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
-# Why each still waits, where that changed.
+# Why the others wait, where that is not said yet: :live the kinds live services run (:all_live,
+# one runs every kind).
+UNEXPLAINED = f"""
+SELECT o.id, w.why FROM observers o
+ CROSS JOIN LATERAL (SELECT CASE WHEN CAST(:all_live AS boolean) OR o.kind = ANY(:live)
+        THEN format('no service that runs kind %L has a free slot now', o.kind)
+        ELSE format('no live service runs kind %L', o.kind) END AS why) AS w
+ WHERE {_WAITING} AND o.waiting IS DISTINCT FROM w.why
+ ORDER BY o.created_at LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
+"""
+# Why each still waits.
 SET_WAITING = (
     "UPDATE observers o SET waiting = m.why FROM unnest(CAST(:ids AS uuid[]), "
     "CAST(:whys AS text[])) AS m(id, why) WHERE o.id = m.id AND o.waiting IS DISTINCT FROM m.why"

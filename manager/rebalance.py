@@ -159,6 +159,10 @@ class Sightings:
         return [s for s in loads if s.service_id in present and s.service_id not in self.off]
 
 
+#: Seconds rounds are planned without a target that could take nothing of its donors'.
+FRUITLESS_FOR = 30.0
+
+
 @dataclass
 class Rebalancer:
     store: ManagerStore
@@ -173,6 +177,10 @@ class Rebalancer:
     metrics: ManagerMetrics
     ledger: Ledger = field(init=False)
     sightings: Sightings = field(init=False)
+    #: Targets that could take none of what their donors run (they lack its kinds), and until
+    #: when (monotonic) rounds are planned without them: a round all for such a target would
+    #: move nothing, and the others would never be evened out.
+    fruitless: dict[uuid.UUID, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.cooldown, self.landing)
@@ -195,6 +203,8 @@ class Rebalancer:
             ]
             present = await on_broker(self.publisher, [s.service_id for s in loads])
             loads = self.sightings.steady(loads, present, now)
+            self.fruitless = {sid: t for sid, t in self.fruitless.items() if t > now}
+            loads = [x for x in loads if x.service_id not in self.fruitless]
             total = sum(x.running for x in loads)
             moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
             recent = self.ledger.recent()
@@ -207,6 +217,8 @@ class Rebalancer:
                 )
                 recent = [*recent, *picked]
                 handoffs += [(o, donor, target) for o in picked]
+            for target in {t for _, t in moves} - {t for _, _, t in handoffs}:
+                self.fruitless[target] = now + FRUITLESS_FOR
             marked = await repo.record_handoffs(tx, handoffs)
             handoffs = [h for h in handoffs if h[0] in marked]
             pending = await repo.add_outbox(
@@ -228,7 +240,8 @@ class Rebalancer:
             self.metrics.moves.labels("rebalance").inc(len(pending))
         if len(handoffs) < len(moves):
             log.info(
-                "rebalance: %d of %d planned moves found nothing to move (moved recently)",
+                "rebalance: %d of %d planned moves found nothing to move (moved recently, or "
+                "of kinds the target does not run)",
                 len(moves) - len(handoffs),
                 len(moves),
             )

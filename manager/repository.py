@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -491,10 +491,23 @@ async def live_adverts(tx: Tx) -> list[tuple[str, dict[str, Any] | None]]:
     return [(r.name, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
 
 
-async def waiting(tx: Tx) -> list[Row]:
-    """Live observers nobody holds that wait for a service that runs their kind: id, kind and
-    why, locked."""
-    return await tx.rows(q.WAITING)
+async def waiting(tx: Tx, runs: Collection[Runs]) -> list[uuid.UUID]:
+    """Live observers nobody holds that wait for a service that runs their kind, of the kinds
+    some of ``runs`` (the kinds of services with room) run; locked."""
+    every = any(r is None for r in runs)
+    kinds = sorted({k for r in runs if r is not None for k in r})
+    if not every and not kinds:
+        return []
+    return await tx.values(q.WAITING, every=every, kinds=kinds)
+
+
+async def unexplained(tx: Tx, live: Collection[Runs]) -> dict[uuid.UUID, str]:
+    """Why each waiting observer waits, where its row does not say so yet (``live``: the kinds
+    of the live services); locked."""
+    every = any(r is None for r in live)
+    kinds = sorted({k for r in live if r is not None for k in r})
+    rows = await tx.rows(q.UNEXPLAINED, all_live=every, live=kinds)
+    return {r.id: r.why for r in rows}
 
 
 async def set_waiting(tx: Tx, why: dict[uuid.UUID, str]) -> None:

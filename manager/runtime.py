@@ -90,11 +90,15 @@ class ManagerRuntime:
         kind, the advert of the newest service that runs it (a live one first)."""
         async with self.store.autocommit() as tx:
             adverts = await repo.adverts(tx)
-        self.advertised = {
-            name: KindSpec.from_advert(name, advert)
-            for name, advert in adverts.items()
-            if name not in self.kinds
-        }
+        advertised: dict[str, KindSpec] = {}
+        for name, advert in adverts.items():
+            if name in self.kinds:
+                continue
+            try:
+                advertised[name] = KindSpec.from_advert(name, advert)
+            except (ValueError, TypeError, AttributeError) as exc:  # a later or broken advert
+                log.warning("kind %r: its advert cannot be read here, left out: %s", name, exc)
+        self.advertised = advertised
         self._adverts_read = time.monotonic()
 
     async def _create_rows(

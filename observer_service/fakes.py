@@ -201,7 +201,7 @@ class InMemoryStore:
                 row.events.append("taken")
                 resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:
-                row.status, row.service_id = STOPPED[row.status], None
+                row.status, row.service_id, row.waiting = STOPPED[row.status], None, None
             else:
                 raise ValueError(f"{decision} is not a write")
             epochs[row.id] = row.epoch

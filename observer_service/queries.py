@@ -138,7 +138,7 @@ TAKE = skipping_locked(
 # Being deleted or paused and nobody runs it: complete the stop.
 COMPLETE_STOP = skipping_locked(
     _seen,
-    f"status = {sql_stopped('o.status')}, service_id = NULL, modified_at = now()",
+    f"status = {sql_stopped('o.status')}, service_id = NULL, waiting = NULL, modified_at = now()",
     "o.status",
     events=(_let_go_event("u.status"), "'not running'"),
 )

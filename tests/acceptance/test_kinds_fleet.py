@@ -182,3 +182,29 @@ async def test_rebalance_moves_to_a_service_only_observers_of_kinds_it_runs(
     )
     assert {r["kind"] for r in moved} == {"ticker"}, [dict(r) for r in moved]
     assert_no_overlap(cluster.tick_dir)
+
+
+async def test_a_service_that_can_take_nothing_does_not_hold_rebalance_up(
+    cluster: Cluster,
+) -> None:
+    """``a`` runs 12 observers of a test kind; ``b`` (no test kinds) and ``c`` (with them) join.
+    ``b``, the emptiest, can take none of them: rebalance evens ``a`` and ``c`` out without it
+    (planned with ``b``, every round kept moves for it that found nothing, and ``a`` stayed
+    twice as loaded as ``c``)."""
+    await cluster.start_manager(rebalance="true", rebalance_min_age="1", rebalance_interval="0.3")
+    a = await cluster.start_service("a", worker_count=20)
+    ids = await _create(cluster)
+    await cluster.wait_all_running(ids, timeout=20)
+    await cluster.start_service("b", worker_count=20, kind_modules="")
+    c = await cluster.start_service("c", worker_count=20)
+    a_id, c_id = await cluster.service_id(a), await cluster.service_id(c)
+
+    async def even() -> bool:
+        rows = await cluster.q(
+            "SELECT service_id, count(*) AS n FROM observers WHERE status = 'processing' "
+            "GROUP BY service_id"
+        )
+        return {r["service_id"]: r["n"] for r in rows} == {a_id: 6, c_id: 6}
+
+    await wait_for(even, timeout=45, what="a and c with 6 observers each")
+    assert_no_overlap(cluster.tick_dir)
