@@ -220,8 +220,11 @@ class Sweeper:
 
     async def _place_waiting(self, present: Collection[uuid.UUID]) -> int:
         """Observers passed on by a service that lacks their kind: each is sent to a service
-        that runs it and has room, as soon as one has; the others say why they wait."""
+        that runs it and has room, as soon as one has; the others say why they wait. With
+        none waiting (the usual case) one look by index, every sweep."""
         async with self.store.transaction() as tx:
+            if not await repo.any_waiting(tx):
+                return 0
             free = await _free_slots(tx, present, self.margin)
             ids = await repo.waiting(tx, (await repo.kinds_run(tx, list(free))).values())
             pending = await redispatch(

@@ -220,6 +220,7 @@ SELECT DISTINCT ON (k.key) k.key AS name, k.value AS advert
 # the kinds :kinds (a service with room runs them), or of any kind with :every (a service with
 # room runs every kind). The partial index of unheld observers finds them.
 _WAITING = f"o.waiting IS NOT NULL AND o.service_id IS NULL AND {sql_in('o.status', LIVE)}"
+ANY_WAITING = f"SELECT EXISTS (SELECT 1 FROM observers o WHERE {_WAITING})"
 WAITING = f"""
 SELECT o.id FROM observers o
  WHERE {_WAITING} AND (CAST(:every AS boolean) OR o.kind = ANY(:kinds))

@@ -491,11 +491,21 @@ async def live_adverts(tx: Tx) -> list[tuple[str, dict[str, Any] | None]]:
     return [(r.name, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
 
 
+def _kinds_of_all(runs: Collection[Runs]) -> tuple[bool, list[str]]:
+    """Whether one of ``runs`` runs every kind (an earlier release), and the kinds the others
+    run."""
+    return any(r is None for r in runs), sorted({k for r in runs if r is not None for k in r})
+
+
+async def any_waiting(tx: Tx) -> bool:
+    """Whether some live observer nobody holds waits for a service that runs its kind."""
+    return bool(await tx.value(q.ANY_WAITING))
+
+
 async def waiting(tx: Tx, runs: Collection[Runs]) -> list[uuid.UUID]:
     """Live observers nobody holds that wait for a service that runs their kind, of the kinds
     some of ``runs`` (the kinds of services with room) run; locked."""
-    every = any(r is None for r in runs)
-    kinds = sorted({k for r in runs if r is not None for k in r})
+    every, kinds = _kinds_of_all(runs)
     if not every and not kinds:
         return []
     return await tx.values(q.WAITING, every=every, kinds=kinds)
@@ -504,8 +514,7 @@ async def waiting(tx: Tx, runs: Collection[Runs]) -> list[uuid.UUID]:
 async def unexplained(tx: Tx, live: Collection[Runs]) -> dict[uuid.UUID, str]:
     """Why each waiting observer waits, where its row does not say so yet (``live``: the kinds
     of the live services); locked."""
-    every = any(r is None for r in live)
-    kinds = sorted({k for r in live if r is not None for k in r})
+    every, kinds = _kinds_of_all(live)
     rows = await tx.rows(q.UNEXPLAINED, all_live=every, live=kinds)
     return {r.id: r.why for r in rows}
 

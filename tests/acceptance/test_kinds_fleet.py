@@ -33,6 +33,15 @@ async def _create(cluster: Cluster, n: int = OBSERVERS) -> list[uuid.UUID]:
     return ids
 
 
+async def _running_on(cluster: Cluster) -> dict[uuid.UUID, int]:
+    """How many observers each service runs."""
+    rows = await cluster.q(
+        "SELECT service_id, count(*) AS n FROM observers WHERE status = 'processing' "
+        "GROUP BY service_id"
+    )
+    return {r["service_id"]: r["n"] for r in rows}
+
+
 def _ticked_after(cluster: Cluster, ids: list[uuid.UUID], after: float) -> set[str]:
     """Which of these observers ticked after ``after`` (epoch seconds), by their tick logs."""
     wanted = {str(i) for i in ids}
@@ -169,11 +178,7 @@ async def test_rebalance_moves_to_a_service_only_observers_of_kinds_it_runs(
     a_id, b_id = await cluster.service_id(a), await cluster.service_id(b)
 
     async def even() -> bool:
-        rows = await cluster.q(
-            "SELECT service_id, count(*) AS n FROM observers WHERE status = 'processing' "
-            "GROUP BY service_id"
-        )
-        return {r["service_id"]: r["n"] for r in rows} == {a_id: 6, b_id: 6}
+        return await _running_on(cluster) == {a_id: 6, b_id: 6}
 
     await wait_for(even, timeout=30, what="6 tickers moved to b")
     moved = await cluster.q(
@@ -200,11 +205,7 @@ async def test_a_service_that_can_take_nothing_does_not_hold_rebalance_up(
     a_id, c_id = await cluster.service_id(a), await cluster.service_id(c)
 
     async def even() -> bool:
-        rows = await cluster.q(
-            "SELECT service_id, count(*) AS n FROM observers WHERE status = 'processing' "
-            "GROUP BY service_id"
-        )
-        return {r["service_id"]: r["n"] for r in rows} == {a_id: 6, c_id: 6}
+        return await _running_on(cluster) == {a_id: 6, c_id: 6}
 
     await wait_for(even, timeout=45, what="a and c with 6 observers each")
     assert_no_overlap(cluster.tick_dir)
