@@ -67,7 +67,12 @@ class BrokerUnavailable(Transient):
 
 
 class Unroutable(BrokerUnavailable):
-    """The broker returned a mandatory publish: the queue it names is gone (for now)."""
+    """The broker returned a mandatory publish: the queue it names is gone (for now), or, for
+    a pool nobody declared yet, not there yet; ``pool``: whose work queue it was."""
+
+    def __init__(self, message: str, pool: str | None = None) -> None:
+        super().__init__(message)
+        self.pool = pool
 
 
 class BrokerRefused(OrchError):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import re
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -90,6 +91,23 @@ class RestartPolicy(BaseModel):
         return self.nominal_delay(restarts) + random.uniform(0, self.base_delay)
 
 
+#: The version of a kind that names none.
+DEFAULT_VERSION = "1"
+#: What a kind version may be: letters, digits and ``.``, ``-``, ``_``, ``+`` (``2``, ``1.4.0``,
+#: ``2024-06-rc1``).
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
+
+
+def check_version(version: str) -> str:
+    """``version`` if it may name a kind's version, else ValueError."""
+    if not re.fullmatch(VERSION_PATTERN, version):
+        raise ValueError(
+            "a kind version is 1 to 64 letters, digits, '.', '-', '_' or '+', starting with a "
+            "letter or digit"
+        )
+    return version
+
+
 @dataclass(frozen=True)
 class KindSpec:
     name: str
@@ -109,6 +127,9 @@ class KindSpec:
     #: The params' JSON schema as a service advertised it, for a kind known only from services'
     #: adverts (``from_advert``: no code, no params model); params are checked against it.
     params_schema: dict[str, Any] | None = None
+    #: Its version, as its author names releases of its code: an observer may be pinned to one
+    #: (it then runs only on services that have that version).
+    version: str = DEFAULT_VERSION
 
     def __post_init__(self) -> None:
         found = secret_fields(self.params_model) if self.params_model is not None else set()
@@ -143,6 +164,7 @@ class KindSpec:
             ),
             "secret_params": sorted(self.secret_params),
             "restart_policy": self.restart_policy.model_dump(),
+            "version": self.version,
         }
 
     @classmethod
@@ -160,6 +182,7 @@ class KindSpec:
             origin="advertised",
             secret_params=frozenset(advert.get("secret_params") or ()),
             params_schema=advert.get("params_schema"),
+            version=str(advert.get("version") or DEFAULT_VERSION),
         )
 
     def policy(self, override: dict[str, Any] | None) -> RestartPolicy:
@@ -388,13 +411,16 @@ def observer_kind(
     restart: RestartPolicy | None = None,
     commit_every: float | None = None,
     progress_timeout: float | None = None,
+    version: str = "1",
 ) -> Callable[[T], T]:
     """Register an observer kind: an ``async def run(ctx)`` function, or a class whose instances
     have one (a new instance for every run). ``commit_every`` (seconds) makes each copy commit
     the records it emits on its own, without a checkpoint; ``progress_timeout`` (seconds)
-    restarts a copy that commits nothing for that long."""
+    restarts a copy that commits nothing for that long; ``version`` names this release of its
+    code (an observer pinned to a version runs only where that version is)."""
     if commit_every is not None and not 0.001 <= commit_every <= 60:
         raise ValueError("commit_every must be between 0.001 and 60 seconds")
+    check_version(version)
     policy = restart or RestartPolicy()
     if progress_timeout is not None:
         policy = RestartPolicy.model_validate(
@@ -427,6 +453,7 @@ def observer_kind(
             description=doc.splitlines()[0] if doc else "",
             origin=origin,
             commit_every=commit_every,
+            version=version,
         )
         return obj
 

@@ -17,13 +17,15 @@ from aio_pika.exceptions import DeliveryError, PublishError
 
 from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import DirectedStart, Message, StartMessage
+from contracts.pools import DEFAULT_POOL
 from contracts.topology import Topology
 
 log = logging.getLogger(__name__)
 
 
 class Route(StrEnum):
-    #: The shared work queue: start messages, taken by whichever service has a free slot.
+    #: A pool's work queue: start messages, taken by whichever service of the pool has a free
+    #: slot.
     WORK = "work"
     #: The control fanout exchange: every live service (cancel, drain).
     BROADCAST = "broadcast"
@@ -37,14 +39,21 @@ class Route(StrEnum):
 class Destination:
     route: Route
     service_id: uuid.UUID | None = None
+    #: Of a start: the observer's pool, whose work queue takes it (also when a directed start
+    #: comes back).
+    pool: str = DEFAULT_POOL
 
     def __post_init__(self) -> None:
         if (self.route is Route.SERVICE) != (self.service_id is not None):
             raise ValueError("a service id goes with Route.SERVICE, and only with it")
 
     @classmethod
-    def service(cls, service_id: uuid.UUID) -> Destination:
-        return cls(Route.SERVICE, service_id)
+    def service(cls, service_id: uuid.UUID, pool: str = DEFAULT_POOL) -> Destination:
+        return cls(Route.SERVICE, service_id, pool)
+
+    @classmethod
+    def work(cls, pool: str) -> Destination:
+        return cls(Route.WORK, pool=pool)
 
 
 WORK = Destination(Route.WORK)
@@ -70,17 +79,15 @@ class Sender:
         )
         with broker_errors():
             if to.route is Route.WORK:
+                queue = self.topology.work_queue_of(to.pool)
                 try:
                     await self.channel.default_exchange.publish(
-                        body,
-                        routing_key=self.topology.work_queue,
-                        mandatory=True,
-                        timeout=timeout,
+                        body, routing_key=queue, mandatory=True, timeout=timeout
                     )
-                except PublishError as exc:  # basic.return: no such queue (any more)
-                    raise Unroutable(f"{self.topology.work_queue} returned a start") from exc
+                except PublishError as exc:  # basic.return: no such queue (any more, or yet)
+                    raise Unroutable(f"{queue} returned a start", pool=to.pool) from exc
                 except DeliveryError as exc:  # basic.nack
-                    raise BrokerUnavailable(f"{self.topology.work_queue} refused a start") from exc
+                    raise BrokerUnavailable(f"{queue} refused a start") from exc
             elif to.route is Route.SERVICE:
                 assert to.service_id is not None
                 try:
@@ -111,17 +118,19 @@ class Sender:
             return to
         if isinstance(message, DirectedStart):
             log.info("service %s has no control queue; start sent to the work queue", to.service_id)
-            await self.publish(WORK, message.start(), timeout=timeout)
-            return WORK
+            work = Destination.work(to.pool)
+            await self.publish(work, message.start(), timeout=timeout)
+            return work
         log.info(
             "service %s has no control queue; %s dropped", to.service_id, type(message).__name__
         )
         return None
 
     async def send_start(
-        self, start: StartMessage, on: uuid.UUID | None = None
+        self, start: StartMessage, on: uuid.UUID | None = None, *, pool: str = DEFAULT_POOL
     ) -> Destination | None:
-        """Start an observer on service ``on`` (directed), else through the work queue."""
+        """Start an observer of ``pool`` on service ``on`` (directed), else through the pool's
+        work queue."""
         if on is None:
-            return await self.send(WORK, start)
-        return await self.send(Destination.service(on), DirectedStart.of(start))
+            return await self.send(Destination.work(pool), start)
+        return await self.send(Destination.service(on, pool), DirectedStart.of(start))

@@ -45,6 +45,7 @@ class Event(StrEnum):
     PAUSING = "pausing"
     PAUSED = "paused"
     RESUMED = "resumed"
+    MOVE_REQUESTED = "move requested"
 
 
 def sql_in(column: str, statuses: Iterable[ObserverStatus]) -> str:

@@ -73,6 +73,8 @@ class Service(Base):
     #: "params_schema", "secret_params", "restart_policy"}}. None: a service of an earlier
     #: release (every kind).
     kinds: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    #: The pool it joined: it runs only observers of that pool.
+    pool: Mapped[str] = mapped_column(Text, nullable=False, server_default="default")
 
     __table_args__ = (
         Index(
@@ -129,6 +131,14 @@ class Observer(Base):
     #: Why nobody runs it while it waits for a service able to ("no live service runs kind
     #: 'x'"); cleared by the take that starts it.
     waiting: Mapped[str | None] = mapped_column(Text)
+    #: The pool it runs in: only services of that pool take it.
+    pool: Mapped[str] = mapped_column(Text, nullable=False, server_default="default")
+    #: The version of its kind it is pinned to (None: any): only services that advertise that
+    #: version take it.
+    kind_version: Mapped[str | None] = mapped_column(Text)
+    #: When it was asked to move to another pool or version, until the leader finds it on a
+    #: service that can run it there (``manager/moves.py``).
+    moved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         CheckConstraint(
@@ -149,7 +159,7 @@ class Observer(Base):
         ),
         Index("ix_observers_service_id", "service_id"),
         Index("ix_observers_status", "status"),
-        # The audit asks "was anything taken lately?" (max(started_at)) several times a second.
+        # The audit asks "was anything taken lately in this pool?" several times a second.
         Index("ix_observers_started_at", "started_at"),
         # What an idle cluster asks every second reads what it looks for, not every observer:
         # the lease renewal, a service's observers being stopped...
@@ -159,6 +169,7 @@ class Observer(Base):
             postgresql_where=text("status IN ('on_deleting', 'pausing')"),
         ),
         # ...and the leader's audit, live observers that nobody holds.
+        Index("ix_observers_moving", "moved_at", postgresql_where=text("moved_at IS NOT NULL")),
         Index(
             "ix_observers_unheld",
             "dispatched_at",
@@ -206,6 +217,9 @@ class OutboxMessage(Base):
     service_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     created_at: Mapped[datetime] = _now()
+    #: For a start: the observer's pool, whose work queue takes it (also when a directed
+    #: start comes back).
+    pool: Mapped[str] = mapped_column(Text, nullable=False, server_default="default")
 
     __table_args__ = (
         Index("ix_outbox_created_at", "created_at"),

@@ -22,6 +22,7 @@ from pamqp.commands import Basic
 from contracts.errors import BrokerUnavailable, StartupError, broker_errors, convert_broker_error
 from contracts.output_frames import OutputFrames, publish_confirmed
 from contracts.outputs import Committed
+from contracts.pools import DEFAULT_POOL
 
 QueueType = Literal["classic", "quorum"]
 
@@ -37,6 +38,11 @@ class Topology:
         self.control_exchange = f"{prefix}.control"
         #: Durable topic exchange of committed outputs, routed by kind (``contracts/outputs.py``).
         self.outputs_exchange = f"{prefix}.outputs"
+
+    def work_queue_of(self, pool: str) -> str:
+        """The work queue of one pool: ``<p>.work`` for the default pool (as before pools),
+        ``<p>.work.<pool>`` for the others."""
+        return self.work_queue if pool == DEFAULT_POOL else f"{self.work_queue}.{pool}"
 
     def control_queue(self, service_id: uuid.UUID | str) -> str:
         """One service's own (exclusive) control queue."""
@@ -137,8 +143,10 @@ async def declare_topology(
     version: tuple[int, ...],
     queue_type: QueueType,
     consumer_timeout_ms: int,
+    pool: str = DEFAULT_POOL,
 ) -> aio_pika.abc.AbstractQueue:
-    """Declare the exchanges and queues both sides use; returns the work queue.
+    """Declare the exchanges and queues both sides use, and the work queue of ``pool``, which
+    it returns.
 
     A declaration the broker refuses (a queue that exists with other arguments, a user without
     the permissions) raises StartupError with the fix: the same declaration again cannot pass.
@@ -167,16 +175,39 @@ async def declare_topology(
         await channel.declare_exchange(
             topology.outputs_exchange, aio_pika.ExchangeType.TOPIC, durable=True
         )
+    return await declare_work_queue(
+        channel,
+        topology,
+        pool,
+        version=version,
+        queue_type=queue_type,
+        consumer_timeout_ms=consumer_timeout_ms,
+    )
+
+
+async def declare_work_queue(
+    channel: AbstractChannel,
+    topology: Topology,
+    pool: str,
+    *,
+    version: tuple[int, ...],
+    queue_type: QueueType,
+    consumer_timeout_ms: int,
+) -> aio_pika.abc.AbstractQueue:
+    """Declare the work queue of one pool alone (the rest exists: ``declare_topology`` ran)."""
     args = work_queue_arguments(
         version=version, queue_type=queue_type, consumer_timeout_ms=consumer_timeout_ms
     )
+    other: QueueType = "quorum" if queue_type == "classic" else "classic"
     before = work_queue_arguments(
         version=version, queue_type=other, consumer_timeout_ms=consumer_timeout_ms
     )
     args["x-dead-letter-exchange"] = before["x-dead-letter-exchange"] = (
         topology.dead_letter_exchange
     )
-    return await _declare_queue(channel, "work", topology.work_queue, prefix, args, before)
+    return await _declare_queue(
+        channel, "work", topology.work_queue_of(pool), topology.prefix, args, before
+    )
 
 
 async def publish_outputs(
@@ -248,15 +279,18 @@ def _refused(what: str, name: str, prefix: str) -> Iterator[None]:
         ) from exc
 
 
-async def delete_topology(amqp_url: str, topology: Topology) -> None:
-    """Delete the shared queues and exchanges of a prefix (tests and benchmarks clean up with
-    it). Per-service control queues are exclusive and vanish with their connections."""
+async def delete_topology(amqp_url: str, topology: Topology, pools: Iterable[str] = ()) -> None:
+    """Delete the shared queues and exchanges of a prefix, and the work queues of ``pools``
+    (tests and benchmarks clean up with it). Per-service control queues are exclusive and
+    vanish with their connections."""
     from contracts.amqp import connect_first
     from contracts.settings import split_urls
 
     connection, _ = await connect_first(split_urls(amqp_url), timeout=5)
     async with connection:
-        for queue in (topology.work_queue, topology.error_queue):
+        queues = [topology.work_queue, topology.error_queue]
+        queues += [topology.work_queue_of(p) for p in pools if p != DEFAULT_POOL]
+        for queue in queues:
             channel = await connection.channel()  # a failed delete closes its channel
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
                 await channel.queue_delete(queue)

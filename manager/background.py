@@ -12,7 +12,8 @@ from typing import Any
 
 from contracts.errors import BrokerUnavailable, Transient
 from contracts.messages import DirectedStart, Message
-from contracts.routing import WORK, Destination
+from contracts.pools import DEFAULT_POOL
+from contracts.routing import Destination
 from contracts.statuses import STOPPING, ObserverStatus
 from manager import repository as repo
 from manager.metrics import ManagerMetrics
@@ -74,7 +75,7 @@ async def reachable(
     return await probe(publisher, {*free, *also})
 
 
-async def _free_slots(
+async def reachable_slots(
     tx: Tx, present: Collection[uuid.UUID], margin: float
 ) -> dict[uuid.UUID, int]:
     """Free slots of the services a directed start reaches: their lease read again here (in the
@@ -84,15 +85,15 @@ async def _free_slots(
 
 
 def place(
-    free: dict[uuid.UUID, int], kinds: Sequence[str], runs: dict[uuid.UUID, repo.Runs]
+    free: dict[uuid.UUID, int], needs: Sequence[repo.Needs], runs: dict[uuid.UUID, repo.Runs]
 ) -> list[uuid.UUID | None]:
-    """Targets for observers of these ``kinds``: of the services in ``free`` that run the kind
-    (``runs``: None for a service of an earlier release, which runs every kind), the one with
-    the most free slots first; None (the shared work queue) once none of them has room."""
+    """Targets for observers with these ``needs``: of the services in ``free`` that can run
+    one (``runs``: its pool, its kinds), the one with the most free slots first; None (the
+    pool's work queue) once none of them has room."""
     slots = dict(free)
     out: list[uuid.UUID | None] = []
-    for kind in kinds:
-        able = [sid for sid in slots if _runs(runs.get(sid), kind)]
+    for need in needs:
+        able = [sid for sid in slots if runs.get(sid, repo.Runs()).can(need)]
         best = max(able, key=lambda k: slots[k], default=None)
         if best is None or slots[best] <= 0:
             out.append(None)
@@ -100,10 +101,6 @@ def place(
         slots[best] -= 1
         out.append(best)
     return out
-
-
-def _runs(kinds: repo.Runs, kind: str) -> bool:
-    return kinds is None or kind in kinds
 
 
 async def redispatch(
@@ -116,26 +113,28 @@ async def redispatch(
     placed_only: bool = False,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
-    live service with room that runs its kind, chosen here from the leases, the control queues
-    and the kinds advertised, not by the broker (``present``: the services found on the broker
-    just before this transaction); to the work queue when none has room. ``placed_only``: those
-    that no such service has room for are left as they are."""
+    live service of its pool with room that runs its kind, chosen here from the leases, the
+    control queues and the kinds advertised, not by the broker (``present``: the services found
+    on the broker just before this transaction); to its pool's work queue when none has room.
+    ``placed_only``: those that no such service has room for are left as they are."""
     if not ids:
         return []
-    free = await _free_slots(tx, present, margin)
-    kinds = await repo.kinds_of(tx, ids)
+    free = await reachable_slots(tx, present, margin)
+    needs = await repo.needs_of(tx, ids)
     runs = await repo.kinds_run(tx, list(free))
-    targets = dict(zip(ids, place(free, [kinds.get(i, "") for i in ids], runs), strict=True))
+    wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
+    targets = dict(zip(ids, place(free, wanted, runs), strict=True))
     if placed_only:
         ids = [i for i in ids if targets[i] is not None]
     starts = await repo.new_dispatches(tx, ids, why)
     messages: list[tuple[Destination, Message]] = []
     for start in starts:
         target = targets[start.observer_id]
+        pool = needs[start.observer_id].pool
         if target is None:
-            messages.append((WORK, start))
+            messages.append((Destination.work(pool), start))
         else:
-            messages.append((Destination.service(target), DirectedStart.of(start)))
+            messages.append((Destination.service(target, pool), DirectedStart.of(start)))
     return await repo.add_outbox(tx, messages)
 
 
@@ -219,23 +218,24 @@ class Sweeper:
         return len(orphans) + await self._place_waiting(present)
 
     async def _place_waiting(self, present: Collection[uuid.UUID]) -> int:
-        """Observers passed on by a service that lacks their kind: each is sent to a service
-        that runs it and has room, as soon as one has; the others say why they wait. With
-        none waiting (the usual case) one look by index, every sweep."""
+        """Observers passed on by a service that cannot run them (another pool's, or a kind it
+        lacks): each is sent to a service of its pool that runs its kind and has room, as soon
+        as one has; the others say why they wait. With none waiting (the usual case) one look
+        by index, every sweep."""
         async with self.store.transaction() as tx:
             if not await repo.any_waiting(tx):
                 return 0
-            free = await _free_slots(tx, present, self.margin)
+            free = await reachable_slots(tx, present, self.margin)
             ids = await repo.waiting(tx, (await repo.kinds_run(tx, list(free))).values())
             pending = await redispatch(
                 tx,
                 ids,
-                "to a service that runs its kind",
+                "to a service of its pool that runs its kind",
                 present=present,
                 margin=self.margin,
                 placed_only=True,
             )
-            await repo.set_waiting(tx, await repo.unexplained(tx, await repo.live_kinds(tx)))
+            await repo.set_waiting(tx, await repo.unexplained(tx))
         if pending:
             log.info("sending %d waiting observers to services that run their kind", len(pending))
             self.metrics.redispatches.labels("kind_found").inc(len(pending))
@@ -289,31 +289,46 @@ class Audit:
     recent: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
 
     async def once(self) -> int:
-        ready = await self.publisher.work_queue_ready()
-        self.metrics.queue_ready.set(ready)
+        ready = {DEFAULT_POOL: await self.publisher.work_queue_ready()}
+        self.metrics.queue_ready.clear()  # other pools' shown only while read
+        self.metrics.queue_ready.labels(DEFAULT_POOL).set(ready[DEFAULT_POOL])
         now = time.monotonic()
         self._forget(now)
         async with self.store.transaction() as tx:
             # A service working through a large prefetch backlog also leaves nothing ready
-            # while observers wait unowned; it takes observers all the while. Act only when
-            # nothing was taken lately: then the waiting ones really are stuck at a silent
-            # consumer.
-            if await repo.taken_lately(tx, self.grace):
+            # while observers wait unowned; it takes observers all the while. Act only on the
+            # pools where nothing was taken lately: then the waiting ones really are stuck at a
+            # silent consumer. Each pool apart: one pool's takes say nothing of another's queue.
+            idle = await repo.idle_pools(tx, self.grace)
+            if not idle:
                 return 0
-            stuck = await repo.unheld_stuck(tx, self.grace)
+            stuck = await repo.unheld_stuck(tx, self.grace, idle)
             free = await repo.free_slots(tx, self.margin)
-        # Ready starts wait for a slot only while no service has one; and even then those
-        # beyond the queue's count are nowhere. Whatever else the queue holds, the rest is
-        # re-dispatched (a start still queued becomes stale and is dropped).
-        if ready and len(stuck) <= ready and not free:
-            return 0
-        ids = [oid for oid in stuck if self.recent.get(oid, (0, now))[1] <= now]
+            free_pools = {r.pool for r in (await repo.kinds_run(tx, list(free))).values()}
+        for pool in set(stuck.values()) - set(ready):
+            ready[pool] = await self.publisher.work_queue_ready(pool)
+            self.metrics.queue_ready.labels(pool).set(ready[pool])
+        # Ready starts wait for a slot only while no service of their pool has one; and even
+        # then those beyond the queue's count are nowhere. Whatever else the queue holds, the
+        # rest is re-dispatched (a start still queued becomes stale and is dropped).
+        waits = {
+            pool
+            for pool in set(stuck.values())
+            if ready[pool]
+            and sum(1 for p in stuck.values() if p == pool) <= ready[pool]
+            and pool not in free_pools
+        }
+        ids = [
+            oid
+            for oid, pool in stuck.items()
+            if pool not in waits and self.recent.get(oid, (0, now))[1] <= now
+        ]
         if not ids:
             return 0
         present = await on_broker(self.publisher, free)  # outside any transaction
         async with self.store.transaction() as tx:
             # Still unheld and stuck now (read again, locked): one taken meanwhile stays.
-            ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace)))
+            ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace, idle)))
             pending = await redispatch(
                 tx,
                 ids,

@@ -40,7 +40,13 @@ class ManagerMetrics(Metrics):
             "code",
         )
         self.observers = m.gauge(
-            "orch_observers", "Observers, by status and kind", "status", "kind"
+            "orch_observers", "Observers, by status, kind and pool", "status", "kind", "pool"
+        )
+        self.pool_capacity = m.gauge(
+            "orch_pool_capacity", "Slots of each pool's live services taking work", "pool"
+        )
+        self.pool_running = m.gauge(
+            "orch_pool_running", "Observers each pool's live services hold", "pool"
         )
         self.services = m.gauge("orch_services", "Live services, by state", "state")
         per_service = ("service", "service_id")
@@ -63,9 +69,11 @@ class ManagerMetrics(Metrics):
         self.outbox_backlog = m.gauge("orch_outbox_backlog", "Outbox records not yet confirmed")
         self.queue_ready = m.gauge(
             "orch_work_queue_ready",
-            "Start messages ready in the work queue: observers waiting for a free slot (the "
-            "leader's view, read by its audit each pass; 0 on other replicas)",
+            "Start messages ready in each pool's work queue: observers waiting for a free slot "
+            "(the leader's view, read by its audit each pass; 0 on other replicas)",
+            "pool",
         )
+        self.queue_ready.labels("default").set(0)
         self.outbox_age = m.gauge(
             "orch_outbox_oldest_age_seconds", "Age of the oldest outbox record (0 when empty)"
         )
@@ -106,13 +114,20 @@ class ManagerMetrics(Metrics):
             state = await repo.cluster_state(tx)
         self.observers.clear()
         for row in state.observers:
-            self.observers.labels(row.status, row.kind).set(row.n)
+            self.observers.labels(row.status, row.kind, row.pool).set(row.n)
         self.services.clear()
         services = state.services
         self.services.labels("taking_work").set(sum(1 for s in services if not s.draining))
         self.services.labels("draining").set(sum(1 for s in services if s.draining))
-        for gauge in (self.capacity, self.running, self.lease_age):
+        for gauge in (self.capacity, self.running, self.lease_age, self.pool_capacity):
             gauge.clear()
+        self.pool_running.clear()
+        for pool in {s.pool for s in services}:
+            of_pool = [s for s in services if s.pool == pool]
+            self.pool_capacity.labels(pool).set(
+                sum(s.worker_count for s in of_pool if not s.draining)
+            )
+            self.pool_running.labels(pool).set(sum(s.running for s in of_pool))
         for s in services:
             labels = (s.name, str(s.id))
             self.capacity.labels(*labels).set(s.worker_count)

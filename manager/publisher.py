@@ -11,17 +11,26 @@ from collections.abc import Callable, Sequence
 
 import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
 
 from contracts.amqp import connect_first
 from contracts.backoff import Backoff
-from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
+from contracts.errors import (
+    BrokerRefused,
+    BrokerUnavailable,
+    StartupError,
+    Unroutable,
+    broker_errors,
+)
 from contracts.messages import Message
 from contracts.outputs import Committed
+from contracts.pools import DEFAULT_POOL
 from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import (
     broker_version,
     declare_topology,
+    declare_work_queue,
     publish_outputs,
     service_present,
 )
@@ -56,6 +65,8 @@ class Publisher:
         self._closing = False
         self.version: tuple[int, ...] = (0,)
         self._declaring = asyncio.Lock()
+        #: The pools whose work queue this connection declared (the default pool's at once).
+        self._pools: set[str] = {DEFAULT_POOL}
         #: Seconds a publish (with its confirm) or a probe may take: past it, the broker counts
         #: as unavailable (a memory or disk alarm blocks publishes without closing anything).
         self.timeout = timeout
@@ -87,6 +98,7 @@ class Publisher:
                 await connection.close()
                 raise
         self.version = version
+        self._pools = {DEFAULT_POOL}
         self._connection, self._channel = connection, channel
         self._sender = Sender(channel, self.topology)
         connection.close_callbacks.add(self._lost)
@@ -135,11 +147,13 @@ class Publisher:
         that has vanished goes to the work queue instead. Raises BrokerUnavailable."""
         if self._sender is None:
             raise BrokerUnavailable("publisher not started")
+        if to.pool not in self._pools:  # a pool's first start: its queue may not exist yet
+            await self._declare(to.pool, unless_done=True)
         try:
             await self._sender.send(to, message, timeout=self.timeout)
-        except Unroutable:
+        except Unroutable as exc:
             # The work queue is gone (deleted): declare it again so that the retry lands.
-            await self._declare()
+            await self._declare(exc.pool or DEFAULT_POOL)
             raise
 
     async def publish_outputs(self, commits: Sequence[Committed]) -> None:
@@ -150,25 +164,33 @@ class Publisher:
             raise BrokerUnavailable("broker connection is down")
         await publish_outputs(channel, self.topology, commits)
 
-    async def _declare(self) -> None:
-        """Declare the topology again on the open channel, once at a time; a failure is logged
-        (the channel closes and the publisher reconnects, which declares it too)."""
+    async def _declare(self, pool: str = DEFAULT_POOL, *, unless_done: bool = False) -> None:
+        """Declare the topology again on the open channel (for another pool: that pool's work
+        queue), once at a time (``unless_done``: not again for a pool declared meanwhile). A
+        failure is logged: the publish that follows comes back, and stays in the outbox for
+        the relay (a broker that refuses the queue, for want of permissions or for other
+        arguments, is told in the log each time, never by stopping the manager)."""
         async with self._declaring:
             channel = self._channel
-            if channel is None or not self.connected:
+            if channel is None or not self.connected or (unless_done and pool in self._pools):
                 return
+            declare = declare_topology if pool == DEFAULT_POOL else declare_work_queue
             try:
                 with broker_errors():
                     async with asyncio.timeout(self.timeout):
-                        await declare_topology(
+                        await declare(
                             channel,
                             self.topology,
+                            pool=pool,
                             version=self.version,
                             queue_type=self.settings.queue_type,
                             consumer_timeout_ms=self.settings.consumer_timeout_ms,
                         )
+                self._pools.add(pool)
             except BrokerUnavailable as exc:
                 log.warning("could not declare the topology again: %s", exc)
+            except (StartupError, BrokerRefused) as exc:
+                log.error("the work queue of pool %r cannot be declared: %s", pool, exc)
 
     async def _raw(self) -> aiormq.abc.AbstractChannel:
         # Straight to the AMQP channel: aio-pika's declare_queue may hand back a queue object
@@ -177,13 +199,29 @@ class Publisher:
             raise BrokerUnavailable("broker connection is down")
         return await self._channel.get_underlay_channel()
 
-    async def work_queue_ready(self) -> int:
-        """Messages ready (not delivered) in the work queue."""
+    async def work_queue_ready(self, pool: str = DEFAULT_POOL) -> int:
+        """Messages ready (not delivered) in a pool's work queue. Another pool's is asked on a
+        channel of its own: a queue nobody declared yet (0) must not close the publishing
+        channel."""
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
-                raw = await self._raw()
-                ok = await raw.queue_declare(self.topology.work_queue, passive=True)
-        return int(ok.message_count or 0)
+                if pool == DEFAULT_POOL:
+                    raw = await self._raw()
+                    ok = await raw.queue_declare(self.topology.work_queue, passive=True)
+                    return int(ok.message_count or 0)
+                if self._connection is None or not self.connected:
+                    raise BrokerUnavailable("broker connection is down")
+                channel = await self._connection.channel(publisher_confirms=False)
+                try:
+                    queue = await channel.declare_queue(
+                        self.topology.work_queue_of(pool), passive=True
+                    )
+                    return int(queue.declaration_result.message_count or 0)
+                except ChannelNotFoundEntity:
+                    return 0
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether a service's broker connection lives (its control queue exists)."""

@@ -20,15 +20,68 @@ def _v(status: ObserverStatus | Event) -> str:
     return f"'{status.value}'"
 
 
+# ---------------------------------------------------------------------- who can run what
+def runs(r: str, o: str) -> str:
+    """SQL: service ``r`` runs observer ``o``: its pool, its kind, and the version it is pinned
+    to, if any (a service of a release before kinds were advertised runs every kind, but no
+    pinned observer: it cannot tell versions)."""
+    return (
+        f"{r}.pool = {o}.pool AND CASE WHEN {r}.kinds IS NULL THEN {o}.kind_version IS NULL "
+        f"ELSE {r}.kinds ? {o}.kind AND ({o}.kind_version IS NULL "
+        f"OR {r}.kinds -> {o}.kind ->> 'version' = {o}.kind_version) END"
+    )
+
+
+def runnable(o: str) -> str:
+    """SQL: some live service that takes work runs observer ``o``. A few rows of ``services``,
+    by the index of live leases."""
+    return (
+        f"EXISTS (SELECT 1 FROM services r WHERE {live_service('r')} AND NOT r.draining "
+        f"AND {runs('r', o)})"
+    )
+
+
+def why_waiting(o: str) -> str:
+    """SQL: why nobody runs observer ``o``, which waits: a service of its pool runs its kind
+    (in its version) but has no room, or none does (or its pool has no live service taking
+    work at all)."""
+    in_pool = f"CASE WHEN {o}.pool = 'default' THEN '' ELSE format(' in pool %L', {o}.pool) END"
+    what = (
+        f"format('kind %L', {o}.kind) || CASE WHEN {o}.kind_version IS NULL THEN '' "
+        f"ELSE format(' version %L', {o}.kind_version) END"
+    )
+    pool_live = (
+        f"EXISTS (SELECT 1 FROM services r WHERE {live_service('r')} AND NOT r.draining "
+        f"AND r.pool = {o}.pool)"
+    )
+    return f"""CASE WHEN {runnable(o)}
+        THEN format('no service%s that runs %s has a free slot now', {in_pool}, {what})
+        WHEN {o}.pool <> 'default' AND NOT {pool_live}
+        THEN format('no live service in pool %L', {o}.pool)
+        ELSE format('no live service%s runs %s', {in_pool}, {what}) END"""
+
+
+def waiting_shown(o: str) -> str:
+    """SQL: why ``o`` waits, as shown: what its row says (a service passed it on), or, for
+    one nobody holds that no live service can run (none of its pool, or none of its pool
+    runs its kind in its version), why; else NULL. Read when shown, so it is never out of
+    date."""
+    return (
+        f"COALESCE({o}.waiting, CASE WHEN {o}.service_id IS NULL AND {sql_in(o + '.status', LIVE)}"
+        f" AND NOT {runnable(o)} THEN {why_waiting(o)} END)"
+    )
+
+
 OBSERVER_COLUMNS = (
     "o.id, o.name, o.kind, o.params, o.status, o.service_id, o.epoch, o.checkpoint, "
     "o.checkpointed_at, o.restart_count, o.last_error, o.restart_policy, o.created_at, "
-    "o.modified_at, o.started_at, o.output_seq, o.committed_at, o.waiting"
+    "o.modified_at, o.started_at, o.output_seq, o.committed_at, o.pool, o.kind_version, "
+    f"{waiting_shown('o')} AS waiting"
 )
 
 SERVICE_COLUMNS = (
     "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
-    "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, "
+    "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, s.pool, "
     "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds) ORDER BY 1) "
     "END AS kinds, "
     f"(SELECT count(*) FROM observers o WHERE o.service_id = s.id AND {sql_in('o.status', HELD)})"
@@ -54,16 +107,16 @@ LIST_EVENTS = (
 )
 
 # ----------------------------------------------------------------------------------- outbox
-# :routes, :services, :bodies
+# :routes, :services, :pools, :bodies
 OUTBOX_ADD = (
-    "INSERT INTO outbox (route, service_id, body) "
-    "SELECT r, s, CAST(b AS jsonb) "
-    "FROM unnest(CAST(:routes AS text[]), CAST(:services AS uuid[]), CAST(:bodies AS text[])) "
-    "WITH ORDINALITY AS m(r, s, b, n) ORDER BY n RETURNING id"
+    "INSERT INTO outbox (route, service_id, pool, body) "
+    "SELECT r, s, p, CAST(b AS jsonb) "
+    "FROM unnest(CAST(:routes AS text[]), CAST(:services AS uuid[]), CAST(:pools AS text[]), "
+    "CAST(:bodies AS text[])) WITH ORDINALITY AS m(r, s, p, b, n) ORDER BY n RETURNING id"
 )
 OUTBOX_DELETE = "DELETE FROM outbox WHERE id = ANY(:ids)"
 OUTBOX_DUE = (
-    "SELECT id, route, service_id, body FROM outbox "
+    "SELECT id, route, service_id, pool, body FROM outbox "
     "WHERE created_at < now() - make_interval(secs => :g) AND NOT (id = ANY(:skip)) "
     "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
 )
@@ -76,21 +129,22 @@ CREATE_MANY = f"""
 WITH v AS (
     SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:keys AS text[]),
                          CAST(:kinds AS text[]), CAST(:params AS text[]), CAST(:ds AS uuid[]),
-                         CAST(:rps AS text[]), CAST(:bodies AS text[]))
-           WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, n)
+                         CAST(:rps AS text[]), CAST(:bodies AS text[]), CAST(:pools AS text[]),
+                         CAST(:versions AS text[]))
+           WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, pool, version, n)
 ), o AS (
     INSERT INTO observers AS o (id, name, name_key, kind, params, status, dispatch_id,
-                                restart_policy)
+                                restart_policy, pool, kind_version)
     SELECT v.id, v.name, v.name_key, v.kind, CAST(v.params AS jsonb), {_v(S.CREATED)}, v.d,
-           CAST(v.rp AS jsonb)
+           CAST(v.rp AS jsonb), v.pool, v.version
       FROM v ORDER BY v.n
     ON CONFLICT DO NOTHING
     RETURNING {OBSERVER_COLUMNS}
 ), e AS (
     INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
 ), b AS (
-    INSERT INTO outbox (route, body)
-    SELECT :route, CAST(v.body AS jsonb) FROM v JOIN o ON o.id = v.id ORDER BY v.n
+    INSERT INTO outbox (route, pool, body)
+    SELECT :route, v.pool, CAST(v.body AS jsonb) FROM v JOIN o ON o.id = v.id ORDER BY v.n
     RETURNING id, CAST(body ->> 'observer_id' AS uuid) AS observer_id
 )
 SELECT o.*, b.id AS outbox_id FROM o JOIN b ON b.observer_id = o.id
@@ -105,6 +159,7 @@ LIST = (
     f"SELECT {OBSERVER_COLUMNS} FROM observers o "
     "WHERE (CAST(:status AS text) IS NULL OR o.status = :status) "
     "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    "AND (CAST(:pool AS text) IS NULL OR o.pool = :pool) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
     r"AND (CAST(:name AS text) IS NULL OR o.name ILIKE '%' || :name || '%' ESCAPE '\') "
     f"AND (CAST(:with_deleted AS boolean) OR o.status <> {_v(S.DELETED)}) "
@@ -117,11 +172,46 @@ SELECT_FOR_ACTION = (
     "AND (CAST(:ids AS uuid[]) IS NULL OR o.id = ANY(CAST(:ids AS uuid[]))) "
     "AND (CAST(:status AS text) IS NULL OR o.status = :status) "
     "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    "AND (CAST(:pool AS text) IS NULL OR o.pool = :pool) "
     r"AND (CAST(:prefix AS text) IS NULL OR o.name LIKE :prefix || '%' ESCAPE '\') "
     "ORDER BY o.created_at, o.id LIMIT :limit + 1"
 )
+# A move: these observers (not deleted, and not already where they are asked to go) to the pool
+# :pool (NULL: their own) and pinned to :version (:unpin: to none; else NULL: as they are);
+# ``moved_at`` marks those the leader's mover must look at (``manager/moves.py``).
+MOVE = f"""
+WITH m AS (
+    SELECT o.id, COALESCE(CAST(:pool AS text), o.pool) AS pool,
+           CASE WHEN :unpin THEN NULL ELSE COALESCE(CAST(:version AS text), o.kind_version) END
+           AS version
+      FROM observers o
+     WHERE o.id = ANY(:ids) AND o.status <> {_v(S.DELETED)}
+     FOR UPDATE OF o
+)
+UPDATE observers o SET pool = m.pool, kind_version = m.version, moved_at = now(),
+       modified_at = now()
+  FROM m WHERE o.id = m.id AND (o.pool, o.kind_version) IS DISTINCT FROM (m.pool, m.version)
+RETURNING o.id, o.status, o.service_id, o.pool, o.kind, o.kind_version
+"""
+# The kinds (and pinned versions) a move would put in each pool: what must be offered there.
+MOVE_TARGETS = """
+SELECT DISTINCT COALESCE(CAST(:pool AS text), o.pool) AS pool, o.kind,
+       CASE WHEN :unpin THEN NULL ELSE COALESCE(CAST(:version AS text), o.kind_version) END
+       AS version
+  FROM observers o WHERE o.id = ANY(:ids)
+"""
+# Observers asked to move, oldest ask first, with their holder's pool and kinds: the mover
+# hands over those their holder cannot run any more, and forgets the others.
+MOVING = f"""
+SELECT o.id, o.status, o.service_id, o.pool, o.kind, o.kind_version,
+       s.pool AS holder_pool, s.kinds AS holder_kinds,
+       COALESCE({live_service("s")}, false) AS holder_live
+  FROM observers o LEFT JOIN services s ON s.id = o.service_id
+ WHERE o.moved_at IS NOT NULL ORDER BY o.moved_at LIMIT :n
+"""
+MOVED = "UPDATE observers SET moved_at = NULL WHERE id = ANY(:ids) AND moved_at IS NOT NULL"
 LOCK_WITH_HOLDER = f"""
-SELECT o.status, o.service_id, COALESCE({live_service("s")}, false) AS live
+SELECT o.status, o.service_id, o.pool, COALESCE({live_service("s")}, false) AS live
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
  WHERE o.id = :id FOR UPDATE OF o
 """
@@ -142,8 +232,8 @@ RESUME = (
 )
 RESTART = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, restart_count = 0, "
-    "restarted_at = NULL, dispatch_id = :d, waiting = NULL, dispatched_at = now(), "
-    "modified_at = now() WHERE id = :id"
+    "restarted_at = NULL, dispatch_id = :d, "
+    "waiting = NULL, dispatched_at = now(), modified_at = now() WHERE id = :id"
 )
 
 # --------------------------------------------------------------------------------- services
@@ -198,41 +288,45 @@ REDISPATCH = (
     "dispatched_at = now(), modified_at = now() WHERE o.id = ANY(:ids) "
     "RETURNING o.id, o.dispatch_id"
 )
-# What kind each of these observers is.
-KINDS_OF = "SELECT id, kind FROM observers WHERE id = ANY(:ids)"
-# The kinds each of these services runs; NULL for a service of an earlier release (every kind).
-_KIND_NAMES = "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds)) END"
-KINDS_RUN = f"SELECT s.id, {_KIND_NAMES} AS kinds FROM services s WHERE s.id = ANY(:ids)"
-# The kinds each live service that takes work runs (as KINDS_RUN).
-LIVE_KINDS = (
-    f"SELECT {_KIND_NAMES} AS kinds FROM services s WHERE {live_service('s')} AND NOT s.draining"
-)
+# The pool, kind and pinned version of each of these observers.
+NEEDS_OF = "SELECT id, pool, kind, kind_version FROM observers WHERE id = ANY(:ids)"
+# The pool of each of these services, and the kinds it runs with their versions (the adverts):
+# NULL for a service of an earlier release (every kind).
+KINDS_RUN = "SELECT s.id, s.pool, s.kinds FROM services s WHERE s.id = ANY(:ids)"
 # What each live service advertised of its kinds (NULL: an earlier release, every kind).
-LIVE_ADVERTS = f"SELECT s.name, s.kinds FROM services s WHERE {live_service('s')} ORDER BY s.name"
-# Of each kind any service advertised, the advert of the newest service that runs it, a live
-# one first.
+LIVE_ADVERTS = (
+    f"SELECT s.name, s.pool, s.kinds FROM services s WHERE {live_service('s')} ORDER BY s.name"
+)
+# Every kind and version each pool's services ever advertised (while their rows are kept): the
+# advert of the newest service of the pool that runs it, a live one first.
 ADVERTS = f"""
-SELECT DISTINCT ON (k.key) k.key AS name, k.value AS advert
+SELECT DISTINCT ON (s.pool, k.key, k.value ->> 'version') s.pool, k.key AS name,
+       k.value AS advert, {live_service("s")} AS live, s.created_at
   FROM services s, jsonb_each(s.kinds) AS k
- ORDER BY k.key, {live_service("s")} DESC, s.created_at DESC
+ ORDER BY s.pool, k.key, k.value ->> 'version', {live_service("s")} DESC, s.created_at DESC
 """
-# Live observers nobody holds that a service passed on (it lacks their kind), oldest first: of
-# the kinds :kinds (a service with room runs them), or of any kind with :every (a service with
-# room runs every kind). The partial index of unheld observers finds them.
+# Every pool some service joined (while its row is kept), and whether one of its services runs
+# every kind (an earlier release).
+POOLS = "SELECT pool, bool_or(kinds IS NULL) AS every FROM services GROUP BY pool ORDER BY pool"
+# Live observers nobody holds that wait for a service able to run them, oldest first: those of
+# what a service with room runs (:pools, :kinds, :versions, one each for every kind it runs; a
+# NULL kind: every kind, but no pinned version). The partial index of unheld observers finds
+# them.
 _WAITING = f"o.waiting IS NOT NULL AND o.service_id IS NULL AND {sql_in('o.status', LIVE)}"
 ANY_WAITING = f"SELECT EXISTS (SELECT 1 FROM observers o WHERE {_WAITING})"
 WAITING = f"""
 SELECT o.id FROM observers o
- WHERE {_WAITING} AND (CAST(:every AS boolean) OR o.kind = ANY(:kinds))
+ WHERE {_WAITING} AND EXISTS (
+       SELECT 1 FROM unnest(CAST(:pools AS text[]), CAST(:kinds AS text[]),
+                            CAST(:versions AS text[])) AS r(pool, kind, version)
+        WHERE r.pool = o.pool AND CASE WHEN r.kind IS NULL THEN o.kind_version IS NULL
+              ELSE r.kind = o.kind AND (o.kind_version IS NULL OR o.kind_version = r.version)
+              END)
  ORDER BY o.created_at LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
-# Why the others wait, where that is not said yet: :live the kinds live services run (:all_live,
-# one runs every kind).
+# Why the others wait, where that is not said yet.
 UNEXPLAINED = f"""
-SELECT o.id, w.why FROM observers o
- CROSS JOIN LATERAL (SELECT CASE WHEN CAST(:all_live AS boolean) OR o.kind = ANY(:live)
-        THEN format('no service that runs kind %L has a free slot now', o.kind)
-        ELSE format('no live service runs kind %L', o.kind) END AS why) AS w
+SELECT o.id, w.why FROM observers o CROSS JOIN LATERAL (SELECT {why_waiting("o")} AS why) AS w
  WHERE {_WAITING} AND o.waiting IS DISTINCT FROM w.why
  ORDER BY o.created_at LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
@@ -254,9 +348,18 @@ SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
 """
 
 # ------------------------------------------------------------------------ leader: the audit
-TAKEN_LATELY = "SELECT max(started_at) > now() - make_interval(secs => :g) FROM observers"
+# The pools of live services, and the default pool, where nothing was taken in the last :g
+# seconds (a busy pool is found at its first recent take, by the index on started_at).
+IDLE_POOLS = f"""
+SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
+                    UNION SELECT 'default') AS p(pool)
+ WHERE NOT EXISTS (SELECT 1 FROM observers o
+                    WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool)
+"""
+# Of the pools :pools.
 UNHELD_STUCK = f"""
-SELECT o.id FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
+SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
+   AND o.pool = ANY(:pools)
    AND o.waiting IS NULL AND o.dispatched_at < now() - make_interval(secs => :g)
    AND o.modified_at < now() - make_interval(secs => :g)
    AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text)
@@ -271,17 +374,21 @@ WHERE_MOVED = (
     "FROM observers WHERE id = ANY(:ids)"
 )
 LOADS = f"""
-SELECT s.id, s.worker_count, count(o.id) AS running FROM services s
+SELECT s.id, s.pool, s.worker_count, count(o.id) AS running FROM services s
   LEFT JOIN observers o ON o.service_id = s.id AND {sql_in("o.status", HELD)}
  WHERE {live_service("s")} AND NOT s.draining
    AND s.created_at < now() - make_interval(secs => :age) AND s.stalled_since IS NULL
    AND (s.rejoined_at IS NULL OR s.rejoined_at < now() - make_interval(secs => :age))
- GROUP BY s.id, s.worker_count
+ GROUP BY s.id, s.pool, s.worker_count
 """
-# Of the kinds :kinds (NULL: any), those a move's target runs.
+# Of those a move's target runs: of its pool :pool and its kinds :kinds, pinned to no version or
+# to the one it has (:versions, by kind); :kinds NULL: every kind, no pinned version.
 PICK_TO_MOVE = (
-    f"SELECT id FROM observers WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
-    "AND NOT (id = ANY(:recent)) AND (CAST(:kinds AS text[]) IS NULL OR kind = ANY(:kinds)) "
+    f"SELECT id FROM observers o WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
+    "AND NOT (id = ANY(:recent)) AND pool = :pool AND CASE WHEN CAST(:kinds AS text[]) IS NULL "
+    "THEN kind_version IS NULL ELSE EXISTS (SELECT 1 FROM unnest(CAST(:kinds AS text[]), "
+    "CAST(:versions AS text[])) AS r(kind, version) WHERE r.kind = o.kind "
+    "AND (o.kind_version IS NULL OR o.kind_version = r.version)) END "
     "ORDER BY started_at DESC LIMIT :n"
 )
 # The moves decided, recorded on the rows in the transaction that writes their handoff
@@ -354,9 +461,11 @@ DELETE FROM observer_events WHERE observer_id = :o AND id < (
 NEWEST_EVENT = "SELECT coalesce(max(id), 0) FROM observer_events"
 
 # ------------------------------------------------------------------------------ metrics
-METRICS_OBSERVERS = "SELECT status, kind, count(*) AS n FROM observers GROUP BY status, kind"
+METRICS_OBSERVERS = (
+    "SELECT status, kind, pool, count(*) AS n FROM observers GROUP BY status, kind, pool"
+)
 METRICS_SERVICES = f"""
-SELECT s.id, s.name, s.worker_count, s.draining,
+SELECT s.id, s.name, s.pool, s.worker_count, s.draining,
        EXTRACT(EPOCH FROM clock_timestamp() - s.last_heartbeat_at)::float8 AS heartbeat_age,
        (SELECT count(*) FROM observers o
          WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS running
@@ -364,12 +473,28 @@ SELECT s.id, s.name, s.worker_count, s.draining,
 """
 METRICS_OUTBOX = "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox"
 
+# Each pool's live services, the slots of those taking work, and what they run (``GET /pools``).
+POOL_LOADS = f"""
+SELECT s.pool, count(*) AS services,
+       coalesce(sum(s.worker_count) FILTER (WHERE NOT s.draining), 0) AS slots,
+       coalesce(sum(h.n), 0) AS running
+  FROM services s CROSS JOIN LATERAL (SELECT count(*) AS n FROM observers o
+                                       WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) h
+ WHERE {live_service("s")} GROUP BY s.pool
+"""
+# Live observers nobody holds, by pool (the partial index of unheld observers).
+UNHELD_BY_POOL = (
+    "SELECT o.pool, count(*) AS n FROM observers o "
+    f"WHERE o.service_id IS NULL AND {sql_in('o.status', LIVE)} GROUP BY o.pool"
+)
+
 # ------------------------------------------------------------------ console views (api/views.py)
 # The console's list: filters, one sort from VIEW_SORTS (a whitelist: {order} is never user
 # text), server-side paging. :q matches any part of the name, :idp the start of the id, :id one
 # observer; deleted observers only when asked for (or filtered on).
 VIEW_FILTER = (
     "(CAST(:kind AS text) IS NULL OR o.kind = :kind) "
+    "AND (CAST(:pool AS text) IS NULL OR o.pool = :pool) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
     "AND (CAST(:id AS uuid) IS NULL OR o.id = :id) "
     r"AND (CAST(:q AS text) IS NULL OR o.name ILIKE '%' || :q || '%' ESCAPE '\' "
@@ -379,7 +504,7 @@ VIEW_OBSERVERS = (
     "SELECT o.id, o.name, o.kind, o.status, o.service_id, s.name AS service_name, o.epoch, "
     "o.restart_count, o.restarted_at, o.restart_policy, o.last_error, "
     "o.checkpointed_at, o.created_at, o.modified_at, o.started_at, o.output_seq, "
-    "o.committed_at, o.waiting, "
+    f"o.committed_at, o.pool, o.kind_version, {waiting_shown('o')} AS waiting, "
     # Only to mask an error that quotes them (one written before errors were masked at write).
     "CASE WHEN o.last_error IS NOT NULL THEN o.params END AS params, "
     "clock_timestamp() AS now "
@@ -392,6 +517,7 @@ VIEW_OBSERVERS = (
 VIEW_SORTS = {
     "name": "o.name",
     "kind": "o.kind",
+    "pool": "o.pool",
     "status": "o.status",
     "service": "s.name",
     "epoch": "o.epoch",

@@ -1,5 +1,6 @@
-"""Rebalance: move running observers until every live service runs its fair share, weighted by
-worker_count. Run by the leader; each move is one graceful handoff to a named service.
+"""Rebalance: move running observers until every live service runs its fair share of its pool,
+weighted by worker_count. Run by the leader; each move is one graceful handoff to a named
+service of the same pool.
 
 Stability rules: targets are whole numbers that add up to what runs (no service is asked for a
 fraction), ties keep observers where they are, a round waits while the previous round's moves
@@ -22,9 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from contracts.messages import HandoffMessage
-from contracts.routing import Destination
-from contracts.statuses import Event
+from contracts.pools import DEFAULT_POOL
 from manager import repository as repo
 from manager.background import on_broker
 from manager.metrics import ManagerMetrics
@@ -40,6 +39,7 @@ class Load:
     service_id: uuid.UUID
     worker_count: int
     running: int
+    pool: str = DEFAULT_POOL
 
 
 def targets(loads: list[Load]) -> dict[uuid.UUID, int]:
@@ -76,6 +76,17 @@ def plan_moves(loads: list[Load], *, max_moves: int) -> list[tuple[uuid.UUID, uu
             donors.pop(0)
         if surplus[t] == 0:
             takers.pop(0)
+    return moves
+
+
+def plan_pools(loads: list[Load], *, pace: float) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """(from, to) moves within each pool (a service runs only its pool's observers), at most
+    ``pace`` of what runs in the pool at once (one at least)."""
+    moves: list[tuple[uuid.UUID, uuid.UUID]] = []
+    for pool in sorted({x.pool for x in loads}):
+        group = [x for x in loads if x.pool == pool]
+        budget = max(1, math.ceil(sum(x.running for x in group) * pace))
+        moves += plan_moves(group, max_moves=budget)
     return moves
 
 
@@ -199,41 +210,28 @@ class Rebalancer:
             if in_motion:
                 return 0  # the previous round is still landing
             loads = [
-                Load(r.id, r.worker_count, r.running) for r in await repo.loads(tx, self.min_age)
+                Load(r.id, r.worker_count, r.running, r.pool)
+                for r in await repo.loads(tx, self.min_age)
             ]
             present = await on_broker(self.publisher, [s.service_id for s in loads])
             loads = self.sightings.steady(loads, present, now)
             self.fruitless = {sid: t for sid, t in self.fruitless.items() if t > now}
             loads = [x for x in loads if x.service_id not in self.fruitless]
-            total = sum(x.running for x in loads)
-            moves = plan_moves(loads, max_moves=max(1, math.ceil(total * self.pace)))
+            moves = plan_pools(loads, pace=self.pace)
             recent = self.ledger.recent()
             runs = await repo.kinds_run(tx, [x.service_id for x in loads])
-            handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]] = []  # observer, from, to
+            handoffs: list[repo.Handoff] = []
             for (donor, target), n in Counter(moves).items():
-                # Only observers of kinds the target runs (it would pass the others on).
+                # Only observers the target runs: its pool's, of its kinds (it would pass the
+                # others on).
                 picked = await repo.pick_to_move(
-                    tx, donor, recent=recent, n=n, kinds=runs.get(target)
+                    tx, donor, recent=recent, n=n, runs=runs.get(target, repo.Runs())
                 )
                 recent = [*recent, *picked]
                 handoffs += [(o, donor, target) for o in picked]
             for target in {t for _, t in moves} - {t for _, _, t in handoffs}:
                 self.fruitless[target] = now + FRUITLESS_FOR
-            marked = await repo.record_handoffs(tx, handoffs)
-            handoffs = [h for h in handoffs if h[0] in marked]
-            pending = await repo.add_outbox(
-                tx,
-                [
-                    (Destination.service(d), HandoffMessage(observer_id=o, to=t))
-                    for o, d, t in handoffs
-                ],
-            )
-            await repo.record_events(
-                tx,
-                [o for o, _, _ in handoffs],
-                Event.HANDOFF_REQUESTED,
-                [f"from {d} to {t}" for _, d, t in handoffs],
-            )
+            handoffs, pending = await repo.request_handoffs(tx, handoffs)
             self.ledger.record([(o, t) for o, _, t in handoffs], now)
         if pending:
             log.info("rebalance: moving %d observers", len(pending))

@@ -16,17 +16,20 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from contracts.errors import Conflict, NameTaken, NotFound
+from contracts.kinds import DEFAULT_VERSION
 from contracts.messages import (
     CONTROL_MESSAGE,
     CancelMessage,
     DrainMessage,
+    HandoffMessage,
     Message,
     StartMessage,
     UndrainMessage,
 )
 from contracts.names import name_key
 from contracts.outputs import Committed
-from contracts.routing import BROADCAST, WORK, Destination, Route
+from contracts.pools import DEFAULT_POOL
+from contracts.routing import BROADCAST, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from manager import queries as q
 from manager.store import Row, Tx
@@ -46,8 +49,10 @@ class Pending:
     message: Message
 
 
-def parse(route: str, service_id: uuid.UUID | None, body: dict[str, Any]) -> Pending:
-    to = Destination(Route(route), service_id)
+def parse(
+    route: str, service_id: uuid.UUID | None, body: dict[str, Any], pool: str = DEFAULT_POOL
+) -> Pending:
+    to = Destination(Route(route), service_id, pool)
     message: Message = (
         _START.validate_python(body)
         if to.route in (Route.WORK, Route.ERRORS)
@@ -90,6 +95,7 @@ async def add_outbox(tx: Tx, messages: Sequence[tuple[Destination, Message]]) ->
         q.OUTBOX_ADD,
         routes=[to.route.value for to, _ in messages],
         services=[to.service_id for to, _ in messages],
+        pools=[to.pool for to, _ in messages],
         bodies=[to_json(m.to_json()) for _, m in messages],
     )
     return [Pending(i, to, m) for i, (to, m) in zip(ids, messages, strict=True)]
@@ -102,7 +108,7 @@ async def outbox_due(tx: Tx, *, grace: float, limit: int, skip: list[int]) -> li
     return [
         Pending(r.id, p.to, p.message)
         for r in rows
-        for p in (parse(r.route, r.service_id, r.body),)
+        for p in (parse(r.route, r.service_id, r.body, r.pool),)
     ]
 
 
@@ -134,6 +140,9 @@ class NewObserver:
     kind: str
     params: dict[str, Any]
     restart_policy: dict[str, Any] | None = None
+    pool: str = DEFAULT_POOL
+    #: The version of its kind it is pinned to (None: any).
+    kind_version: str | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -161,11 +170,13 @@ async def create_observers(
         rps=[to_json(n.restart_policy) if n.restart_policy else None for n in new],
         route=Route.WORK.value,
         bodies=[to_json(s.to_json()) for s in starts],
+        pools=[n.pool for n in new],
+        versions=[n.kind_version for n in new],
     )
     made = {r.id: _row(r) for r in rows}
     pending = [
-        Pending(made[s.observer_id].pop("outbox_id"), WORK, s)
-        for s in starts
+        Pending(made[s.observer_id].pop("outbox_id"), Destination.work(n.pool), s)
+        for s, n in zip(starts, new, strict=True)
         if s.observer_id in made
     ]
     skipped = [k for s, k in zip(starts, keys, strict=True) if s.observer_id not in made]
@@ -208,12 +219,14 @@ async def list_observers(
     include_deleted: bool = True,
     limit: int,
     offset: int,
+    pool: str | None = None,
 ) -> list[dict[str, Any]]:
     """A page of observers, oldest first; ``name`` matches any part of the name."""
     rows = await tx.rows(
         q.LIST,
         status=status.value if status else None,
         kind=kind,
+        pool=pool,
         sid=service_id,
         name=_like(name) if name else None,
         with_deleted=include_deleted or status is ObserverStatus.DELETED,
@@ -231,6 +244,7 @@ async def select_for_action(
     kind: str | None,
     name_prefix: str | None,
     limit: int,
+    pool: str | None = None,
 ) -> tuple[list[uuid.UUID], bool]:
     """The ids of the observers (not deleted) that match, oldest first, at most ``limit``; and
     whether more match."""
@@ -239,6 +253,7 @@ async def select_for_action(
         ids=ids,
         status=status.value if status else None,
         kind=kind,
+        pool=pool,
         prefix=_like(name_prefix) if name_prefix else None,
         limit=limit,
     )
@@ -338,7 +353,7 @@ async def _start_anew(
     await tx.rows(how.sql, id=observer_id, d=dispatch_id)
     await record_events(tx, [observer_id], how.event)
     start = StartMessage(observer_id=observer_id, dispatch_id=dispatch_id)
-    pending = await add_outbox(tx, [(WORK, start)])
+    pending = await add_outbox(tx, [(Destination.work(row.pool), start)])
     return await get_observer(tx, observer_id), pending
 
 
@@ -459,64 +474,137 @@ async def new_dispatches(tx: Tx, ids: list[uuid.UUID], why: str) -> list[StartMe
     return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
 
 
-async def kinds_of(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
-    """The kind of each of these observers."""
-    return {r.id: r.kind for r in await tx.rows(q.KINDS_OF, ids=ids)} if ids else {}
+@dataclass(frozen=True)
+class Needs:
+    """Where an observer may run: services of its pool that run its kind, in the version it is
+    pinned to (``version``, None: any)."""
+
+    pool: str
+    kind: str
+    version: str | None = None
 
 
-#: The kinds a service runs; None for a service of an earlier release (which ran every kind).
-Runs = frozenset[str] | None
+async def needs_of(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Needs]:
+    """The pool, kind and pinned version of each of these observers."""
+    rows = await tx.rows(q.NEEDS_OF, ids=ids) if ids else []
+    return {r.id: Needs(r.pool, r.kind, r.kind_version) for r in rows}
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What a service runs: observers of its pool, of the kinds it advertised, each with its
+    version (None: a service of an earlier release, which runs every kind but no observer
+    pinned to a version: it cannot tell them)."""
+
+    pool: str = DEFAULT_POOL
+    kinds: dict[str, str] | None = None
+
+    def can(self, needs: Needs) -> bool:
+        if self.pool != needs.pool:
+            return False
+        if self.kinds is None:
+            return needs.version is None
+        return needs.kind in self.kinds and needs.version in (None, self.kinds[needs.kind])
+
+    @classmethod
+    def of(cls, pool: str, adverts: dict[str, Any] | None) -> Runs:
+        """From a service's row: its pool and its advertised kinds (``services.kinds``)."""
+        if adverts is None:
+            return cls(pool, None)
+        return cls(pool, {name: advert_version(a) for name, a in adverts.items()})
+
+
+def advert_version(advert: Any) -> str:
+    """The version a kind's advert names (an advert from before versions: the default)."""
+    version = advert.get("version") if isinstance(advert, dict) else None
+    return str(version) if version else DEFAULT_VERSION
 
 
 async def kinds_run(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Runs]:
-    """The kinds each of these services advertised."""
+    """The pool of each of these services and the kinds it advertised."""
     rows = await tx.rows(q.KINDS_RUN, ids=ids) if ids else []
-    return {r.id: None if r.kinds is None else frozenset(r.kinds) for r in rows}
+    return {r.id: Runs.of(r.pool, r.kinds) for r in rows}
 
 
-async def live_kinds(tx: Tx) -> list[Runs]:
-    """The kinds of each live service that takes work."""
-    return [None if r.kinds is None else frozenset(r.kinds) for r in await tx.rows(q.LIVE_KINDS)]
+@dataclass(frozen=True)
+class Advert:
+    """What one pool's services advertised of one version of one kind: the newest advert, a live
+    one first."""
+
+    pool: str
+    kind: str
+    advert: dict[str, Any]
+    live: bool
+    created_at: datetime
+
+    @property
+    def version(self) -> str:
+        return advert_version(self.advert)
 
 
-async def adverts(tx: Tx) -> dict[str, dict[str, Any]]:
-    """Of each kind any service advertised, the advert of the newest that runs it (a live
-    one first)."""
-    return {r.name: r.advert for r in await tx.rows(q.ADVERTS)}
+async def adverts(tx: Tx) -> list[Advert]:
+    """Of each kind each pool's services ever advertised (while their rows are kept), the
+    advert of the newest service that runs it (a live one first)."""
+    return [
+        Advert(r.pool, r.name, r.advert, r.live, r.created_at) for r in await tx.rows(q.ADVERTS)
+    ]
 
 
-async def live_adverts(tx: Tx) -> list[tuple[str, dict[str, Any] | None]]:
-    """What each live service advertised of its kinds, by service name (None: an earlier
-    release, which runs every kind)."""
-    return [(r.name, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
+async def pools(tx: Tx) -> dict[str, bool]:
+    """Every pool a service joined (while its row is kept): whether one of its services runs
+    every kind (an earlier release)."""
+    return {r.pool: bool(r.every) for r in await tx.rows(q.POOLS)}
 
 
-def _kinds_of_all(runs: Collection[Runs]) -> tuple[bool, list[str]]:
-    """Whether one of ``runs`` runs every kind (an earlier release), and the kinds the others
-    run."""
-    return any(r is None for r in runs), sorted({k for r in runs if r is not None for k in r})
+async def live_adverts(tx: Tx) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """What each live service advertised of its kinds, by service name and pool (None: an
+    earlier release, which runs every kind)."""
+    return [(r.name, r.pool, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    services: int
+    slots: int
+    running: int
+
+
+async def pool_loads(tx: Tx) -> tuple[dict[str, PoolLoad], dict[str, int]]:
+    """Each pool's live services, slots and what they run; and its live observers nobody
+    holds."""
+    loads = {
+        r.pool: PoolLoad(int(r.services), int(r.slots), int(r.running))
+        for r in await tx.rows(q.POOL_LOADS)
+    }
+    return loads, {r.pool: int(r.n) for r in await tx.rows(q.UNHELD_BY_POOL)}
 
 
 async def any_waiting(tx: Tx) -> bool:
-    """Whether some live observer nobody holds waits for a service that runs its kind."""
+    """Whether some live observer nobody holds waits for a service able to run it."""
     return bool(await tx.value(q.ANY_WAITING))
 
 
 async def waiting(tx: Tx, runs: Collection[Runs]) -> list[uuid.UUID]:
-    """Live observers nobody holds that wait for a service that runs their kind, of the kinds
-    some of ``runs`` (the kinds of services with room) run; locked."""
-    every, kinds = _kinds_of_all(runs)
-    if not every and not kinds:
+    """Live observers nobody holds that wait for a service able to run them, of the pools and
+    kinds some of ``runs`` (what services with room run) run; locked."""
+    able = sorted(
+        {(r.pool, None, None) for r in runs if r.kinds is None}
+        | {(r.pool, k, v) for r in runs if r.kinds is not None for k, v in r.kinds.items()},
+        key=lambda p: (p[0], p[1] or "", p[2] or ""),
+    )
+    if not able:
         return []
-    return await tx.values(q.WAITING, every=every, kinds=kinds)
+    return await tx.values(
+        q.WAITING,
+        pools=[p for p, _, _ in able],
+        kinds=[k for _, k, _ in able],
+        versions=[v for _, _, v in able],
+    )
 
 
-async def unexplained(tx: Tx, live: Collection[Runs]) -> dict[uuid.UUID, str]:
-    """Why each waiting observer waits, where its row does not say so yet (``live``: the kinds
-    of the live services); locked."""
-    every, kinds = _kinds_of_all(live)
-    rows = await tx.rows(q.UNEXPLAINED, all_live=every, live=kinds)
-    return {r.id: r.why for r in rows}
+async def unexplained(tx: Tx) -> dict[uuid.UUID, str]:
+    """Why each waiting observer waits, where its row does not say so yet; locked."""
+    return {r.id: r.why for r in await tx.rows(q.UNEXPLAINED)}
 
 
 async def set_waiting(tx: Tx, why: dict[uuid.UUID, str]) -> None:
@@ -538,14 +626,16 @@ async def free_slots(tx: Tx, margin: float) -> dict[uuid.UUID, int]:
 
 
 # ----------------------------------------------------------------------- leader: the audit
-async def taken_lately(tx: Tx, grace: float) -> bool:
-    """Whether some observer was taken in the last ``grace`` seconds."""
-    return bool(await tx.value(q.TAKEN_LATELY, g=grace))
+async def idle_pools(tx: Tx, grace: float) -> list[str]:
+    """The pools of live services, and the default pool, where nothing was taken in the last
+    ``grace`` seconds."""
+    return await tx.values(q.IDLE_POOLS, g=grace)
 
 
-async def unheld_stuck(tx: Tx, grace: float) -> list[uuid.UUID]:
-    """Live observers nobody holds, dispatched more than ``grace`` seconds ago."""
-    return await tx.values(q.UNHELD_STUCK, g=grace)
+async def unheld_stuck(tx: Tx, grace: float, pools: list[str]) -> dict[uuid.UUID, str]:
+    """Live observers of ``pools`` nobody holds, dispatched more than ``grace`` seconds ago:
+    their pools."""
+    return {r.id: r.pool for r in await tx.rows(q.UNHELD_STUCK, g=grace, pools=pools)}
 
 
 # ------------------------------------------------------------------- leader: the rebalance
@@ -556,38 +646,123 @@ async def where_moved(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
 
 async def loads(tx: Tx, min_age: float) -> list[Row]:
     """Services taking work, at least ``min_age`` seconds old and as long back from a lost
-    lease, not stalled: id, worker_count, running."""
+    lease, not stalled: id, pool, worker_count, running."""
     return await tx.rows(q.LOADS, age=min_age)
 
 
 async def pick_to_move(
-    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int, kinds: Runs = None
+    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int, runs: Runs
 ) -> list[uuid.UUID]:
-    """Up to ``n`` observers running on ``donor``, none of ``recent``, each of one of ``kinds``
-    (those the move's target runs; None: any)."""
-    wanted = None if kinds is None else sorted(kinds)
-    return await tx.values(q.PICK_TO_MOVE, s=donor, recent=recent, n=n, kinds=wanted)
-
-
-async def record_handoffs(
-    tx: Tx, handoffs: list[tuple[uuid.UUID, uuid.UUID, uuid.UUID]]
-) -> set[uuid.UUID]:
-    """Mark each (observer, from, to) move on its row (``observers.handoff_to``), which is what
-    the holder checks before it hands over; the observers still running on their donor."""
-    if not handoffs:
-        return set()
-    ids = await tx.values(
-        q.RECORD_HANDOFFS,
-        ids=[o for o, _, _ in handoffs],
-        froms=[d for _, d, _ in handoffs],
-        tos=[t for _, _, t in handoffs],
+    """Up to ``n`` observers running on ``donor``, none of ``recent``, each one the move's
+    target ``runs`` (its pool, its kinds)."""
+    kinds = None if runs.kinds is None else sorted(runs.kinds)
+    versions = None if runs.kinds is None else [runs.kinds[k] for k in sorted(runs.kinds)]
+    return await tx.values(
+        q.PICK_TO_MOVE,
+        s=donor,
+        recent=recent,
+        n=n,
+        kinds=kinds,
+        versions=versions,
+        pool=runs.pool,
     )
-    return set(ids)
+
+
+#: A move the leader asks for: (observer, from service, to service).
+Handoff = tuple[uuid.UUID, uuid.UUID, uuid.UUID]
+
+
+async def request_handoffs(
+    tx: Tx, handoffs: list[Handoff], why: str = ""
+) -> tuple[list[Handoff], list[Pending]]:
+    """Ask each holder to hand its observer to the target: the move recorded on the row
+    (``observers.handoff_to``, what the holder checks before it hands over), its handoff
+    message, and a history event (``why`` before its detail). Only observers still running on
+    their donor are asked for: those handoffs, and their outbox records."""
+    if not handoffs:
+        return [], []
+    marked = set(
+        await tx.values(
+            q.RECORD_HANDOFFS,
+            ids=[o for o, _, _ in handoffs],
+            froms=[d for _, d, _ in handoffs],
+            tos=[t for _, _, t in handoffs],
+        )
+    )
+    handoffs = [h for h in handoffs if h[0] in marked]
+    pending = await add_outbox(
+        tx,
+        [(Destination.service(d), HandoffMessage(observer_id=o, to=t)) for o, d, t in handoffs],
+    )
+    await record_events(
+        tx,
+        [o for o, _, _ in handoffs],
+        Event.HANDOFF_REQUESTED,
+        [f"{why}from {d} to {t}" for _, d, t in handoffs],
+    )
+    return handoffs, pending
 
 
 async def clear_handoffs(tx: Tx, ids: list[uuid.UUID]) -> None:
     """Forget the recorded moves of these observers (their handoffs did not land in time)."""
     await tx.rows(q.CLEAR_HANDOFFS, ids=ids)
+
+
+# ------------------------------------------------------------------------------------ moves
+@dataclass(frozen=True)
+class MoveTo:
+    """Where a move sends observers: a pool (None: their own) and a version of their kind to
+    pin them to (None: as they are; ``unpin``: none)."""
+
+    pool: str | None = None
+    version: str | None = None
+    unpin: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"pool {self.pool!r}"] if self.pool else []
+        if self.unpin:
+            parts.append("any version")
+        elif self.version:
+            parts.append(f"version {self.version!r}")
+        return "to " + ", ".join(parts)
+
+
+async def move_targets(tx: Tx, ids: list[uuid.UUID], to: MoveTo) -> list[Needs]:
+    """What the move would ask of the services of each target pool: each kind (and version)."""
+    rows = await tx.rows(q.MOVE_TARGETS, ids=ids, pool=to.pool, version=to.version, unpin=to.unpin)
+    return [Needs(r.pool, r.kind, r.version) for r in rows]
+
+
+async def move_observers(
+    tx: Tx, ids: list[uuid.UUID], to: MoveTo
+) -> tuple[list[Row], list[Pending]]:
+    """Move these observers (those not deleted, and not already there): their row says where
+    they run now, their history says so, and those nobody holds are dispatched anew, to their
+    new pool's queue. Those running are left to the leader's mover, which hands each over to
+    a service that can run it there (``manager/moves.py``), at its pace; paused and failed
+    ones start there when resumed or restarted."""
+    rows = await tx.rows(q.MOVE, ids=ids, pool=to.pool, version=to.version, unpin=to.unpin)
+    await record_events(tx, [r.id for r in rows], Event.MOVE_REQUESTED, str(to))
+    pool = {r.id: r.pool for r in rows}
+    unheld = [
+        r.id
+        for r in rows
+        if r.service_id is None and r.status in (ObserverStatus.CREATED, ObserverStatus.PROCESSING)
+    ]
+    starts = await new_dispatches(tx, unheld, "moved")
+    pending = await add_outbox(tx, [(Destination.work(pool[s.observer_id]), s) for s in starts])
+    return rows, pending
+
+
+async def moving(tx: Tx, limit: int) -> list[Row]:
+    """Observers asked to move that the mover has not seen where they may run yet."""
+    return await tx.rows(q.MOVING, n=limit)
+
+
+async def moved(tx: Tx, ids: list[uuid.UUID]) -> None:
+    """These need the mover no more (they run where they may, or nothing runs them)."""
+    if ids:
+        await tx.rows(q.MOVED, ids=ids)
 
 
 # ---------------------------------------------------------------------- leader: retention

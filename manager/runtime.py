@@ -10,16 +10,19 @@ import logging
 import math
 import time
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.clock import Clock
-from contracts.errors import NameTaken, Transient
+from contracts.errors import NameTaken, Transient, UnknownKind
 from contracts.kinds import KindSpec, get_kind, load_kinds
+from contracts.pools import DEFAULT_POOL
 from manager import background
 from manager import repository as repo
 from manager.intake import GroupCommit
 from manager.leader import Leadership, Loop
 from manager.metrics import ManagerMetrics
+from manager.moves import Mover
 from manager.outbox import Outbox, Pending
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
@@ -28,10 +31,19 @@ from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two reads of the kinds' adverts; and how fresh a read must be for a create
-#: of a kind not found in it to be refused without reading again.
+#: Seconds between two reads of the kinds' adverts (a create that names a kind, pool or version
+#: not found reads them again at once: a service that joined a moment ago counts).
 ADVERTS_EVERY = 5.0
-ADVERTS_FRESH = 1.0
+
+
+@dataclass
+class Offer:
+    """The kinds one pool's services advertised, each with its versions; ``every``: one of
+    them is of a release before adverts, and runs every kind (in no version that a create may
+    pin)."""
+
+    every: bool = False
+    kinds: dict[str, set[str]] = field(default_factory=dict)
 
 
 class ManagerRuntime:
@@ -49,7 +61,13 @@ class ManagerRuntime:
         #: Kinds this manager has no code for, as services advertise them (``read_adverts``):
         #: creates of them are checked against the advertised schema, their secrets masked.
         self.advertised: dict[str, KindSpec] = {}
+        #: Each advertised version of each kind, known from the adverts alone.
+        self.versions: dict[tuple[str, str], KindSpec] = {}
+        #: What each pool's services advertised: a create names one of its pool's kinds.
+        self.offered: dict[str, Offer] = {}
+        #: When the last read of the adverts began (monotonic).
         self._adverts_read = -math.inf
+        self._reading_adverts = asyncio.Lock()
         self.store = ManagerStore(settings)
         self.publisher = Publisher(settings, died=self._died)
         self.outbox = Outbox(self.store, self.publisher)
@@ -74,32 +92,92 @@ class ManagerRuntime:
     def all_kinds(self) -> dict[str, KindSpec]:
         return {**self.advertised, **self.kinds}
 
-    async def kind(self, name: str) -> KindSpec:
-        """The kind a create names; the adverts are read again (at most once a second) for a
-        kind not known yet. Raises UnknownKind, naming the kinds there are."""
-        spec = self.kind_spec(name)
-        if spec is None and time.monotonic() - self._adverts_read > ADVERTS_FRESH:
-            await self.read_adverts()
-            spec = self.kind_spec(name)
+    def _offers(self, pool: str) -> Offer:
+        """What a create in ``pool`` may name: what its services advertised, and in the default
+        pool this manager's own kinds too."""
+        offer = self.offered.get(pool, Offer())
+        if pool != DEFAULT_POOL:
+            return offer
+        kinds = {name: set(versions) for name, versions in offer.kinds.items()}
+        for name, spec in self.kinds.items():
+            kinds.setdefault(name, set()).add(spec.version)
+        return Offer(offer.every, kinds)
+
+    def _offered(self, name: str, pool: str, version: str | None) -> KindSpec | None:
+        """The kind if ``pool`` offers it (in ``version``, if named)."""
+        offer = self._offers(pool)
+        if version is None:
+            return self.kind_spec(name) if offer.every or name in offer.kinds else None
+        if version not in offer.kinds.get(name, ()):
+            return None
+        own = self.kinds.get(name)
+        return (
+            own
+            if own is not None and own.version == version
+            else self.versions.get((name, version))
+        )
+
+    async def kind(
+        self, name: str, pool: str = DEFAULT_POOL, version: str | None = None
+    ) -> KindSpec:
+        """The kind a create names, among those its pool offers (in the version it pins, if
+        any); the adverts are read again for one not found (one read for the misses that
+        come together). Raises UnknownKind, naming what the pool offers (never the name asked
+        for)."""
+        spec = self._offered(name, pool, version)
         if spec is None:
+            await self._adverts_since(time.monotonic())
+            spec = self._offered(name, pool, version)
+        if spec is not None:
+            return spec
+        offer = self._offers(pool)
+        if pool == DEFAULT_POOL and self.kind_spec(name) is None:
             return get_kind(self.all_kinds(), name)
-        return spec
+        if pool not in self.offered and pool != DEFAULT_POOL:
+            known = ", ".join(sorted({*self.offered, DEFAULT_POOL}))
+            raise UnknownKind(f"no service has joined pool {pool!r}; pools: {known}")
+        if name in offer.kinds:
+            there = ", ".join(sorted(offer.kinds[name]))
+            raise UnknownKind(
+                f"pool {pool!r} has no such version of kind {name!r}; it has: {there}"
+            )
+        offers = ", ".join(sorted(offer.kinds)) or "none"
+        raise UnknownKind(f"pool {pool!r} offers no kind of that name; it offers: {offers}")
+
+    async def _adverts_since(self, since: float) -> None:
+        """The adverts as they were at ``since`` or later: read again, unless a read that
+        began since then has ended meanwhile (creates that miss at once share one read)."""
+        async with self._reading_adverts:
+            if self._adverts_read < since:
+                await self.read_adverts()
 
     async def read_adverts(self) -> None:
-        """What the services advertised of the kinds this manager has no code for: of each
-        kind, the advert of the newest service that runs it (a live one first)."""
+        """What the services advertised of their kinds: for those this manager has no code
+        for, of each kind the advert of the newest service that runs it (a live one first),
+        and of each version of each kind; and what each pool offers."""
+        began = time.monotonic()
         async with self.store.autocommit() as tx:
             adverts = await repo.adverts(tx)
+            pools = await repo.pools(tx)
         advertised: dict[str, KindSpec] = {}
-        for name, advert in adverts.items():
-            if name in self.kinds:
+        versions: dict[tuple[str, str], KindSpec] = {}
+        offered = {pool: Offer(every) for pool, every in pools.items()}
+        for a in sorted(adverts, key=lambda a: (a.live, a.created_at), reverse=True):
+            offered.setdefault(a.pool, Offer()).kinds.setdefault(a.kind, set()).add(a.version)
+            if (a.kind, a.version) in versions:
                 continue
             try:
-                advertised[name] = KindSpec.from_advert(name, advert)
+                spec = KindSpec.from_advert(a.kind, a.advert)
             except (ValueError, TypeError, AttributeError) as exc:  # a later or broken advert
-                log.warning("kind %r: its advert cannot be read here, left out: %s", name, exc)
+                log.warning("kind %r: its advert cannot be read here, left out: %s", a.kind, exc)
+                continue
+            versions[(a.kind, a.version)] = spec
+            if a.kind not in self.kinds:
+                advertised.setdefault(a.kind, spec)
         self.advertised = advertised
-        self._adverts_read = time.monotonic()
+        self.versions = versions
+        self.offered = offered
+        self._adverts_read = began
 
     async def _create_rows(
         self, new: Sequence[repo.NewObserver]
@@ -135,6 +213,17 @@ class ManagerRuntime:
             ),
             "audit": background.every(s.audit_interval, audit.once, "audit"),
         }
+        mover = Mover(
+            self.store,
+            self.outbox,
+            self.publisher,
+            margin,
+            metrics=self.metrics,
+            in_flight=s.move_in_flight,
+            # As a rebalance's: longer than the leader's own recovery of a lost start.
+            landing=2 * s.lease_ttl,
+        )
+        loops["mover"] = background.every(s.move_interval, mover.once, "mover")
         pruner = background.Pruner(
             self.store,
             keep=s.retention,

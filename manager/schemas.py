@@ -17,8 +17,9 @@ from pydantic import (
 )
 
 from contracts import names
-from contracts.kinds import RestartPolicy
+from contracts.kinds import VERSION_PATTERN, RestartPolicy
 from contracts.names import REFUSED_CLASS
+from contracts.pools import DEFAULT_POOL, POOL_PATTERN
 from contracts.statuses import ObserverStatus
 from manager.problems import Problem
 
@@ -97,12 +98,36 @@ KindName = Annotated[
     SafeText, Field(min_length=1, max_length=100, description="a registered observer kind")
 ]
 
+PoolName = Annotated[
+    str,
+    Field(
+        pattern=POOL_PATTERN,
+        description="a pool: 1 to 63 lowercase letters, digits, '-' or '_'",
+        examples=["default", "eu"],
+    ),
+]
+
+KindVersion = Annotated[
+    str,
+    Field(pattern=VERSION_PATTERN, description="a version of a kind, as its services advertise"),
+]
+
 
 class ObserverCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Name
     kind: KindName
+    pool: PoolName = Field(
+        default=DEFAULT_POOL,
+        description="the pool it runs in: only services of that pool run it (one of them must "
+        "have advertised the kind)",
+    )
+    version: KindVersion | None = Field(
+        default=None,
+        description="pin it to this version of its kind: only services that have that version "
+        "run it (null: any version)",
+    )
     params: Annotated[dict[str, Any], AfterValidator(clean_params)] = Field(
         default_factory=dict, description="validated by the kind"
     )
@@ -150,8 +175,13 @@ class ObserverOut(BaseModel):
     )
     waiting: str | None = Field(
         default=None,
-        description="why nobody runs it while it waits for a service able to (a service "
-        "without its kind passed it on; it starts when one that runs the kind has room)",
+        description="why nobody runs it while it waits for a service able to (no live "
+        "service of its pool runs its kind, or one without its kind passed it on; it starts "
+        "when a service of its pool that runs the kind has room)",
+    )
+    pool: str = Field(default=DEFAULT_POOL, description="the pool it runs in")
+    kind_version: str | None = Field(
+        default=None, description="the version of its kind it is pinned to (null: any)"
     )
 
 
@@ -184,6 +214,7 @@ class ServiceOut(BaseModel):
     lease_expires_at: datetime
     is_deleted: bool
     draining: bool
+    pool: str = Field(default=DEFAULT_POOL, description="the pool it joined")
     kinds: list[str] | None = Field(
         default=None,
         description="the kinds it runs, as it advertised them (null: a service of an earlier "
@@ -199,6 +230,30 @@ class KindOut(BaseModel):
     services: list[str] = Field(
         default_factory=list,
         description="the live services that run it (its observers wait while there is none)",
+    )
+    pools: list[str] = Field(
+        default_factory=list, description="the pools of the live services that run it"
+    )
+    version: str = Field(
+        default="1", description="its version here (this manager's code, or the newest advert)"
+    )
+    versions: list[str] = Field(
+        default_factory=list, description="the versions the live services that run it have"
+    )
+
+
+class PoolOut(BaseModel):
+    name: str
+    services: int = Field(description="its live services")
+    slots: int = Field(description="the worker_count of its live services taking work")
+    running: int = Field(description="the observers its live services hold")
+    unheld: int = Field(
+        description="its live observers nobody holds: queued for a free slot, or waiting for "
+        "a service able to run them"
+    )
+    kinds: list[str] | None = Field(
+        description="the kinds its live services run (null: one of them is of an earlier "
+        "release and runs every kind)"
     )
 
 
@@ -245,12 +300,14 @@ class ObserverSelector(BaseModel):
     ids: list[uuid.UUID] | None = Field(default=None, min_length=1, max_length=MAX_ACTION)
     status: ObserverStatus | None = None
     kind: SafeText | None = Field(default=None, min_length=1, max_length=200)
+    pool: PoolName | None = Field(default=None, description="only observers of this pool")
     name_prefix: SafeText | None = Field(default=None, min_length=1, max_length=200)
 
     @model_validator(mode="after")
     def _names_something(self) -> ObserverSelector:
-        if self.ids is None and self.status is None and self.kind is None and not self.name_prefix:
-            raise ValueError("name the observers to act on: ids, status, kind or name_prefix")
+        named = (self.ids, self.status, self.kind, self.pool, self.name_prefix)
+        if all(v is None for v in named):
+            raise ValueError("name the observers to act on: ids, status, kind, pool or name_prefix")
         return self
 
 
@@ -262,6 +319,45 @@ class ObserverAction(BaseModel):
     limit: int = Field(
         default=1000, ge=1, le=MAX_ACTION, description="act on at most this many, oldest first"
     )
+
+
+class ObserverMove(BaseModel):
+    """Move observers to another pool, or pin them to a version of their kind (or unpin them):
+    each running one is handed over gracefully, resumed from its checkpoint where it now
+    belongs; moving them back is a rollback."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    selector: ObserverSelector
+    percent: float = Field(
+        default=100,
+        gt=0,
+        le=100,
+        description="move this share of the observers selected (the oldest first, rounded up)",
+    )
+    to_pool: PoolName | None = Field(default=None, description="the pool they move to")
+    to_version: KindVersion | None = Field(
+        default=None, description="pin them to this version of their kind"
+    )
+    any_version: bool = Field(default=False, description="unpin them: any version runs them")
+    limit: int = Field(
+        default=1000, ge=1, le=MAX_ACTION, description="select at most this many, oldest first"
+    )
+
+    @model_validator(mode="after")
+    def _names_a_target(self) -> ObserverMove:
+        if self.to_pool is None and self.to_version is None and not self.any_version:
+            raise ValueError("name where they move: to_pool, to_version or any_version")
+        if self.to_version is not None and self.any_version:
+            raise ValueError("to_version pins them, any_version unpins them: give one")
+        return self
+
+
+class ObserverMoveOut(BaseModel):
+    matched: int = Field(description="observers the selector took (at most the limit)")
+    moved: int = Field(description="those the move changed (the others were there already)")
+    more: bool = Field(description="more observers match than the limit took")
+    ids: list[uuid.UUID] = Field(description="the observers moved, oldest first")
 
 
 class ActionItemOut(BaseModel):

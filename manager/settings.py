@@ -75,6 +75,12 @@ class ManagerSettings(CommonSettings):
     rebalance_min_age: float = Field(default=10.0, ge=0)
     #: An observer moved by a rebalance is not moved again within this many seconds.
     rebalance_cooldown: float = Field(default=600.0, ge=0)
+    #: How often the leader hands over running observers that were moved (``POST
+    #: /observers/move``) and cannot run where they are, seconds.
+    move_interval: float = Field(default=0.5, gt=0)
+    #: Moved observers in motion at once, at most: a move of thousands is handed over at this
+    #: pace, each from its checkpoint.
+    move_in_flight: int = Field(default=100, ge=1, le=100_000)
     #: Deleted observers (and their history) are kept this long, seconds (default 7 days).
     retention: float = Field(default=7 * 86_400, ge=60)
     #: Dead service rows are kept this long, seconds (default a day).

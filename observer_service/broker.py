@@ -36,6 +36,7 @@ from contracts.amqp import connect_first
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import CancelMessage, StartMessage
 from contracts.outputs import Committed
+from contracts.pools import DEFAULT_POOL
 from contracts.routing import BROADCAST, ERRORS, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import (
@@ -83,9 +84,11 @@ class AmqpDelivery(Settling):
 
 
 class AmqpSession:
-    def __init__(self, settings: CommonSettings) -> None:
+    def __init__(self, settings: CommonSettings, pool: str = DEFAULT_POOL) -> None:
         self.settings = settings
         self.topology: Topology = settings.topology
+        #: The service's pool: the work queue it consumes, where the starts it lets go go.
+        self.pool = pool
         self.generation = next(_generations)
         self.closed = asyncio.Event()
         self.close_reason = ""
@@ -155,6 +158,7 @@ class AmqpSession:
                 version=self.version,
                 queue_type=self.settings.queue_type,
                 consumer_timeout_ms=self.settings.consumer_timeout_ms,
+                pool=self.pool,
             )
             # Confirms and returns: a directed start to a queue that does not exist (yet, or any
             # more) must come back to us rather than vanish.
@@ -184,7 +188,7 @@ class AmqpSession:
                 self._work_tag = await queue.consume(start_message)
 
     async def send_start(self, start: StartMessage, on: uuid.UUID | None = None) -> None:
-        await self._live_sender().send_start(start, on)
+        await self._live_sender().send_start(start, on, pool=self.pool)
 
     async def send_error(self, start: StartMessage) -> None:
         await self._live_sender().publish(ERRORS, start)
@@ -249,13 +253,14 @@ class AmqpSession:
 
 
 class AmqpBroker:
-    def __init__(self, settings: CommonSettings) -> None:
+    def __init__(self, settings: CommonSettings, pool: str = DEFAULT_POOL) -> None:
         self.settings = settings
+        self.pool = pool
         #: The node of the last session: a session opens after the one before it was lost.
         self._last: str | None = None
 
     async def open(self, spec: SessionSpec) -> AmqpSession:
-        session = AmqpSession(self.settings)
+        session = AmqpSession(self.settings, self.pool)
         try:
             await session.open(spec, lost=self._last)
         except BaseException:

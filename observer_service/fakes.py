@@ -20,6 +20,7 @@ from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.outputs import Committed, Output
+from contracts.pools import DEFAULT_POOL
 from contracts.statuses import HELD, LIVE, STOPPED, ObserverStatus
 from observer_service.ports import (
     LOCKED,
@@ -75,6 +76,8 @@ class Row:
     name: str = "fake"
     #: Why nobody runs it (``observers.waiting``): cleared by every take.
     waiting: str | None = None
+    pool: str = DEFAULT_POOL
+    kind_version: str | None = None
 
     @property
     def start(self) -> StartMessage:
@@ -162,6 +165,8 @@ class InMemoryStore:
                 params=row.params,
                 checkpoint=row.checkpoint,
                 restart_policy=row.restart_policy,
+                pool=row.pool,
+                kind_version=row.kind_version,
             )
         return out
 
@@ -169,11 +174,23 @@ class InMemoryStore:
         """The row, if it is still as ``seen`` (and a live holder taken from still names the
         lock key seen): what the compare-and-set's WHERE asks of it."""
         row = self.rows.get(seen.observer_id)
-        if row is None or (row.epoch, row.dispatch_id, row.status, row.service_id) != (
+        if row is None:
+            return None
+        as_now = (
+            row.epoch,
+            row.dispatch_id,
+            row.status,
+            row.service_id,
+            row.pool,
+            row.kind_version,
+        )
+        if as_now != (
             seen.epoch,
             seen.dispatch_id,
             seen.status,
             seen.holder,
+            seen.pool,
+            seen.kind_version,
         ):
             return None
         if seen.holder_live and seen.holder not in (None, self.me):

@@ -26,6 +26,7 @@ from contracts.kinds import KindSpec, RestartPolicy, secret_values
 from contracts.logs import observer_log
 from contracts.masking import mask
 from contracts.messages import StartMessage
+from contracts.pools import DEFAULT_POOL
 from contracts.witness import Witness
 from observer_service.admission import Admission, Slot
 from observer_service.context import ObserverContext
@@ -84,6 +85,7 @@ class Intake:
         me: uuid.UUID,
         name: str,
         kinds: dict[str, KindSpec],
+        pool: str = DEFAULT_POOL,
         store: Store,
         lease: LeaseKeeper,
         admission: Admission,
@@ -98,6 +100,9 @@ class Intake:
         self.me = me
         self.name = name
         self.kinds = kinds
+        #: Each kind installed here, with its version (what the take rule checks).
+        self.versions = {name: spec.version for name, spec in kinds.items()}
+        self.pool = pool
         self.store = store
         self.lease = lease
         self.admission = admission
@@ -249,10 +254,20 @@ class Intake:
         return taken
 
     async def _pass_on(self, start: StartMessage, result: TakeResult) -> bool:
-        """Leave an observer whose kind is not installed here to the leader, which sends it to a
-        service that runs the kind: False when that could not be written (the start is then
-        requeued, after a pause, for whoever takes it next)."""
-        why = f"kind {result.kind!r} is not installed on service {self.name}"
+        """Leave an observer of another pool, or whose kind is not installed here, to the
+        leader, which sends it to a service of its pool that runs the kind: False when that
+        could not be written (the start is then requeued, after a pause, for whoever takes it
+        next)."""
+        here = self.versions.get(result.kind or "")
+        if result.pool not in (None, self.pool):
+            why = f"it runs in pool {result.pool!r}; service {self.name} is in pool {self.pool!r}"
+        elif here is not None and result.kind_version not in (None, here):
+            why = (
+                f"it is pinned to version {result.kind_version!r} of kind {result.kind!r}; "
+                f"service {self.name} has version {here!r}"
+            )
+        else:
+            why = f"kind {result.kind!r} is not installed on service {self.name}"
         try:
             await self.store.pass_on(start.observer_id, start.dispatch_id, why)
         except Transient as exc:
@@ -270,7 +285,9 @@ class Intake:
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
         self.metrics.take_batch.observe(len(requests))
-        return await take_many(self.store, requests, self.departed, kinds=self.kinds)
+        return await take_many(
+            self.store, requests, self.departed, kinds=self.versions, pool=self.pool
+        )
 
     async def _holder_gone(self, result: TakeResult) -> bool:
         """Whether the holder, whose database session has ended, is off the broker too. One

@@ -97,6 +97,7 @@ async def serve(
         version=__version__,
         connect_timeout=max(1.0, timings.ttl / 2),
         kinds={name: spec.advert() for name, spec in kinds.items()},
+        pool=settings.pool,
     )
     service = ObserverService(
         service_id=service_id,
@@ -107,10 +108,11 @@ async def serve(
             check_every=settings.check_every,
             loop_stall=settings.loop_stall,
             broker_advice=settings.broker_advice,
+            pool=settings.pool,
         ),
         kinds=kinds,
         store=PgStore(pool, service_id),
-        broker=AmqpBroker(settings),
+        broker=AmqpBroker(settings, settings.pool),
         lease_database=lease_database,
         timings=timings,
         clock=clock,

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol
 from contracts.kinds import RestartPolicy
 from contracts.messages import StartMessage
 from contracts.outputs import Committed
+from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from observer_service.take import Decision
 
@@ -86,8 +87,11 @@ class TakeResult:
     holder_key: int | None = None
     #: For WAIT: seconds until the holder's lease expires.
     holder_remaining: float = 0.0
-    #: The observer's kind, as the facts read saw it (None: no such observer, or taken).
+    #: The observer's kind, pool and pinned version, as the facts read saw them (None: no such
+    #: observer, or taken; or, for the version, not pinned).
     kind: str | None = None
+    pool: str | None = None
+    kind_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,9 @@ class Seen:
     params: dict[str, Any]
     checkpoint: Any
     restart_policy: dict[str, Any] | None
+    pool: str = DEFAULT_POOL
+    #: The version of its kind it is pinned to (None: any).
+    kind_version: str | None = None
 
 
 @dataclass(frozen=True)

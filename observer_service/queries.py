@@ -92,7 +92,7 @@ def event(e: Event) -> str:
 # never comes back: every session takes a new key, so the proof stays true afterwards.
 FACTS = f"""
 SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.params,
-       o.checkpoint, o.restart_policy,
+       o.checkpoint, o.restart_policy, o.pool, o.kind_version,
        COALESCE({live_service("s")}, false) AS holder_live,
        CASE WHEN s.id <> $2 AND {live_service("s")}
             THEN s.stalled_since IS NULL AND pg_try_advisory_xact_lock(s.lock_key)
@@ -104,15 +104,17 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
 """
 
 # $1 ids, $2 me, $3 what was seen of each row: {"<id>": {"epoch", "dispatch_id", "status",
-# "holder", "detail", "holder_key"}}, holder_key being the live holder's lock key found free
-# (null unless taking from a live holder); looked up per row by key, like the batch writes
-# below, so that the plan reads the batch's rows by primary key and never joins. The
-# compare-and-set stands in for a row lock (the epoch is the row's version). A take from a live
-# holder also holds only while the holder's row names the key found free: the FOR SHARE lock
-# orders it with the holder's renewal on a new session (which publishes a new key), so either
-# the take lands first and that holder's next look at its rows sees it, or the key has changed
-# and the take does not land. That lock, like the observer rows, is taken SKIP LOCKED: a take
-# never waits (nor makes the sweeper wait behind it); a row it skipped is LOCKED.
+# "holder", "detail", "holder_key", "pool", "kind_version"}}, holder_key being the live holder's
+# lock key found free (null unless taking from a live holder); pool and version too, since a
+# move changes them without a new dispatch (a take decided before the move does not land).
+# Looked up per row by key, like the batch writes below, so that the plan reads the batch's
+# rows by primary key and never joins. The compare-and-set stands in for a row lock (the epoch
+# is the row's version). A take from a live holder also holds only while the holder's row names
+# the key found free: the FOR SHARE lock orders it with the holder's renewal on a new session
+# (which publishes a new key), so either the take lands first and that holder's next look at
+# its rows sees it, or the key has changed and the take does not land. That lock, like the
+# observer rows, is taken SKIP LOCKED: a take never waits (nor makes the sweeper wait behind
+# it); a row it skipped is LOCKED.
 _AS_SEEN = "($3::jsonb -> o.id::text)"
 
 
@@ -121,7 +123,9 @@ def _seen(lock: str) -> str:
     return f"""o.id = ANY($1::uuid[])
    AND (o.epoch = ({v} ->> 'epoch')::bigint AND o.dispatch_id = ({v} ->> 'dispatch_id')::uuid
         AND o.status = {v} ->> 'status'
-        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid) IS TRUE
+        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid
+        AND o.pool = {v} ->> 'pool'
+        AND o.kind_version IS NOT DISTINCT FROM {v} ->> 'kind_version') IS TRUE
    AND ({v} ->> 'holder_key' IS NULL
         OR EXISTS (SELECT 1 FROM services s
                     WHERE s.id = ({v} ->> 'holder')::uuid
@@ -143,8 +147,9 @@ COMPLETE_STOP = skipping_locked(
     events=(_let_go_event("u.status"), "'not running'"),
 )
 
-# $1 id, $2 dispatch id, $3 why: a start for a kind this service lacks, passed on to the leader
-# (``waiting``), which sends it to a service that runs the kind. Only while that dispatch is
+# $1 id, $2 dispatch id, $3 why: a start of another pool, or for a kind this service lacks,
+# passed on to the leader (``waiting``), which sends it to a service of its pool that runs the
+# kind. Only while that dispatch is
 # current and no live service holds the observer (a holder that crashed is the sweeper's).
 PASS_ON = f"""
 UPDATE observers o SET waiting = $3, modified_at = now()
@@ -293,13 +298,14 @@ SELECT (SELECT draining FROM services WHERE id = $2) AS draining,
 
 # ------------------------------------------------------------------------------------ lease
 # $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 the kinds it runs (JSON
-# text), $8 lock key, $9 ttl: register, or come back after a fence (with the new session's lock
-# key; ``rejoined_at`` keeps the leader's directed starts and moves away for a while: see
-# manager FREE_SLOTS).
+# text), $8 its pool, $9 lock key, $10 ttl: register, or come back after a fence (with the new
+# session's lock key; ``rejoined_at`` keeps the leader's directed starts and moves away for a
+# while: see manager FREE_SLOTS).
 JOIN = """
-INSERT INTO services AS s (id, name, worker_count, host, pid, version, kinds, lock_key,
+INSERT INTO services AS s (id, name, worker_count, host, pid, version, kinds, pool, lock_key,
                            lease_expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, clock_timestamp() + make_interval(secs => $9))
+VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, $9,
+        clock_timestamp() + make_interval(secs => $10))
 ON CONFLICT (id) DO UPDATE
    SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
        is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now(),

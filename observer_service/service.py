@@ -32,6 +32,7 @@ from contracts.messages import (
     HandoffMessage,
     UndrainMessage,
 )
+from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
 from contracts.witness import Witness
@@ -74,6 +75,8 @@ class ServiceConfig:
     #: Warn at the first broker session when the broker is too old for the per-queue consumer
     #: timeout (off where someone else already said so: ``orch up``).
     broker_advice: bool = True
+    #: The pool it joined: it takes only observers of that pool.
+    pool: str = DEFAULT_POOL
 
 
 class ObserverService:
@@ -133,6 +136,7 @@ class ObserverService:
             me=service_id,
             name=config.name,
             kinds=kinds,
+            pool=config.pool,
             store=store,
             lease=self.lease,
             admission=self.admission,

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from contracts.pools import DEFAULT_POOL, POOL_PATTERN
 from contracts.settings import CommonSettings, default_host
 
 
 class ServiceSettings(CommonSettings):
     name: str = Field(default_factory=default_host, min_length=1, max_length=200)
+    #: The pool it joins: it takes only observers created in that pool, from that pool's work
+    #: queue.
+    pool: str = Field(default=DEFAULT_POOL, pattern=POOL_PATTERN)
     worker_count: int = Field(default=10, ge=1, le=65_535)
     #: How long a graceful stop waits for observers to finish, seconds. What has not stopped
     #: by then is not handed over; the process exits and others take it from there.

@@ -22,6 +22,7 @@ from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
 from contracts.kinds import RestartPolicy
 from contracts.outputs import Committed
+from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from observer_service import queries as q
 from observer_service.ports import (
@@ -72,6 +73,8 @@ class PgStore:
                 "holder": None if r.holder is None else str(r.holder),
                 "detail": f"from {r.holder}" if r.holder else None,
                 "holder_key": key(r),
+                "pool": r.pool,
+                "kind_version": r.kind_version,
             }
             for r in rows
         }
@@ -325,6 +328,8 @@ def _seen(row: asyncpg.Record) -> Seen:
         params=json.loads(row["params"]),
         checkpoint=json.loads(row["checkpoint"]) if row["checkpoint"] else None,
         restart_policy=json.loads(row["restart_policy"]) if row["restart_policy"] else None,
+        pool=row["pool"],
+        kind_version=row["kind_version"],
     )
 
 
@@ -413,11 +418,12 @@ class PgLeaseDatabase:
         version: str,
         connect_timeout: float,
         kinds: dict[str, Any] | None = None,
+        pool: str = DEFAULT_POOL,
     ) -> None:
         self.dsn = dsn
         self.service_id = service_id
         #: The row it joins with; its kinds as JSON text (one round trip: no type introspection).
-        self._row = (name, worker_count, host, os.getpid(), version, json.dumps(kinds or {}))
+        self._row = (name, worker_count, host, os.getpid(), version, json.dumps(kinds or {}), pool)
         self.connect_timeout = connect_timeout
 
     async def connect(self, on_end: Callable[[], None]) -> PgLeaseSession:

@@ -29,9 +29,10 @@ class Decision(Enum):
     NO_ROOM = "wait: no free slot"
     #: The holder's database session has ended; ask the broker whether its process is gone too.
     PROBE = "probe: is the holder gone from the broker too?"
-    #: Its kind is not installed here: passed on to the leader, which sends it to a service
-    #: that runs the kind (or shows it waiting for one). Never taken here, never failed for it.
-    NOT_HERE = "pass: its kind is not installed here"
+    #: It belongs to another pool, or its kind is not installed here: passed on to the leader,
+    #: which sends it to a service of its pool that runs the kind (or shows it waiting for
+    #: one). Never taken here, never failed for it.
+    NOT_HERE = "pass: another pool's, or its kind is not installed here"
 
 
 #: The decisions a take writes, each with a compare-and-set on the row as it was seen.
@@ -52,8 +53,8 @@ class Facts:
     holder_lock_free: bool = False
     #: Its exclusive control queue is gone from the broker (None: not asked yet).
     holder_off_broker: bool | None = None
-    #: Its kind is installed in this service.
-    kind_here: bool = True
+    #: It may run here: its pool is this service's and its kind is installed here.
+    belongs_here: bool = True
 
 
 def decide(
@@ -91,7 +92,7 @@ def decide(
     if facts.status in STOPPING:
         return Decision.DROP_STOPPING_ELSEWHERE if other_live else Decision.COMPLETE_STOP
     # created or processing
-    if not facts.kind_here:
+    if not facts.belongs_here:
         return Decision.DROP_DUPLICATE if other_live and not redelivered else Decision.NOT_HERE
     take = Decision.TAKE if room else Decision.NO_ROOM
     if not other_live:

@@ -8,7 +8,7 @@ loop through the in-memory store as the services run on PostgreSQL.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from observer_service.ports import LOCKED, Locked, Seen, StartRequest, Taken, TakeResult, TakeRows
@@ -25,12 +25,14 @@ async def take_many(
     departed: Departed,
     *,
     rounds: int = ROUNDS,
-    kinds: Container[str] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    pool: str | None = None,
 ) -> list[TakeResult | Locked]:
     """Decide on every start with one read, then write every take (and every completed stop)
     with one compare-and-set each; a row that changed in between is read and decided again, at
     most ``rounds`` reads in all. ``departed``: holder sessions proven over, updated with every
-    lock found free. ``kinds``: the kinds installed here (None: every kind)."""
+    lock found free. ``kinds``: the kinds installed here, each with its version (None: every
+    kind); ``pool``: this service's (None: any)."""
     results: dict[int, TakeResult | Locked] = {}
     todo = list(enumerate(requests))
     for _ in range(rounds):
@@ -41,7 +43,7 @@ async def take_many(
         for i, req in todo:
             row = seen.get(req.observer_id)
             decision = decide(
-                facts(row, req, rows.me, departed, kinds),
+                facts(row, req, rows.me, departed, kinds, pool),
                 me=rows.me,
                 redelivered=req.redelivered,
                 running_here=req.running_here,
@@ -53,6 +55,8 @@ async def take_many(
             results[i] = TakeResult(
                 decision,
                 kind=None if row is None else row.kind,
+                pool=None if row is None else row.pool,
+                kind_version=None if row is None else row.kind_version,
                 holder=None if row is None else row.holder,
                 holder_key=None if row is None else row.holder_key,
                 holder_remaining=0.0 if row is None else row.holder_remaining,
@@ -86,11 +90,12 @@ def facts(
     req: StartRequest,
     me: uuid.UUID,
     departed: Departed,
-    kinds: Container[str] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    pool: str | None = None,
 ) -> Facts:
     """The take rule's facts about ``row`` for ``req``; a lock found free is recorded in
     ``departed``, and what was proven there before counts as well. ``kinds``: those installed
-    here (None: every kind)."""
+    here, each with its version (None: every kind); ``pool``: this service's (None: any)."""
     if row is None:
         return Facts(exists=False)
     other = row.holder not in (None, me)
@@ -105,8 +110,18 @@ def facts(
         holder_live=row.holder_live,
         holder_lock_free=lock_free,
         holder_off_broker=off_broker,
-        kind_here=kinds is None or row.kind in kinds,
+        belongs_here=runs_here(row, kinds, pool),
     )
+
+
+def runs_here(row: Seen, kinds: Mapping[str, str] | None, pool: str | None) -> bool:
+    """Whether ``row`` may run on a service of ``pool`` with ``kinds`` (name: version): its
+    pool, its kind, and the version it is pinned to, if any."""
+    if pool not in (None, row.pool):
+        return False
+    if kinds is None:
+        return True
+    return row.kind in kinds and row.kind_version in (None, kinds[row.kind])
 
 
 def _taken(

@@ -175,12 +175,22 @@ def create(
         list[str] | None, typer.Option("--param", "-p", help="KEY=VALUE (JSON values allowed)")
     ] = None,
     params_json: Annotated[str | None, typer.Option("--params", help="params as JSON")] = None,
+    pool: Annotated[
+        str | None, typer.Option(help="the pool it runs in (see `orch pools`) [default]")
+    ] = None,
+    version: Annotated[
+        str | None, typer.Option(help="pin it to this version of its kind (see `orch kinds`)")
+    ] = None,
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Start an observer."""
     body = {"name": name, "kind": kind, "params": _params(param or [], params_json)}
+    if pool is not None:
+        body["pool"] = pool
+    if version is not None:
+        body["version"] = version
     client = _client(api, token)
     try:
         slots = _slots(client)
@@ -374,6 +384,7 @@ def list_observers(
         ObserverStatus | None, typer.Option(help="only this status", case_sensitive=False)
     ] = None,
     kind: Annotated[str | None, typer.Option(help="only this kind")] = None,
+    pool: Annotated[str | None, typer.Option(help="only this pool")] = None,
     name: Annotated[str | None, typer.Option(help="names containing this")] = None,
     service: Annotated[str | None, typer.Option(help="only held by this service id")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows per page")] = 100,
@@ -396,6 +407,7 @@ def list_observers(
     filters = {
         "status": None if status is None else status.value,
         "kind": kind,
+        "pool": pool,
         "name": name,
         "service_id": service,
         "include_deleted": deleted,
@@ -435,6 +447,8 @@ def _render_observer(o: dict[str, Any]) -> None:
         out.print(f"[red]last error:[/red] {shown(o['last_error'])}", highlight=False)
     if o.get("waiting"):
         out.print(f"[yellow]waiting:[/yellow] {shown(o['waiting'])}", highlight=False)
+    pinned = f", version {o['kind_version']}" if o.get("kind_version") else ""
+    out.print(f"pool: {shown(o.get('pool', 'default'))}{shown(pinned)}", highlight=False)
 
 
 def _render_events(rows: list[dict[str, Any]]) -> None:
@@ -526,22 +540,52 @@ def _act_on_many(
         raise typer.Exit(1)
 
 
+ObserverArg = Annotated[str | None, typer.Argument(help="one observer: its id, or its name")]
+KindSelect = Annotated[str | None, typer.Option(help="every observer of this kind")]
+PoolSelect = Annotated[str | None, typer.Option(help="every observer of this pool")]
+StatusSelect = Annotated[
+    ObserverStatus | None,
+    typer.Option(help="every observer in this status", case_sensitive=False),
+]
+PrefixSelect = Annotated[str | None, typer.Option(help="every observer whose name starts so")]
+
+
+def _selector(
+    observer: str | None,
+    kind: str | None,
+    pool: str | None,
+    status: ObserverStatus | None,
+    name_prefix: str | None,
+) -> dict[str, Any]:
+    """The selector the options make (empty for one observer); a usage error unless exactly
+    one of the two is given."""
+    selector = {
+        k: v
+        for k, v in (
+            ("kind", kind),
+            ("pool", pool),
+            ("status", None if status is None else status.value),
+            ("name_prefix", name_prefix),
+        )
+        if v is not None
+    }
+    if (observer is None) == (not selector):
+        raise _usage(
+            "give one observer (an id or a name), or --kind, --pool, --status, --name-prefix"
+        )
+    return selector
+
+
 def _action(name: str, method: str, suffix: str, settled: str, doc: str) -> None:
     """``orch observers NAME ID|NAME [--wait]``: one state change, then (--wait) its outcome;
     or ``--kind/--status/--name-prefix``: the same on every observer they select."""
 
     def command(
-        observer: Annotated[
-            str | None, typer.Argument(help="the observer's id, or its name")
-        ] = None,
-        kind: Annotated[str | None, typer.Option(help="every observer of this kind")] = None,
-        status: Annotated[
-            ObserverStatus | None,
-            typer.Option(help="every observer in this status", case_sensitive=False),
-        ] = None,
-        name_prefix: Annotated[
-            str | None, typer.Option(help="every observer whose name starts so")
-        ] = None,
+        observer: ObserverArg = None,
+        kind: KindSelect = None,
+        pool: PoolSelect = None,
+        status: StatusSelect = None,
+        name_prefix: PrefixSelect = None,
         limit: Annotated[
             int, typer.Option(min=1, max=10_000, help="with a selector: at most this many")
         ] = 1000,
@@ -550,17 +594,7 @@ def _action(name: str, method: str, suffix: str, settled: str, doc: str) -> None
         api: ApiOption = DEFAULT_API,
         token: TokenOption = None,
     ) -> None:
-        selector = {
-            k: v
-            for k, v in (
-                ("kind", kind),
-                ("status", None if status is None else status.value),
-                ("name_prefix", name_prefix),
-            )
-            if v is not None
-        }
-        if (observer is None) == (not selector):
-            raise _usage("give one observer (an id or a name), or --kind, --status, --name-prefix")
+        selector = _selector(observer, kind, pool, status, name_prefix)
         if observer is None:
             if wait:
                 raise _usage("--wait waits for one observer; a selector acts on many")
@@ -568,8 +602,59 @@ def _action(name: str, method: str, suffix: str, settled: str, doc: str) -> None
             return
         _act(observer, method, suffix, settled, wait=wait, timeout=timeout, api=api, token=token)
 
-    command.__doc__ = f"{doc} With --kind, --status or --name-prefix: every one they select."
+    command.__doc__ = (
+        f"{doc} With --kind, --pool, --status or --name-prefix: every one they select."
+    )
     observers_app.command(name)(command)
+
+
+@observers_app.command("move")
+def move(
+    observer: ObserverArg = None,
+    kind: KindSelect = None,
+    pool: PoolSelect = None,
+    status: StatusSelect = None,
+    name_prefix: PrefixSelect = None,
+    to_pool: Annotated[str | None, typer.Option(help="the pool they move to")] = None,
+    version: Annotated[
+        str | None, typer.Option(help="pin them to this version of their kind")
+    ] = None,
+    any_version: Annotated[
+        bool, typer.Option("--any-version", help="unpin them: any version runs them")
+    ] = False,
+    percent: Annotated[
+        float, typer.Option(min=0.001, max=100, help="move this share of those selected")
+    ] = 100,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="select at most this many")] = 1000,
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Move observers to another pool (--to-pool) or version of their kind (--version,
+    --any-version): each running one is handed over gracefully and resumes from its checkpoint
+    where it now belongs. Moving them back is a rollback. Example: orch observers move --kind
+    ws_feed --pool default --to-pool canary --percent 10."""
+    selector = _selector(observer, kind, pool, status, name_prefix)
+    body: dict[str, Any] = {"percent": percent, "limit": limit, "any_version": any_version}
+    if to_pool is not None:
+        body["to_pool"] = to_pool
+    if version is not None:
+        body["to_version"] = version
+    client = _client(api, token)
+    try:
+        if observer is not None:
+            selector = {"ids": [_resolve(client, observer)]}
+        answer = client.post("/observers/move", {**body, "selector": selector})
+    except ApiError as exc:
+        raise _failed(exc) from None
+    if as_json:
+        _show_json(answer)
+        return
+    more = f"; more match: --limit {limit} took the oldest" if answer["more"] else ""
+    out.print(
+        f"moving {answer['moved']} of the {answer['matched']} selected{more}: each running "
+        "one is handed over in turn (`orch observers list` shows where each runs)"
+    )
 
 
 _action("delete", "DELETE", "", "deleted", "Cancel an observer for good (--wait: until stopped).")
@@ -592,7 +677,7 @@ def services_list(
         return
     table = Table()
     table.add_column("id", no_wrap=True, min_width=36)  # whole, to be copied
-    for header in ("name", "running", "host", "pid", "state", "last renewal", "kinds"):
+    for header in ("name", "pool", "running", "host", "pid", "state", "last renewal", "kinds"):
         table.add_column(header)
     for s in rows:
         state = "deleted" if s["is_deleted"] else "draining" if s["draining"] else "live"
@@ -600,6 +685,7 @@ def services_list(
         table.add_row(
             shown(s["id"]),
             shown(s["name"]),
+            shown(s.get("pool", "default")),
             f"{s['running']} / {s['worker_count']}",
             shown(s["host"]),
             shown(s["pid"]),
@@ -683,6 +769,27 @@ def _empty(client: Client, service_id: str) -> Callable[[], bool]:
     return check
 
 
+# -------------------------------------------------------------------------------------- pools
+def pools(
+    api: ApiOption = DEFAULT_API, token: TokenOption = None, as_json: JsonOption = False
+) -> None:
+    """Pools: each one's live services, slots, what runs, what nobody holds, its kinds."""
+    rows = _read(api, token, "/pools", as_json)
+    if rows is None:
+        return
+    table = Table("pool", "services", "running", "unheld", "kinds")
+    for p in rows:
+        kinds = p["kinds"]
+        table.add_row(
+            shown(p["name"]),
+            shown(p["services"]),
+            f"{p['running']} / {p['slots']}",
+            shown(p["unheld"]),
+            "every kind (an earlier release)" if kinds is None else shown(", ".join(kinds)),
+        )
+    out.print(table)
+
+
 # -------------------------------------------------------------------------------------- kinds
 def kinds(
     api: ApiOption = DEFAULT_API, token: TokenOption = None, as_json: JsonOption = False
@@ -691,7 +798,7 @@ def kinds(
     rows = _read(api, token, "/kinds", as_json)
     if rows is None:
         return
-    table = Table("kind", "description", "params", "restarts")
+    table = Table("kind", "description", "params", "restarts", "versions", "pools")
     for k in rows:
         props = (k["params_schema"] or {}).get("properties", {})
         policy = k["restart_policy"]
@@ -700,5 +807,7 @@ def kinds(
             shown(k["description"]),
             shown(", ".join(props)),
             f"{policy['max_restarts']} per {policy['reset_after']:g}s",
+            shown(", ".join(k.get("versions") or [k.get("version", "1")])),
+            shown(", ".join(k.get("pools") or [])),
         )
     out.print(table)

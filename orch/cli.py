@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 
 from contracts import __version__
-from orch.api_commands import err, kinds, observers_app, out, services_app
+from orch.api_commands import err, kinds, observers_app, out, pools, services_app
 
 if TYPE_CHECKING:
     from contracts.settings import CommonSettings
@@ -32,6 +32,7 @@ app = typer.Typer(
 app.add_typer(observers_app, name="observers")
 app.add_typer(services_app, name="services")
 app.command("kinds")(kinds)
+app.command("pools")(pools)
 S = TypeVar("S", bound="CommonSettings")
 ServersWait = Annotated[
     float,
@@ -205,6 +206,10 @@ async def _serve_manager(
 def service(
     name: Annotated[str | None, typer.Option(help="service name shown in the API")] = None,
     worker_count: Annotated[int | None, typer.Option(help="observers it runs at once")] = None,
+    pool: Annotated[
+        str | None,
+        typer.Option(help="the pool it joins: it runs only that pool's observers [default]"),
+    ] = None,
     wait: ServersWait = 0,
 ) -> None:
     """Run one observer service."""
@@ -212,7 +217,7 @@ def service(
     from observer_service.main import serve
     from observer_service.settings import ServiceSettings
 
-    settings = _settings(ServiceSettings, name=name, worker_count=worker_count)
+    settings = _settings(ServiceSettings, name=name, worker_count=worker_count, pool=pool)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
     until = time.monotonic() + wait  # the check's wait and the pool's share one deadline
     _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds, wait_until=until)))

@@ -141,6 +141,7 @@ class LocalCluster:
             out = None if log is None else stack.enter_context(log.open("wb"))
             popen = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
+                cwd=self.cwd(full_env),
                 env=full_env,
                 stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
@@ -148,6 +149,10 @@ class LocalCluster:
         proc = Proc(name, popen, log, args=args, module=module, env=env)
         self.procs.append(proc)
         return proc
+
+    def cwd(self, env: dict[str, str]) -> str | None:
+        """The working directory of a process started with ``env`` (None: this one's)."""
+        return None
 
     def respawn(self, proc: Proc) -> Proc:
         """Start an exited process again, as it was started, in its place in ``procs``."""

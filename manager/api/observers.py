@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from typing import Annotated, Any
 
@@ -28,10 +29,15 @@ from manager.schemas import (
     ObserverBatchOut,
     ObserverCreate,
     ObserverEventOut,
+    ObserverMove,
+    ObserverMoveOut,
     ObserverOut,
     ObserverPage,
+    ObserverSelector,
+    PoolName,
     SafeText,
 )
+from manager.store import Tx
 
 router = APIRouter(prefix="/observers", tags=["observers"])
 AUTH = (401, 403)
@@ -52,6 +58,7 @@ SeesSecrets = Annotated[bool, Depends(sees_secrets)]
 #: The list filters ``GET /observers`` and the console's view share.
 StatusFilter = Annotated[ObserverStatus | None, Query(alias="status")]
 KindFilter = Annotated[KindName | None, Query()]
+PoolFilter = Annotated[PoolName | None, Query(description="only observers of this pool")]
 
 
 def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
@@ -76,13 +83,13 @@ def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, An
 
 async def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
     """What to insert, once the kind took the params (raises InvalidInput, TooLarge)."""
-    spec = await state.kind(body.kind)
+    spec = await state.kind(body.kind, body.pool, body.version)
     params = spec.validate_params(body.params)
     limit = state.settings.max_params_bytes
     if len(json.dumps(params)) > limit:
         raise TooLarge(f"params are larger than {limit} bytes")
     policy = body.restart_policy.model_dump() if body.restart_policy else None
-    return repo.NewObserver(body.name, body.kind, params, policy)
+    return repo.NewObserver(body.name, body.kind, params, policy, body.pool, body.version)
 
 
 @router.post(
@@ -163,14 +170,7 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
     was done stays done (repeating the request is harmless)."""
     sel = body.selector
     async with state.store.autocommit() as tx:
-        ids, more = await repo.select_for_action(
-            tx,
-            ids=sel.ids,
-            status=sel.status,
-            kind=sel.kind,
-            name_prefix=sel.name_prefix,
-            limit=body.limit,
-        )
+        ids, more = await _select(tx, sel, body.limit)
     change = _CHANGES[body.action]
     items: list[dict[str, Any]] = []
     pending: list[Pending] = []
@@ -204,6 +204,57 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
     }
 
 
+async def _select(tx: Tx, sel: ObserverSelector, limit: int) -> tuple[list[uuid.UUID], bool]:
+    """The observers (not deleted) a selector takes, oldest first, at most ``limit``; and
+    whether more match."""
+    return await repo.select_for_action(
+        tx,
+        ids=sel.ids,
+        status=sel.status,
+        kind=sel.kind,
+        pool=sel.pool,
+        name_prefix=sel.name_prefix,
+        limit=limit,
+    )
+
+
+@router.post(
+    "/move",
+    response_model=ObserverMoveOut,
+    operation_id="moveObservers",
+    dependencies=[ADMIN],
+    responses=responses(*AUTH, 422, 503),
+)
+async def move_observers(body: ObserverMove, state: RuntimeDep) -> dict[str, Any]:
+    """Move the observers (not deleted) that the selector takes, oldest first, up to `limit`,
+    and of those the first `percent`: to the pool `to_pool`, pinned to `to_version` of their
+    kind (or unpinned with `any_version`). Each running one is handed over gracefully to a
+    service that can run it there, resumed from its checkpoint, a bounded number at a time
+    (the leader's mover: `ORCH_MOVE_IN_FLIGHT`); one nobody runs is dispatched there at once;
+    a paused or failed one starts there when resumed or restarted. Each has a `move requested`
+    event in its history. The target must offer each kind moved (in the version pinned): else
+    422, naming what it offers, and nothing moves. Moving them back is a rollback."""
+    to = repo.MoveTo(body.to_pool, body.to_version, body.any_version)
+    async with state.store.autocommit() as tx:
+        ids, more = await _select(tx, body.selector, body.limit)
+        selected = len(ids)
+        ids = ids[: math.ceil(selected * body.percent / 100)]
+        targets = await repo.move_targets(tx, ids, to) if ids else []
+    for need in targets:  # each kind is offered where it goes, or nothing moves
+        await state.kind(need.kind, need.pool, need.version)
+    async with state.store.transaction() as tx:
+        rows, pending = await repo.move_observers(tx, ids, to)
+    await state.outbox.publish_now(pending)
+    moved = {r.id for r in rows}
+    return {
+        "matched": selected,
+        "moved": len(moved),
+        "more": more,
+        "ids": [oid for oid in ids if oid in moved],
+    }
+
+
+@router.api_route("/move", methods=["GET", "DELETE"], include_in_schema=False)
 @router.api_route("/batch", methods=["GET", "DELETE"], include_in_schema=False)
 @router.api_route("/actions", methods=["GET", "DELETE"], include_in_schema=False)
 async def batch_is_post_only() -> None:
@@ -229,6 +280,7 @@ async def list_observers(
     raw: SeesSecrets,
     status_: StatusFilter = None,
     kind: KindFilter = None,
+    pool: PoolFilter = None,
     service_id: uuid.UUID | None = None,
     name: Annotated[
         SafeText | None,
@@ -246,6 +298,7 @@ async def list_observers(
             tx,
             status=status_,
             kind=kind,
+            pool=pool,
             service_id=service_id,
             name=name,
             include_deleted=include_deleted,

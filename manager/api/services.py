@@ -1,4 +1,4 @@
-"""/services, /kinds and /leader: what the cluster looks like."""
+"""/services, /kinds, /pools and /leader: what the cluster looks like."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ
 from manager.leader import current_leader
 from manager.problems import responses
-from manager.schemas import KindOut, LeaderOut, ServiceOut
+from manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
 AUTH = (401, 403)
@@ -79,16 +79,60 @@ async def list_kinds(state: RuntimeDep) -> list[dict[str, Any]]:
     async with state.store.autocommit() as tx:
         adverts = await repo.live_adverts(tx)
     kinds: dict[str, dict[str, Any]] = {
-        k.name: {**k.advert(), "name": k.name, "services": []} for k in state.kinds.values()
+        k.name: {**k.advert(), "name": k.name, "services": [], "pools": [], "versions": []}
+        for k in state.kinds.values()
     }
-    for _, advertised in adverts:
+    for _, _, advertised in adverts:
         for name, advert in (advertised or {}).items():
-            kinds.setdefault(name, {**advert, "name": name, "services": []})
-    for service, advertised in adverts:
+            kinds.setdefault(
+                name, {**advert, "name": name, "services": [], "pools": [], "versions": []}
+            )
+    for service, pool, advertised in adverts:
         for name, kind in kinds.items():
             if advertised is None or name in advertised:
                 kind["services"].append(service)
+                if pool not in kind["pools"]:
+                    kind["pools"].append(pool)
+                version = repo.advert_version(advertised[name]) if advertised else None
+                if version is not None and version not in kind["versions"]:
+                    kind["versions"].append(version)
     return [kinds[name] for name in sorted(kinds)]
+
+
+@router.get(
+    "/pools",
+    response_model=list[PoolOut],
+    operation_id="listPools",
+    dependencies=[READ],
+    responses=responses(*AUTH, 503),
+)
+async def list_pools(state: RuntimeDep) -> list[dict[str, Any]]:
+    """Every pool with a live service or an observer waiting in it: its live services, their
+    slots (those taking work), what they run, the observers nobody holds (queued for a slot,
+    or waiting for a service able to run them) and the kinds its live services run."""
+    async with state.store.autocommit() as tx:
+        loads, unheld = await repo.pool_loads(tx)
+        adverts = await repo.live_adverts(tx)
+    pools: dict[str, dict[str, Any]] = {}
+    for name in sorted({*loads, *unheld}):
+        load = loads.get(name)
+        pools[name] = {
+            "name": name,
+            "services": load.services if load else 0,
+            "slots": load.slots if load else 0,
+            "running": load.running if load else 0,
+            "unheld": unheld.get(name, 0),
+            "kinds": [],
+        }
+    for _, pool, advertised in adverts:
+        entry = pools.get(pool)
+        if entry is None or entry["kinds"] is None:
+            continue
+        if advertised is None:
+            entry["kinds"] = None
+        else:
+            entry["kinds"] = sorted({*entry["kinds"], *advertised})
+    return list(pools.values())
 
 
 @router.get(

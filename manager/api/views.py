@@ -25,7 +25,7 @@ from contracts.statuses import Event, ObserverStatus
 from manager import queries as q
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
-from manager.api.observers import KindFilter, SeesSecrets, StatusFilter, shown
+from manager.api.observers import KindFilter, PoolFilter, SeesSecrets, StatusFilter, shown
 from manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
 from manager.outbox import Pending
 from manager.problems import Problem, problem_of, responses, status_of
@@ -75,6 +75,10 @@ class ObserverRow(BaseModel):
     )
     waiting: str | None = Field(
         default=None, description="why nobody runs it while it waits for a service able to"
+    )
+    pool: str = Field(default="default", description="the pool it runs in")
+    kind_version: str | None = Field(
+        default=None, description="the version of its kind it is pinned to (null: any)"
     )
 
 
@@ -187,7 +191,9 @@ async def whoami(request: Request, credentials: Credentials) -> dict[str, Any]:
     return {"name": token.name, "role": token.role, "auth": True}
 
 
-Sort = Literal["name", "kind", "status", "service", "epoch", "restarts", "checkpoint", "created"]
+Sort = Literal[
+    "name", "kind", "pool", "status", "service", "epoch", "restarts", "checkpoint", "created"
+]
 
 
 @router.get(
@@ -203,6 +209,7 @@ async def view_observers(
     raw: SeesSecrets,
     status_: StatusFilter = None,
     kind: KindFilter = None,
+    pool: PoolFilter = None,
     service_id: uuid.UUID | None = None,
     q_: Annotated[
         SafeText | None,
@@ -227,7 +234,7 @@ async def view_observers(
         rows, totals = await repo.view_observers(
             tx,
             order=f"{q.VIEW_SORTS[sort]} {direction} NULLS LAST, o.id {direction}",
-            filters={"kind": kind, "sid": service_id, **_lookup(q_)},
+            filters={"kind": kind, "pool": pool, "sid": service_id, **_lookup(q_)},
             status=status_.value if status_ else None,
             deleted=include_deleted,
             limit=limit,

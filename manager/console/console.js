@@ -184,6 +184,8 @@ async function start() {
   });
   filtersFromUrl();
   $("#create-go").onclick = createMany;
+  for (const b of $$("#bulk button")) b.onclick = () => bulkOverview(b.dataset.verb);
+  $("#bulk-pool").onchange = () => state.lists.observers.changed();
   $("#f-restart").onclick = () => bulk("restart");
   $("#f-delete").onclick = () => bulk("delete");
   window.addEventListener("hashchange", () => { window.scrollTo(0, 0); filtersFromUrl(); refresh(); });
@@ -252,11 +254,18 @@ async function signedIn(who) {
     .catch(() => {});
   // Kinds once signed in (before, the API would refuse them).
   try {
-    state.kinds = await api("GET", "/kinds");
-    const select = $("#filters select[name=kind]");
-    select.replaceChildren(el("option", "any"), ...state.kinds.map((k) => el("option", k.name)));
-    select.options[0].value = "";
-    filtersFromUrl();  // a kind named in the address can be chosen only now
+    const [kinds, pools] = await Promise.all([api("GET", "/kinds"), api("GET", "/pools")]);
+    state.kinds = kinds;
+    const choices = [["kind", kinds.map((k) => k.name)], ["pool", pools.map((p) => p.name)]];
+    for (const [name, values] of choices) {
+      const select = $(`#filters select[name=${name}]`);
+      select.replaceChildren(el("option", "any"), ...values.map((v) => el("option", v)));
+      select.options[0].value = "";
+    }
+    const target = $("#bulk-pool");
+    target.replaceChildren(el("option", "choose"), ...pools.map((p) => el("option", p.name)));
+    target.options[0].value = "";
+    filtersFromUrl();  // a kind or pool named in the address can be chosen only now
   } catch (err) { report("Loading the kinds", err); }
   clearInterval(state.timer);
   state.timer = setInterval(refresh, REFRESH_MS);
@@ -267,6 +276,7 @@ async function signedIn(who) {
 const COLUMNS = {
   name: { label: "name", sort: "name", cell: (o) => nameNode(o.name, `#/observers/${o.id}`) },
   kind: { label: "kind", sort: "kind", cell: (o) => o.kind },
+  pool: { label: "pool", sort: "pool", cell: (o) => o.pool },
   status: { label: "status", sort: "status", cell: statusPill },
   service: {
     label: "service", sort: "service",
@@ -369,7 +379,11 @@ class List {
         box.onchange = () => { box.checked ? this.selected.add(o.id) : this.selected.delete(o.id); this.changed(); };
         tr.append(td(box));
       }
-      for (const key of this.columns) tr.append(td(COLUMNS[key].cell(o)));
+      for (const key of this.columns) {
+        const cell = td(COLUMNS[key].cell(o));
+        cell.dataset.col = key;
+        tr.append(cell);
+      }
       return tr;
     }));
     if (page.items.length === 0) {
@@ -395,10 +409,16 @@ class List {
 function makeLists() {
   const filters = () => {
     const f = Object.fromEntries(new FormData($("#filters")));
-    return { q: f.q?.trim(), status: f.status, kind: f.kind, include_deleted: f.include_deleted ? "true" : "" };
+    return { q: f.q?.trim(), status: f.status, kind: f.kind, pool: f.pool, include_deleted: f.include_deleted ? "true" : "" };
   };
   state.lists.observers = new List("observers",
-    ["name", "kind", "status", "service", "epoch", "restarts", "checkpoint", "created"], filters);
+    ["name", "kind", "pool", "status", "service", "epoch", "restarts", "checkpoint", "created"], filters,
+    { selectable: true });
+  state.lists.observers.onchange = () => {
+    const n = state.lists.observers.selected.size;
+    for (const b of $$("#bulk button")) b.disabled = n === 0 || (b.dataset.verb === "move" && !$("#bulk-pool").value);
+    if (n) $("#bulk-selected").textContent = `${n} selected`;
+  };
   state.lists.service = new List("s-observers",
     ["name", "kind", "status", "epoch", "restarts", "checkpoint"], () => ({ service_id: state.serviceId }),
     { sort: "name" });
@@ -507,7 +527,7 @@ async function renderOverview() {
     actions.append(...serviceButtons(s, "list"));
     const tr = el("tr", null, s.draining ? "draining" : "");
     tr.dataset.id = s.id;
-    tr.append(td(nameNode(s.name, `#/services/${s.id}`)), td(el("span", short(s.id), "mono")), td(load),
+    tr.append(td(nameNode(s.name, `#/services/${s.id}`)), td(el("span", short(s.id), "mono")), td(s.pool), td(load),
       td(el("span", serviceState(s), `pill state-${serviceState(s).replace(" ", "-")}`)), td(when(s.last_heartbeat_at)), td(actions));
     return tr;
   }));
@@ -524,7 +544,7 @@ async function renderService(id) {
   const st = serviceState(s);
   $("#s-state").textContent = st;
   $("#s-state").className = `pill state-${st.replace(" ", "-")}`;
-  const fields = [["id", s.id], ["load", `${s.running} / ${s.worker_count}`], ["host", `${s.host} (pid ${s.pid})`],
+  const fields = [["id", s.id], ["pool", s.pool], ["load", `${s.running} / ${s.worker_count}`], ["host", `${s.host} (pid ${s.pid})`],
     ["version", s.version], ["started", when(s.created_at)], ["last renewal", when(s.last_heartbeat_at)],
     ["lease until", when(s.lease_expires_at)]];
   $("#s-fields").replaceChildren(...fields.flatMap(([k, v]) => {
@@ -570,6 +590,45 @@ async function bulk(verb) {
   await refresh();
 }
 
+// The overview's bulk actions: on the observers selected on this page, as one request.
+const PAST = { pause: "paused", resume: "resumed", restart: "restarted", delete: "deleted", move: "moving" };
+
+async function bulkOverview(verb) {
+  const list = state.lists.observers;
+  const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
+  if (!chosen.length) return;
+  const ids = chosen.map((o) => o.id);
+  const pool = $("#bulk-pool").value;
+  const n = chosen.length;
+  const what = verb === "move" ? `Move ${n} observer(s) to pool ${pool}?` : `${verb[0].toUpperCase()}${verb.slice(1)} ${n} observer(s)?`;
+  const why = {
+    pause: " Each stops and keeps its checkpoint.",
+    resume: " Each starts again from its checkpoint.",
+    restart: " Each failed one starts again with a fresh restart budget.",
+    delete: " They are ended for good.",
+    move: " Each running one is handed over and resumes there from its checkpoint.",
+  }[verb];
+  if (!(await ask(what + why, `${verb[0].toUpperCase()}${verb.slice(1)} ${n}`, chosen.map((o) => o.name)))) return;
+  const byId = new Map(chosen.map((o) => [o.id, o.name]));
+  try {
+    const out = verb === "move"
+      ? await api("POST", "/observers/move", null, { selector: { ids }, to_pool: pool, limit: n })
+      : await api("POST", "/observers/actions", null, { action: verb, selector: { ids }, limit: n });
+    list.selected.clear();
+    const done = verb === "move" ? out.moved : out.done;
+    const failed = verb === "move" ? 0 : out.failed;
+    $("#bulk-selected").textContent = `${done} ${PAST[verb]}` + (failed ? `, ${failed} failed` : "");
+    const bad = verb === "move" ? [] : out.items.filter((i) => i.problem);
+    if (bad.length) {
+      report(`${verb}: ${bad.length} of ${out.items.length} failed`, { problem: { ...bad[0].problem, detail: "" } },
+        bad.map((i) => `${byId.get(i.id) ?? i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
+    }
+  } catch (err) {
+    report(`${verb} ${n}`, err);
+  }
+  await refresh();
+}
+
 async function renderObserver(id) {
   const [o, events, row, services] = await Promise.all([
     api("GET", `/observers/${id}`), api("GET", `/observers/${id}/events`),
@@ -585,7 +644,7 @@ async function renderObserver(id) {
   $("#o-state").title = pill.title;
   const svc = o.service_id ? nameNode(v.service_name || short(o.service_id), `#/services/${o.service_id}`)
     : o.waiting ? `none: waiting (${o.waiting})` : "none";
-  const fields = [["id", o.id], ["kind", o.kind], ["status", o.status], ["service", svc],
+  const fields = [["id", o.id], ["kind", o.kind], ["pool", o.pool], ["status", o.status], ["service", svc],
     ["epoch", o.epoch], ["restarts", restarts(v) || "none"], ["params", JSON.stringify(o.params)],
     ["created", when(o.created_at)], ["started", when(o.started_at)],
     ["last checkpoint", when(o.checkpointed_at)],
@@ -673,7 +732,7 @@ async function createMany() {
 // ------------------------------------------------------------------------------ filters
 // The overview's filters live in the address (#/?status=failed&kind=…): a link or a reload
 // shows the same list.
-const FILTERS = ["q", "status", "kind", "include_deleted"];
+const FILTERS = ["q", "status", "kind", "pool", "include_deleted"];
 
 function filtersToUrl() {
   const f = new FormData($("#filters"));
@@ -693,6 +752,7 @@ function filtersFromUrl() {
   form.elements.q.value = params.get("q") || "";
   form.elements.status.value = params.get("status") || "";
   form.elements.kind.value = params.get("kind") || "";
+  form.elements.pool.value = params.get("pool") || "";
   form.elements.include_deleted.checked = params.get("include_deleted") === "true";
 }
 

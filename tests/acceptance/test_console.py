@@ -48,8 +48,8 @@ async def _sign_in(page: Page, token: str) -> None:
     await page.wait_for_selector("#whoami")
 
 
-async def _cell(page: Page, observer_id: str, column: int, table: str = "observers") -> str:
-    locator = page.locator(f'#{table} tr[data-id="{observer_id}"] td').nth(column)
+async def _cell(page: Page, observer_id: str, column: str, table: str = "observers") -> str:
+    locator = page.locator(f'#{table} tr[data-id="{observer_id}"] td[data-col="{column}"]')
     return (await locator.inner_text()).strip()
 
 
@@ -95,14 +95,14 @@ async def test_the_console_follows_a_move_and_acts(
     await page.wait_for_selector("#services tbody tr")
     watched = str(ids[0])
     await page.wait_for_selector(f'#observers tr[data-id="{watched}"]')
-    assert await _cell(page, watched, 3) == "alpha"
-    assert await _cell(page, watched, 2) == "processing"
+    assert await _cell(page, watched, "service") == "alpha"
+    assert await _cell(page, watched, "status") == "processing"
 
     # SIGKILL its service: the page shows it on beta by itself (no reload).
     a.signal(signal.SIGKILL)
 
     async def moved() -> bool:
-        return await _cell(page, watched, 3) == "beta"
+        return await _cell(page, watched, "service") == "beta"
 
     await wait_for(moved, timeout=20, what="the console to show the observer on beta")
     await wait_for(
@@ -134,6 +134,47 @@ async def test_the_console_follows_a_move_and_acts(
     assert await page.locator("#observers tbody tr").count() == 0
     assert await page.evaluate("sessionStorage.length") == 0
     assert errors == [], f"the page raised: {errors}"
+
+
+async def test_the_overview_acts_on_the_observers_selected(
+    cluster: Cluster, browser: Browser
+) -> None:
+    """Select observers in the overview's list: pause them, then move them to another pool,
+    each confirmed; what was done stays said beside the buttons."""
+    await cluster.start_manager(rebalance="false")
+    await cluster.start_service("home", worker_count=10)
+    eu = await cluster.start_service("eu-1", worker_count=10, pool="eu")
+    eu_id = await cluster.service_id(eu, wait=10)
+    ids = await cluster.create_recorders(4, interval=0.1)
+    await cluster.wait_all_running(ids, timeout=15)
+    errors: list[str] = []
+    page = await _open(browser, cluster, errors)
+    await _sign_in(page, cluster.token or "")
+    await page.wait_for_selector("#bulk-pool option:text-is('eu')", state="attached")
+
+    async def select(chosen: list[uuid.UUID]) -> None:
+        for oid in chosen:
+            await page.check(f'#observers tr[data-id="{oid}"] input[type=checkbox]')
+
+    await page.wait_for_selector(f'#observers tr[data-id="{ids[0]}"]')
+    await select(ids[:2])
+    assert await page.inner_text("#bulk-selected") == "2 selected"
+    await page.click("#bulk button[data-verb=pause]")
+    await _confirm(page, "Pause 2 observer(s)?")
+    await page.wait_for_selector("#bulk-selected:text('2 paused')")
+    for oid in ids[:2]:
+        await cluster.wait_status(oid, "paused", timeout=15)
+
+    await select(ids[2:])
+    assert await page.locator("#bulk button[data-verb=move]").is_disabled(), "no pool chosen"
+    await page.select_option("#bulk-pool", "eu")
+    await page.click("#bulk button[data-verb=move]")
+    await _confirm(page, "Move 2 observer(s) to pool eu?")
+    await page.wait_for_selector("#bulk-selected:text('2 moving')")
+    await cluster.wait_all_running(ids[2:], timeout=20, on={eu_id})
+    await page.wait_for_selector(f'#observers tr[data-id="{ids[2]}"] td[data-col=pool]:text("eu")')
+    assert not errors, errors
+    await page.close()
 
 
 async def test_the_console_creates_many_and_shows_each_failure(
@@ -173,7 +214,7 @@ async def test_the_console_creates_many_and_shows_each_failure(
 
 async def _names(page: Page, table: str = "observers") -> list[str]:
     # One read of the whole table: a refresh between reads of single rows would make one wait.
-    names = await page.locator(f"#{table} tbody td:first-child bdi.name").evaluate_all(
+    names = await page.locator(f"#{table} tbody td[data-col=name] bdi.name").evaluate_all(
         "cells => cells.map(c => c.title)"
     )
     return [str(n) for n in names]
@@ -226,8 +267,8 @@ async def test_the_console_for_an_operator(
 
     # Totals by status, and the restart backoff as a state of its own.
     await page.wait_for_selector(f'#observers tr.backoff[data-id="{backing}"]', timeout=20_000)
-    assert await _cell(page, backing, 2) == "backoff"
-    assert re.fullmatch(r"restart 1 of 5, next in \d+ s", await _cell(page, backing, 5))
+    assert await _cell(page, backing, "status") == "backoff"
+    assert re.fullmatch(r"restart 1 of 5, next in \d+ s", await _cell(page, backing, "restarts"))
     await wait_for(
         lambda: _text_is(page, "#totals [data-status=failed] strong", "3"),
         timeout=10,
@@ -250,7 +291,7 @@ async def test_the_console_for_an_operator(
     assert max(widths) < chart / 10, (widths, chart)
 
     # A hostile name: text only (no element made of it), isolated, truncated, whole in its title.
-    bdi = page.locator(f'#observers tr[data-id="{odd}"] td:first-child bdi.name')
+    bdi = page.locator(f'#observers tr[data-id="{odd}"] td[data-col=name] bdi.name')
     assert await bdi.get_attribute("title") == hostile
     assert len(await bdi.inner_text()) <= 40
     assert await page.locator("#observers img").count() == 0
@@ -302,8 +343,8 @@ async def test_the_console_for_an_operator(
     await page.fill("#filters input[name=q]", "")
 
     # A service's page: its observers, drain and undrain (each confirmed).
-    holder = await _cell(page, str(tickers[0]), 3)
-    await page.click(f'#observers tr[data-id="{tickers[0]}"] td:nth-child(4) a')
+    holder = await _cell(page, str(tickers[0]), "service")
+    await page.click(f'#observers tr[data-id="{tickers[0]}"] td[data-col=service] a')
     await page.wait_for_selector(f'#s-observers tr[data-id="{tickers[0]}"]')
     assert await page.inner_text("#s-name") == holder
     await page.wait_for_selector("#s-activity .spark-taken rect")
@@ -380,7 +421,7 @@ async def test_the_console_for_an_operator(
     await page.wait_for_selector(f'#observers tr[data-id="{tickers[0]}"]')
     assert await page.locator("#services button").count() == 0
     assert await page.locator("#create").is_hidden()
-    await page.click(f'#observers tr[data-id="{tickers[0]}"] td:first-child a')
+    await page.click(f'#observers tr[data-id="{tickers[0]}"] td[data-col=name] a')
     await page.wait_for_selector("#o-events tbody tr")
     assert await page.locator("#o-actions button").count() == 0
     await page.click("#nav a[data-nav=failed]")

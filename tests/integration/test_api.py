@@ -201,9 +201,11 @@ async def test_metrics_show_the_cluster_and_the_requests(api: httpx.AsyncClient)
     await api.post("/observers", json={"name": "m1", "kind": "ticker"})
     await api.get("/observers/00000000-0000-0000-0000-000000000000")
     text = (await api.get("/metrics")).text
-    assert 'orch_observers{kind="ticker",status="created"} 1.0' in text
+    assert 'orch_observers{kind="ticker",pool="default",status="created"} 1.0' in text
     assert "orch_outbox_backlog" in text
-    assert re.search(r"^orch_work_queue_ready \d", text, re.MULTILINE), "the queue's depth"
+    assert re.search(r'^orch_work_queue_ready\{pool="default"\} \d', text, re.MULTILINE), (
+        "the queue's depth"
+    )
     assert "orch_leader 1.0" in text or "orch_leader 0.0" in text
     assert (
         'orch_http_request_duration_seconds_count{code="404",method="GET",'

@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import httpx
 
+from contracts.topology import Topology, delete_topology
 from orch.cluster import Proc, quiet, wait_for
 from orch_verify.cluster import FaultCluster
 
@@ -37,6 +38,8 @@ class Cluster(FaultCluster):
         self.workdir = workdir
         self.lease_ttl = lease_ttl
         self.api_port: int | None = None
+        #: The pools services were started in (their work queues are deleted at the end).
+        self.pools: set[str] = set()
         super().__init__(
             env={
                 "PYTHONPATH": str(ROOT),
@@ -77,7 +80,17 @@ class Cluster(FaultCluster):
         return proc
 
     async def start_service(self, name: str = "svc", worker_count: int = 10, **env: Any) -> Proc:
+        if env.get("pool"):
+            self.pools.add(str(env["pool"]))
         return await super().start_service(name, worker_count, **_orch(env))
+
+    async def stop(self, timeout: float = 20) -> None:
+        """Every process; then the work queues of the pools its services joined (the prefix's
+        own queues go with the prefix)."""
+        await super().stop(timeout)
+        if self.pools:
+            with contextlib.suppress(Exception):
+                await delete_topology(self.amqp_url, Topology(self.prefix), sorted(self.pools))
 
     # ------------------------------------------------------------- API and database
     def api(self) -> httpx.AsyncClient:

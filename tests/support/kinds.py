@@ -6,6 +6,7 @@ The ones that tick write the recorder's tick log, so the tests judge them from w
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from pydantic import BaseModel, ConfigDict, SecretStr
@@ -291,3 +292,26 @@ async def burner(ctx: ObserverContext) -> None:
         state["steps"] += 1
         await ctx.checkpoint(state)
         await ctx.sleep(p.every)
+
+
+class VersionedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str
+    interval: float = 0.05
+
+
+@observer_kind(
+    "versioned", params=VersionedParams, version=os.environ.get("ORCH_TEST_KIND_VERSION", "1")
+)
+async def versioned(ctx: ObserverContext) -> None:
+    """A recorder whose version each service names (``ORCH_TEST_KIND_VERSION``): two services
+    with two versions of one kind, as a rollout has them. Counts on from its checkpoint."""
+    p: VersionedParams = ctx.params
+    count = int((ctx.last_checkpoint or {}).get("count", 0))
+    while True:
+        ctx.ensure_alive()
+        count += 1
+        write_tick(p.dir, ctx, count)
+        await ctx.checkpoint({"count": count})
+        await ctx.sleep(p.interval)

@@ -89,7 +89,7 @@ def test_a_copy_running_here_is_never_taken_again_whatever_the_row_says() -> Non
 
 def test_a_kind_not_installed_here_is_passed_on_never_taken() -> None:
     me, other = uuid.uuid4(), uuid.uuid4()
-    free = Facts(exists=True, status=S.CREATED, dispatch_current=True, kind_here=False)
+    free = Facts(exists=True, status=S.CREATED, dispatch_current=True, belongs_here=False)
     assert decide(free, me=me, redelivered=False, running_here=False) is D.NOT_HERE
     assert decide(free, me=me, redelivered=False, running_here=False, room=False) is (D.NOT_HERE), (
         "passed on without waiting for a slot it would not use"
