@@ -1,24 +1,26 @@
 """Bodies of the broker messages (and of the outbox rows that hold them). Every body is JSON.
 
 Two releases run side by side through a rolling upgrade, so a body is read tolerantly: a field
-this release does not know is ignored, and a body may name its protocol version in ``v``
-(absent: 1). This release reads the versions in ``READS``: its own, and the next release's.
-It writes no ``v`` and no field the release before it lacks, because that release refused
-unknown fields: a new field, or a ``v`` above 1, may be written only by a release whose
-predecessor reads tolerantly (``docs/upgrading.md``).
+this release does not know is ignored, and a body names its protocol version in ``v`` (absent:
+1, what releases before 0.2 wrote). This release writes ``PROTOCOL`` and reads ``READS``: the
+version of the release before it, its own, and the next release's. A new field may be written
+only by a release whose predecessor reads tolerantly (every release since 0.1), and a field a
+reader needs must never be one that the release before it did not write
+(``docs/upgrading.md``).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 #: The protocol version this release writes.
-PROTOCOL = 1
-#: The versions it reads.
-READS = (PROTOCOL, PROTOCOL + 1)
+PROTOCOL = 2
+#: The versions it reads: the release before it, its own, the next one.
+READS = (PROTOCOL - 1, PROTOCOL, PROTOCOL + 1)
 
 
 class Message(BaseModel):
@@ -36,10 +38,11 @@ class Message(BaseModel):
         return data
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        """The body: its protocol version, then its fields."""
+        return {"v": PROTOCOL, **self.model_dump(mode="json")}
 
 
 class StartMessage(Message):
