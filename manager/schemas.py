@@ -13,6 +13,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     model_validator,
 )
 
@@ -339,7 +340,7 @@ class ObserverMove(BaseModel):
     to_version: KindVersion | None = Field(
         default=None, description="pin them to this version of their kind"
     )
-    any_version: bool = Field(default=False, description="unpin them: any version runs them")
+    any_version: StrictBool = Field(default=False, description="unpin them: any version runs them")
     limit: int = Field(
         default=1000, ge=1, le=MAX_ACTION, description="select at most this many, oldest first"
     )

@@ -10,9 +10,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
-from contracts.errors import NameTaken, OrchError, TooLarge, Transient
+from contracts.errors import Conflict, NameTaken, NotFound, OrchError, TooLarge, Transient
 from contracts.kinds import mask_params, secret_values
 from contracts.masking import mask
+from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
@@ -223,7 +224,7 @@ async def _select(tx: Tx, sel: ObserverSelector, limit: int) -> tuple[list[uuid.
     response_model=ObserverMoveOut,
     operation_id="moveObservers",
     dependencies=[ADMIN],
-    responses=responses(*AUTH, 422, 503),
+    responses=responses(*AUTH, 404, 409, 422, 503),
 )
 async def move_observers(body: ObserverMove, state: RuntimeDep) -> dict[str, Any]:
     """Move the observers (not deleted) that the selector takes, oldest first, up to `limit`,
@@ -233,18 +234,24 @@ async def move_observers(body: ObserverMove, state: RuntimeDep) -> dict[str, Any
     (the leader's mover: `ORCH_MOVE_IN_FLIGHT`); one nobody runs is dispatched there at once;
     a paused or failed one starts there when resumed or restarted. Each has a `move requested`
     event in its history. The target must offer each kind moved (in the version pinned): else
-    422, naming what it offers, and nothing moves. Moving them back is a rollback."""
+    422, naming what it offers, and nothing moves. A selector that takes nothing is a 404, a
+    move of observers all already there a 409. Moving them back is a rollback."""
     to = repo.MoveTo(body.to_pool, body.to_version, body.any_version)
     async with state.store.autocommit() as tx:
         ids, more = await _select(tx, body.selector, body.limit)
         selected = len(ids)
         ids = ids[: math.ceil(selected * body.percent / 100)]
         targets = await repo.move_targets(tx, ids, to) if ids else []
+    if not ids:
+        pools = ", ".join(sorted({DEFAULT_POOL, *state.offered}))
+        raise NotFound(f"no observer that is not deleted matches the selector (pools: {pools})")
     for need in targets:  # each kind is offered where it goes, or nothing moves
         await state.kind(need.kind, need.pool, need.version)
     async with state.store.transaction() as tx:
         rows, pending = await repo.move_observers(tx, ids, to)
     await state.outbox.publish_now(pending)
+    if not rows:
+        raise Conflict(f"the {len(ids)} observers selected are already where a move {to} puts them")
     moved = {r.id for r in rows}
     return {
         "matched": selected,

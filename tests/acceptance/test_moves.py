@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from orch_bench.ticklog import largest_gaps, read_ticks
-from tests.support.cluster import Cluster, wait_for
+from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import assert_no_overlap
 
 CANARY = "canary"
@@ -135,10 +135,28 @@ async def test_observers_pinned_to_a_version_run_only_where_it_is(cluster: Clust
     async with cluster.api() as api:
         kinds = {k["name"]: k for k in (await api.get("/kinds")).json()}
     assert sorted(kinds["versioned"]["versions"]) == ["1", "2"], kinds["versioned"]
+    schemas = await cluster.q(
+        "SELECT id, kinds->'versioned'->'params_schema'->'properties' ? 'label' AS label "
+        "FROM services"
+    )
+    assert {r["id"]: r["label"] for r in schemas} == {v1_id: False, v2_id: True}
+    # A new schema advertised changes nothing for the observers of the old one: they run on.
+    await quiet(1.0, "the observers of version 1 would be restarted or failed")
+    await cluster.wait_all_running(ids, timeout=5, on={v1_id}, fresh_after=time.time())
+    events = await cluster.q(
+        "SELECT DISTINCT event FROM observer_events WHERE observer_id = ANY($1)", ids
+    )
+    assert {r["event"] for r in events} == {"created", "taken"}, [dict(r) for r in events]
 
     answer = await _move(cluster, {"selector": {"kind": "versioned"}, "to_version": "2"})
     assert answer["moved"] == 6, answer
     await cluster.wait_all_running(ids, timeout=20, on={v2_id})
+    again = await _move(
+        cluster, {"selector": {"ids": [str(i) for i in ids]}, "to_version": "2"}, 409
+    )
+    assert "already where a move to version '2' puts them" in again["detail"], again
+    nothing = await _move(cluster, {"selector": {"name_prefix": "nobody-"}, "to_version": "2"}, 404)
+    assert "pools: default" in nothing["detail"], nothing
 
     pinned = await _create(cluster, 2, version="2")
     await cluster.wait_all_running(pinned, timeout=20, on={v2_id})
@@ -163,4 +181,57 @@ async def test_observers_pinned_to_a_version_run_only_where_it_is(cluster: Clust
     assert "to_pool, to_version or any_version" in str(no_target), no_target
     rows = await cluster.q("SELECT DISTINCT pool FROM observers WHERE id = ANY($1)", ids)
     assert [r["pool"] for r in rows] == ["default"], "a refused move moved something"
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_a_hundred_observers_move_at_the_pace_set(cluster: Cluster) -> None:
+    """100 observers move to another pool with ``ORCH_MOVE_IN_FLIGHT=20``: each stops for well
+    under a second, never two copies of one at once, and never more than 20 are between their
+    old holder and their new one at any moment (judged from their ticks)."""
+    in_flight, n = 20, 100
+    await cluster.start_manager(rebalance="false", move_in_flight=str(in_flight))
+    d = await cluster.start_service("d", worker_count=n + 20)
+    c = await cluster.start_service("c", worker_count=n + 20, pool=CANARY)
+    d_id, c_id = await cluster.service_id(d, wait=10), await cluster.service_id(c, wait=10)
+    params = {"dir": str(cluster.tick_dir), "interval": 0.1, "checkpoint_every": 5}
+    async with cluster.api() as api:
+        r = await api.post(
+            "/observers/batch",
+            json={
+                "observers": [
+                    {"name": f"many-{i}", "kind": "recorder", "params": params} for i in range(n)
+                ]
+            },
+        )
+    assert r.status_code == 200, r.text
+    ids = [uuid.UUID(item["observer"]["id"]) for item in r.json()["items"]]
+    await cluster.wait_all_running(ids, timeout=30, on={d_id})
+    await wait_for(
+        lambda: _all_ticked_since(cluster, ids, 0), timeout=10, what="every observer ticking"
+    )
+    started = time.time()
+    answer = await _move(cluster, {"selector": {"pool": "default"}, "to_pool": CANARY})
+    assert answer["moved"] == n, answer
+    await cluster.wait_all_running(ids, timeout=60, on={c_id})
+    moved_in = time.time() - started
+    await wait_for(
+        lambda: _all_ticked_since(cluster, ids, time.time()), timeout=10, what="all ticking"
+    )
+
+    ticks = read_ticks(cluster.tick_dir)
+    gaps = largest_gaps(ticks, started, time.time())
+    # Each observer's way across: from its last tick on d to its first on c.
+    spans = []
+    for oid in map(str, ids):
+        last_d = max(t.at for t in ticks if t.observer == oid and t.service == str(d_id))
+        first_c = min(t.at for t in ticks if t.observer == oid and t.service == str(c_id))
+        spans.append((last_d, first_c))
+    crossing = max(sum(1 for a, b in spans if a <= at < b) for at, _ in spans)
+    worst = max(gaps[str(i)] for i in ids)
+    print(
+        f"\n{n} moved in {moved_in:.2f} s; longest gap {worst:.3f} s; at most {crossing} "
+        f"across at once (in flight {in_flight})"
+    )
+    assert worst < 1.0, sorted(gaps.values())[-5:]
+    assert crossing <= in_flight, crossing
     assert_no_overlap(cluster.tick_dir)

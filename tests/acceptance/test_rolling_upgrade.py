@@ -1,12 +1,12 @@
-"""A rolling upgrade from the previous release to this one, on a running cluster.
+"""A rolling upgrade from the previous release to this one and back, on a running cluster.
 
 The cluster starts as the previous release alone (``tests.support.releases``: its git tag
 checked out, its own code and test kinds): its own ``orch migrate``, one manager, two services,
 observers of the ``recorder`` kind. Then it rolls the way ``docs/upgrading.md`` (*Order*) says:
-this release's ``orch migrate`` under the running cluster; a new service; the first old service
-stopped with SIGTERM (it hands its observers over); another new service; the second old one
-stopped; a new manager in place of the old one. The old manager's leader rebalances meanwhile,
-so observers also move by handoff between releases in both directions.
+this release's ``orch migrate`` under the running cluster; a new manager in place of the old
+one; then each service in turn drained, stopped and replaced by one of this release. Then the
+services are rolled back to the previous release the same way, and forward again. The leader
+rebalances meanwhile, so observers also move by handoff between releases in both directions.
 
 Judged after every step, and over the whole roll, from the observers' own tick logs: every
 observer runs, no two copies of one ever ran at the same time, and none stopped for longer than
@@ -42,14 +42,12 @@ from tests.support.releases import (
 OBSERVERS, LATER = 12, 3
 #: Their tick interval, seconds (a low rate: 10 ticks a second each).
 INTERVAL = 0.1
-#: The longest an observer may go without a tick during the roll. Every stop in it is graceful:
-#: a SIGTERMed service stops its copies, releases them and requeues their starts, which another
-#: service takes within milliseconds; a rebalance move is a handoff sent straight to its target.
-#: Neither waits for a lease to expire (the cluster's TTL is 2 s, so a move that did would
-#: leave a gap of 2 s and more). The bound is the benchmark's target for a graceful move
-#: (``orch bench``, *graceful move (SIGTERM)*: 1 s) plus the tick interval, since a copy's last
-#: tick may come up to one interval before it is stopped.
-GAP_BOUND = 1.0 + INTERVAL
+#: The longest an observer may go without a tick during the roll. Every move in it is graceful:
+#: a drain hands each observer to another service, a rebalance move is a handoff sent straight
+#: to its target; neither waits for a lease to expire (the cluster's TTL is 2 s, so a move that
+#: did would leave a gap of 2 s and more). The bound is the benchmark's target for a graceful
+#: move (``orch bench``, *graceful move*: 1 s).
+GAP_BOUND = 1.0
 #: The old manager's leader rebalances as a deployment's does (on by default), quickly.
 REBALANCE: dict[str, Any] = {
     "rebalance": "true",
@@ -103,6 +101,21 @@ class Roll:
         self.ids += new
         return new
 
+    async def replace(self, proc: Proc, release: Release, name: str) -> Proc:
+        """Drain ``proc`` through the API (its observers go to the other services), stop it
+        once it runs nothing, and start a service of ``release`` in its place."""
+        sid = await self.cluster.service_id(proc)
+        async with self.cluster.api() as api:
+            r = await api.post(f"/services/{sid}/drain")
+            assert r.status_code == 202, r.text
+
+        async def empty() -> bool:
+            return await self.holding(proc) == 0
+
+        await wait_for(empty, timeout=15, what=f"{proc.name} drained")
+        assert await self.cluster.stop_gracefully(proc) == 0, proc.tail()
+        return await self.cluster.start_service_of(release, name, worker_count=20)
+
     async def holding(self, proc: Proc) -> int:
         held: int = await self.cluster.q(
             "SELECT count(*) FROM observers WHERE service_id = $1 AND status = 'processing'",
@@ -117,16 +130,16 @@ async def _all_ticked(cluster: MixedCluster, ids: list[uuid.UUID]) -> bool:
     return {str(i) for i in ids} <= ticked
 
 
-async def test_rolling_upgrade_from_the_previous_release(
+async def test_rolling_upgrade_from_the_previous_release_and_back(
     servers: Servers, prefix: str, tmp_path: Path, previous: Release
 ) -> None:
     """v0.1.0's manager and two services run observers on v0.1.0's schema; this release's
-    migrations run under them; its services join, v0.1.0's leave on SIGTERM one at a time, and
-    its manager replaces the old one. After each step and over the whole roll every observer
-    runs, none ran twice at once and none stopped for ``GAP_BOUND`` or more; the old leader
-    moves observers onto new services while mixed; observers created through the old manager
-    while mixed and through the new one at the end run, and a delete through the new manager
-    stops one the old manager created."""
+    migrations run under them; its manager replaces the old one; each service is drained,
+    stopped and replaced by one of this release, then by one of v0.1.0 again, then by one of
+    this release again. After each step and over the whole roll every observer runs, none ran
+    twice at once and none stopped for ``GAP_BOUND`` or more; observers created through the
+    old manager and the new one run, and a delete through the new manager stops one the old
+    manager created."""
     previous.assert_imported_from_here()
     async with (
         empty_database(servers.asyncpg_dsn("postgres")) as name,
@@ -146,6 +159,7 @@ async def test_rolling_upgrade_from_the_previous_release(
         roll.ids = await cluster.create_recorders(OBSERVERS, interval=INTERVAL)
         await cluster.wait_all_running(roll.ids, timeout=15, on=await roll.live(a, b))
         await wait_for(lambda: _all_ticked(cluster, roll.ids), timeout=5, what="all tick")
+        await roll.create("old-api")
         rolled_from = time.time()
 
         # 1. This release's migrations, under the running old cluster.
@@ -153,38 +167,7 @@ async def test_rolling_upgrade_from_the_previous_release(
         assert await cluster.migrate(HEAD) in HEAD.alembic_heads()
         await roll.check("migrate", began, await roll.live(a, b))
 
-        # 2. A new service joins; the old leader moves observers to it from old services.
-        began = time.time()
-        c = await cluster.start_service_of(HEAD, "new-c", worker_count=20)
-        await wait_for(lambda: roll.holding(c), timeout=15, what="moves onto new-c")
-        await roll.check("new-c joined", began, await roll.live(a, b, c))
-        # Each process runs its own release: only the new one advertises its kinds.
-        kinds = {r["id"]: r["kinds"] for r in await cluster.q("SELECT id, kinds FROM services")}
-        assert [kinds[s] for s in await roll.live(a, b)] == [None, None]
-        assert kinds[await cluster.service_id(c)] is not None
-
-        # 3. The first old service stops; it hands its observers over.
-        began = time.time()
-        assert await cluster.stop_gracefully(a) == 0, a.tail()
-        await roll.check("old-a stopped", began, await roll.live(b, c))
-
-        # Mixed: observers created through the old manager run too.
-        await roll.create("mixed")
-        await roll.check("created while mixed", time.time(), await roll.live(b, c))
-
-        # 4. Another new service joins.
-        began = time.time()
-        d = await cluster.start_service_of(HEAD, "new-d", worker_count=20)
-        await wait_for(lambda: roll.holding(d), timeout=15, what="moves onto new-d")
-        await roll.check("new-d joined", began, await roll.live(b, c, d))
-
-        # 5. The second old service stops.
-        began = time.time()
-        assert await cluster.stop_gracefully(b) == 0, b.tail()
-        new_services = await roll.live(c, d)
-        await roll.check("old-b stopped", began, new_services)
-
-        # 6. A new manager replaces the old one, and leads.
+        # 2. A new manager replaces the old one, and leads the old services.
         began = time.time()
         new_manager = await cluster.start_manager_of(HEAD, **REBALANCE)
         # uvicorn ends a SIGTERMed server by raising the signal again once it has shut down.
@@ -198,28 +181,49 @@ async def test_rolling_upgrade_from_the_previous_release(
                 return bool((await api.get("/leader")).json()["this_replica_leads"])
 
         await wait_for(leads, timeout=10, what="the new manager leads")
-        await roll.check("manager replaced", began, new_services)
-        await roll.create("after")
-        await roll.check("created after the roll", time.time(), new_services)
+        await roll.check("manager replaced", began, await roll.live(a, b))
+        await roll.create("new-api")
+        await roll.check("created through the new manager", time.time(), await roll.live(a, b))
+
+        # 3. Each service in turn: drained, stopped, replaced by one of this release. Then back
+        # to the previous release, and forward again.
+        services = [a, b]
+        releases = {p.name: previous for p in services}
+        for step, release in (("up", HEAD), ("back", previous), ("forward", HEAD)):
+            for i in range(len(services)):
+                gone = services[i]
+                began = time.time()
+                services[i] = await roll.replace(gone, release, f"{step}-{i}")
+                releases[services[i].name] = release
+                await roll.check(
+                    f"{step}: {gone.name} -> {services[i].name}", began, await roll.live(*services)
+                )
+            kinds = {r["id"]: r["kinds"] for r in await cluster.q("SELECT id, kinds FROM services")}
+            for p in services:  # each process runs its own release: only this one advertises
+                advertised = kinds[await cluster.service_id(p)]
+                assert (advertised is None) == (release is previous), (p.name, advertised)
 
         # Over the whole roll: each observer there from the start ran in old and in new
-        # processes, never twice at once, and never stopped for long.
+        # services, never twice at once, and never stopped for long.
         end = time.time()
         ticks = read_ticks(cluster.tick_dir)
-        old_pids, new_pids = {a.pid, b.pid}, {c.pid, d.pid}
+        by_release: dict[Release, set[int]] = {}
+        for p in cluster.procs:
+            if p.name in releases:
+                by_release.setdefault(releases[p.name], set()).add(p.pid)
         for oid in roll.ids[:OBSERVERS]:
             pids = {t.pid for t in ticks if t.observer == str(oid)}
-            assert pids & old_pids, f"{oid} never ran in an old service"
-            assert pids & new_pids, f"{oid} never ran in a new service"
+            assert pids & by_release[previous], f"{oid} never ran in an old service"
+            assert pids & by_release[HEAD], f"{oid} never ran in a new service"
         whole = largest_gaps(ticks, rolled_from, end)
-        longest = max(whole[str(i)] for i in roll.ids[:OBSERVERS])
-        print(f"whole roll: longest gap {longest:.3f} s", flush=True)
+        longest = max(whole[str(i)] for i in roll.ids[: OBSERVERS + LATER])  # there from before
+        print(f"whole roll: longest gap {longest:.3f} s, {end - rolled_from:.1f} s", flush=True)
         assert longest < GAP_BOUND
         assert_no_overlap(cluster.tick_dir)
         async with cluster.api() as api:
-            services = {s["name"]: s for s in (await api.get("/services")).json()}
-        assert set(services) == {"new-c", "new-d"}, services
-        assert all("recorder" in (s["kinds"] or []) for s in services.values()), services
+            live = {s["name"]: s for s in (await api.get("/services")).json()}
+        assert set(live) == {p.name for p in services}, live
+        assert all("recorder" in (s["kinds"] or []) for s in live.values()), live
 
         # The new manager stops an observer the old one created, with a delete.
         victim = roll.ids[OBSERVERS]
@@ -231,6 +235,6 @@ async def test_rolling_upgrade_from_the_previous_release(
         await quiet(0.5, "a copy still running would tick 5 times")
         late = [t for t in read_ticks(cluster.tick_dir) if t.observer == str(victim)]
         assert all(t.at <= deleted_at for t in late), "the deleted observer still ticks"
-        for p in (c, d, new_manager):
+        for p in (*services, new_manager):
             assert p.alive, p.tail()
         assert cluster.errors() == []

@@ -301,8 +301,19 @@ class VersionedParams(BaseModel):
     interval: float = 0.05
 
 
+class VersionedParamsV2(VersionedParams):
+    """Version 2's params: one field more (its advertised schema differs from version 1's)."""
+
+    label: str = ""
+
+
+VERSION = os.environ.get("ORCH_TEST_KIND_VERSION", "1")
+
+
 @observer_kind(
-    "versioned", params=VersionedParams, version=os.environ.get("ORCH_TEST_KIND_VERSION", "1")
+    "versioned",
+    params=VersionedParamsV2 if VERSION == "2" else VersionedParams,
+    version=VERSION,
 )
 async def versioned(ctx: ObserverContext) -> None:
     """A recorder whose version each service names (``ORCH_TEST_KIND_VERSION``): two services
