@@ -23,8 +23,3 @@ def check_pool(name: str) -> str:
             "letter or digit"
         )
     return name
-
-
-def in_pool(pool: str) -> str:
-    """The words that place a reason in a pool (none for the default pool): `` in pool 'eu'``."""
-    return "" if pool == DEFAULT_POOL else f" in pool {pool!r}"
