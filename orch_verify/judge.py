@@ -15,7 +15,8 @@ its process was resumed from a SIGSTOP that cut it between its lease check and i
 fenced write makes what such a step sends harmless.
 
 Per kind it also tells how long copies took to stop once asked, which ignored it (ran on past
-the shutdown timeout), the longest event loop stall and memory growth per observer.
+the shutdown timeout), the longest event loop stall and memory growth per observer: a growth
+sustained over the whole window, above ``GROWTH_FLAG`` and by ``GROWTH_GROWN`` (``trend``).
 """
 
 from __future__ import annotations
@@ -44,10 +45,19 @@ def _own_errors() -> frozenset[str]:
 
 
 OWN_ERRORS = _own_errors()
-#: Memory growth per observer above which a kind is flagged, bytes per minute.
+#: Memory growth per observer above which a kind is flagged, bytes per minute (``trend``)...
 GROWTH_FLAG = 64 * 1024
-#: Memory samples taken in a copy's first seconds are left out (imports, first buffers).
+#: ... once it has grown by this much per observer, bytes: a minute's growth at the limit, so a
+#: trend just above it is judged over a minute and a half of samples or more (a fast leak over
+#: seconds), and noise or a buffer allocated once, a few KiB, never passes for one.
+GROWTH_GROWN = GROWTH_FLAG
+#: Memory samples taken in a process's first seconds are left out (imports, first buffers).
 WARM_UP = 10.0
+#: A trend is computed from at least this many samples after the warm-up, spanning at least
+#: this many seconds (``observer_service/witnessing.py`` takes one every 5 s or more); how long
+#: it must be to be flagged is ``GROWTH_GROWN``'s to say.
+GROWTH_SAMPLES = 3
+GROWTH_SPAN = 15.0
 
 
 @dataclass
@@ -78,6 +88,24 @@ class Overlap:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Growth:
+    """A kind's memory trend in one process, per observer (``trend``)."""
+
+    #: Bytes per observer per minute, the lesser of the rates over its first and second half.
+    rate: float
+    #: Bytes per observer it grew by, from its first third to its last (medians).
+    grown: float
+    #: Seconds its samples span, and how many there are.
+    span: float
+    samples: int
+
+    @property
+    def flagged(self) -> bool:
+        """Growing above ``GROWTH_FLAG`` all along, by ``GROWTH_GROWN`` or more."""
+        return self.rate > GROWTH_FLAG and self.grown >= GROWTH_GROWN
+
+
 @dataclass
 class KindFigures:
     kind: str
@@ -87,9 +115,19 @@ class KindFigures:
     stalls: int = 0
     longest_stall: float = 0.0
     stalled_observer: str = ""
-    #: Bytes per observer per minute (None: too few samples).
-    growth: float | None = None
+    #: Its memory trend where it grew the most (None: too few samples anywhere).
+    memory: Growth | None = None
     failed: int = 0
+
+    @property
+    def growth(self) -> float | None:
+        """Bytes per observer per minute (None: too few samples)."""
+        return None if self.memory is None else self.memory.rate
+
+    @property
+    def grows(self) -> bool:
+        """Its memory grew above ``GROWTH_FLAG``, all along and by ``GROWTH_GROWN`` or more."""
+        return self.memory is not None and self.memory.flagged
 
     def stop_percentiles(self) -> tuple[float, float, float] | None:
         if not self.stops:
@@ -126,6 +164,19 @@ class Verdict:
     late_steps: list[str] = field(default_factory=list)
     #: What a plain consumer of ``<prefix>.outputs`` received (``orch_verify/outputs.py``).
     outputs: OutputFindings = field(default_factory=OutputFindings)
+    #: The service processes alive at the end (a copy not ended in one runs at the end).
+    alive: set[int] = field(default_factory=set)
+    #: Deleted observer -> its epoch when its delete was accepted.
+    deleted: dict[str, int] = field(default_factory=dict)
+
+    def runs_at_end(self, c: Copy) -> bool:
+        """The copy had not ended and its process was alive when the run was judged."""
+        return c.end_at is None and c.pid in self.alive
+
+    def ran_after_its_delete(self, c: Copy) -> bool:
+        """The copy was taken after its observer's delete was accepted, or runs at the end."""
+        epoch = self.deleted.get(c.observer)
+        return epoch is not None and (c.epoch > epoch or self.runs_at_end(c))
 
     def where(self, c: Copy) -> str:
         name = self.names.get(c.pid)
@@ -192,9 +243,11 @@ class Verdict:
                     f"STALL {kind}: blocked the event loop {k.stalls} time(s), longest "
                     f"{k.longest_stall:.2f}s by observer {k.stalled_observer}"
                 )
-            if k.growth is not None and k.growth > GROWTH_FLAG:
+            if k.memory is not None and k.grows:
                 out.append(
-                    f"MEMORY GROWTH {kind}: {k.growth / 1024:.0f} KiB per observer per minute"
+                    f"MEMORY GROWTH {kind}: {k.memory.rate / 1024:.0f} KiB per observer per "
+                    f"minute, {k.memory.grown / 1024:.0f} KiB per observer over "
+                    f"{k.memory.span:.0f}s"
                 )
             if k.failed:
                 out.append(f"FAILED {kind}: {k.failed} observer(s) failed on their own errors")
@@ -230,7 +283,7 @@ class Verdict:
         for kind, k in sorted(self.kinds.items()):
             if k.ignored or any(s > self.shutdown_timeout for s in k.stops):
                 faults.append(f"your kind `{kind}` did not stop in time when asked")
-            if k.growth is not None and k.growth > GROWTH_FLAG:
+            if k.grows:
                 faults.append(f"your kind `{kind}` keeps growing in memory")
         tail = "; ".join(faults) or "every kind stopped in time"
         if self.exits:
@@ -276,6 +329,9 @@ class Verdict:
                     "longest_stall_seconds": round(k.longest_stall, 3),
                     "stalled_observer": k.stalled_observer,
                     "memory_growth_bytes_per_observer_per_minute": k.growth,
+                    "memory_grown_bytes_per_observer": k.memory.grown if k.memory else None,
+                    "memory_growth_seconds": round(k.memory.span, 1) if k.memory else None,
+                    "memory_grows": k.grows,
                     "failed": k.failed,
                 }
                 for name, k in sorted(self.kinds.items())
@@ -403,11 +459,12 @@ def judge(
             if d > k.longest_stall:
                 k.longest_stall, k.stalled_observer = d, rec.observer
     for kind, growth in memory_growth(records).items():
-        figures.setdefault(kind, KindFigures(kind)).growth = growth
+        figures.setdefault(kind, KindFigures(kind)).memory = growth
     verdict = Verdict(
         overlaps(copies, kinds), lost, after, failed, own, figures, shutdown_timeout, copies
     )
     verdict.observer_kinds = dict(kinds)
+    verdict.alive, verdict.deleted = set(alive), dict(deleted)
     verdict.late_steps = [
         f"{r.observer}: epoch {r.epoch} in process {r.pid} stepped once, {r.r} at {r.at:.3f}"
         for r in late
@@ -421,10 +478,20 @@ def _running(start: float, end: float, paused: list[tuple[float, float]]) -> flo
     return max(0.0, end - start - stopped)
 
 
-def memory_growth(records: list[Record]) -> dict[str, float]:
-    """Per kind: the steepest growth of its bytes per observer in any one process, bytes per
-    minute (least squares over that process's samples after ``WARM_UP``), where at least three
-    samples span 15 s or more."""
+def memory_growth(records: list[Record]) -> dict[str, Growth]:
+    """Per kind: its memory trend per observer (``Growth``) in the process where it grew the
+    most: a flagged one first, else the steepest. Each process's samples are taken after
+    ``WARM_UP``, where at least ``GROWTH_SAMPLES`` of them span ``GROWTH_SPAN`` or more."""
+    found: dict[str, Growth] = {}
+    for (kind, _pid), g in growth_series(records).items():
+        best = found.get(kind)
+        if best is None or (g.flagged, g.rate) > (best.flagged, best.rate):
+            found[kind] = g
+    return found
+
+
+def growth_series(records: list[Record]) -> dict[tuple[str, int], Growth]:
+    """Per kind and process, the trend of its bytes per observer (``trend``)."""
     series: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
     first_seen: dict[int, float] = {}
     for rec in records:
@@ -432,19 +499,33 @@ def memory_growth(records: list[Record]) -> dict[str, float]:
         if rec.r == "mem" and rec.detail.get("n"):
             kind = str(rec.detail["k"])
             series[(kind, rec.pid)].append((rec.at, rec.detail["b"] / rec.detail["n"]))
-    growth: dict[str, float] = {}
+    found: dict[tuple[str, int], Growth] = {}
     for (kind, pid), points in series.items():
         points = [(t, v) for t, v in points if t - first_seen[pid] >= WARM_UP]
-        if len(points) < 3 or points[-1][0] - points[0][0] < 15:
-            continue
-        slope = _slope(points) * 60
-        growth[kind] = max(growth.get(kind, slope), slope)
-    return growth
+        if len(points) >= GROWTH_SAMPLES and points[-1][0] - points[0][0] >= GROWTH_SPAN:
+            found[(kind, pid)] = trend(points)
+    return found
 
 
-def _slope(points: list[tuple[float, float]]) -> float:
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    return sum((t - mt) * (v - mv) for t, v in points) / var if var else 0.0
+def trend(points: list[tuple[float, float]]) -> Growth:
+    """The growth of a series of (time, bytes) samples, oldest first, in three thirds: from
+    the first third's medians (of time and of bytes) to the middle's, and from the middle's to
+    the last's. Its rate is the lesser of the two: a series grows only if it grows all along,
+    so a one-off step (a buffer allocated once, a cache filled once) is no trend, and medians
+    leave out a single sample the allocator's noise put high or low."""
+    third = max(1, len(points) // 3)
+    parts = (points[:third], points[third:-third], points[-third:])
+    (t1, v1), (t2, v2), (t3, v3) = (
+        (statistics.median(t for t, _ in part), statistics.median(v for _, v in part))
+        for part in parts
+    )
+    rates = [
+        (b - a) / (tb - ta) if tb > ta else 0.0
+        for a, b, ta, tb in ((v1, v2, t1, t2), (v2, v3, t2, t3))
+    ]
+    return Growth(
+        rate=min(rates) * 60,
+        grown=v3 - v1,
+        span=points[-1][0] - points[0][0],
+        samples=len(points),
+    )

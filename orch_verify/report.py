@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from orch_verify.judge import GROWTH_FLAG, Copy, Verdict
+from orch_verify.judge import Copy, Growth, Verdict
 
 if TYPE_CHECKING:
     from orch_verify.campaign import Campaign
@@ -22,8 +22,12 @@ def _stop_cell(v: Verdict, kind: str) -> str:
     return "-" if p is None else f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}"
 
 
-def _growth_cell(growth: float | None) -> str:
-    return "-" if growth is None else f"{growth / 1024:.1f}"
+def _growth_cell(memory: Growth | None) -> str:
+    """The trend's rate, and in brackets how much it grew over its samples (both per observer,
+    KiB): a kind is flagged when both are over the limit (``Growth.flagged``)."""
+    if memory is None:
+        return "-"
+    return f"{memory.rate / 1024:.1f} ({memory.grown / 1024:+.0f} KiB in {memory.span:.0f}s)"
 
 
 def table(v: Verdict) -> Table:
@@ -35,12 +39,12 @@ def table(v: Verdict) -> Table:
         "stop after cancel s (p50/p99/max)",
         "ignored cancel",
         "stalls (longest s)",
-        "memory KiB/observer/min",
+        "memory KiB/observer/min (grown)",
     ):
         t.add_column(col, justify="left" if col == "kind" else "right")
     for kind, k in sorted(v.kinds.items()):
-        growth = _growth_cell(k.growth)
-        if k.growth is not None and k.growth > GROWTH_FLAG:
+        growth = _growth_cell(k.memory)
+        if k.grows:
             growth = f"[red]{growth}[/red]"
         t.add_row(
             kind,
@@ -54,9 +58,25 @@ def table(v: Verdict) -> Table:
     return t
 
 
-def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
-    """The page: verdict, timeline (one row per observer, one bar per copy coloured by its
-    service process, overlaps in red, faults as marks on the shared axis), tables."""
+def _findings(v: Verdict) -> dict[str, list[str]]:
+    """Per observer, what the verdict found wrong with it (the timeline marks these)."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for o in v.overlaps:
+        if "OVERLAP" not in found[o.observer]:
+            found[o.observer].append("OVERLAP")
+    for oid in v.lost:
+        found[oid].append("LOST")
+    for oid in v.ran_after_delete:
+        found[oid].append("RAN AFTER DELETE")
+    return found
+
+
+def timeline(v: Verdict, campaign: Campaign) -> str:
+    """The SVG: one row per observer (those with findings first), one bar per copy from its
+    first witness record to its last, coloured by its process; overlaps outlined in red; faults
+    as dashed lines. A copy running at the end ends in an arrow; a LOST observer's last bar ends
+    in a red cross where its last record is, and its label says LOST; a copy that ran after its
+    observer's delete is outlined in red and its label says so."""
     zero = campaign.wall0
     copies_by_observer: dict[str, list[Copy]] = defaultdict(list)
     for c in v.copies.values():
@@ -66,11 +86,13 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
     colour = {pid: PALETTE[i % len(PALETTE)] for i, pid in enumerate(pids)}
     names = campaign.processes
     kinds = {str(o): k for o, k in campaign.kinds.items()}
-    overlapping = {o.observer for o in v.overlaps}
+    findings = _findings(v)
 
-    left, width, row = 230, 900, 18
+    left, width, row = 300, 900, 18
+    # An observer with a finding has a row even if it never recorded a step.
     observers = sorted(
-        copies_by_observer, key=lambda o: (o not in overlapping, kinds.get(o, ""), o)
+        set(copies_by_observer) | set(findings),
+        key=lambda o: (o not in findings, kinds.get(o, ""), o),
     )
     height = 40 + row * len(observers)
 
@@ -97,19 +119,46 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
         )
     for i, o in enumerate(observers):
         y = 26 + i * row
-        label = html.escape(f"{kinds.get(o, '?')} {o[:8]}")
-        weight = ' font-weight="bold" fill="#c00"' if o in overlapping else ""
+        marks = findings.get(o, [])
+        label = html.escape(" ".join([kinds.get(o, "?"), o[:8], *marks]))
+        weight = ' font-weight="bold" fill="#c00"' if marks else ""
         svg.append(f'<text x="4" y="{y + 11}"{weight}>{label}</text>')
-        for c in sorted(copies_by_observer[o], key=lambda c: c.first):
-            x1, x2 = x(c.first), max(x(c.last), x(c.first) + 2)
+        cs = sorted(copies_by_observer[o], key=lambda c: (c.last, c.first))
+        for c in sorted(cs, key=lambda c: c.first):
+            # A bar ends where the copy's last record is, never after it: a short one grows
+            # to the left to stay visible.
+            x2 = x(c.last)
+            x1 = min(x(c.first), x2 - 2)
+            running = v.runs_at_end(c)
+            after_delete = v.ran_after_its_delete(c)
             tip = html.escape(
                 f"{o} epoch {c.epoch} on {names.get(c.pid, '?')} (pid {c.pid}): "
                 f"{c.first - zero:.2f}s to {c.last - zero:.2f}s"
                 + (f", asked to stop at {c.stop_at - zero:.2f}s" if c.stop_at else "")
+                + (f", ended at {c.end_at - zero:.2f}s" if c.end_at is not None else "")
+                + (", running at the end" if running else "")
+                + (", ran after its observer was deleted" if after_delete else "")
             )
+            outline = ' stroke="#d00" stroke-width="2"' if after_delete else ""
             svg.append(
                 f'<rect x="{x1:.1f}" y="{y}" width="{x2 - x1:.1f}" height="{row - 5}" '
-                f'fill="{colour[c.pid]}"><title>{tip}</title></rect>'
+                f'fill="{colour[c.pid]}"{outline}><title>{tip}</title></rect>'
+            )
+            if running:
+                mid = y + (row - 5) / 2
+                svg.append(
+                    f'<path d="M{x2:.1f},{y} L{x2 + 5:.1f},{mid:.1f} L{x2:.1f},{y + row - 5}Z" '
+                    f'fill="{colour[c.pid]}"><title>running at the end</title></path>'
+                )
+        last = cs[-1] if cs else None
+        if "LOST" in marks:
+            svg.append(_lost_mark(v, last, x(last.last) if last else left, y, row, zero))
+        if "RAN AFTER DELETE" in marks:
+            epoch = v.deleted.get(o)
+            svg.append(
+                f'<text x="{x(last.last) + 4 if last else left:.1f}" y="{y + 11}" fill="#c00" '
+                f'font-weight="bold" class="after-delete">!<title>RAN AFTER DELETE: a copy '
+                f"ran after the delete was accepted (at epoch {epoch})</title></text>"
             )
     for ov in v.overlaps:
         i = observers.index(ov.observer)
@@ -119,13 +168,63 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
             f'fill="none" stroke="#d00" stroke-width="2"><title>overlap</title></rect>'
         )
     svg.append("</svg>")
+    return "".join(svg)
+
+
+def _lost_mark(v: Verdict, last: Copy | None, px: float, y: float, row: int, zero: float) -> str:
+    """A red cross at the end of a LOST observer's last bar, where its last record is (at the
+    start of the axis if it never recorded a step)."""
+    if last is None:
+        tip = "LOST: live, not running at the end; it never recorded a step"
+    else:
+        if last.end_at is not None:
+            why = f"it ended at {last.end_at - zero:.2f}s"
+        elif last.pid not in v.alive:
+            why = "its process was gone at the end"
+        else:
+            why = "it was not running at the end"
+        tip = (
+            f"LOST: live, not running at the end; its last copy ({v.where(last)}) last "
+            f"recorded at {last.last - zero:.2f}s, {why}"
+        )
+    tip = html.escape(tip)
+    top, bottom = y - 1, y + row - 4
+    return (
+        f'<path class="lost" d="M{px - 4:.1f},{top} L{px + 4:.1f},{bottom} '
+        f'M{px + 4:.1f},{top} L{px - 4:.1f},{bottom}" stroke="#d00" stroke-width="2.5">'
+        f"<title>{tip}</title></path>"
+    )
+
+
+def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
+    """The page: verdict, timeline (``timeline``), tables."""
+    pids = sorted({c.pid for c in v.copies.values()})
+    colour = {pid: PALETTE[i % len(PALETTE)] for i, pid in enumerate(pids)}
+    names = campaign.processes
+    svg = timeline(v, campaign)
 
     legend = " ".join(
         f'<span class="chip" style="background:{colour[p]}"></span>'
         f"{html.escape(names.get(p, '?'))} (pid {p})"
         for p in pids
     )
-    findings = "".join(f"<li>{html.escape(line)}</li>" for line in v.lines())
+    lines = v.lines()
+    cut = next((i for i, line in enumerate(lines) if line.startswith("history of ")), len(lines))
+    findings = "".join(f"<li>{html.escape(line)}</li>" for line in lines[:cut])
+    # The details after the summary: each observer's history, folded.
+    histories: list[list[str]] = []
+    for line in lines[cut:]:
+        if line.startswith("history of "):
+            histories.append([line.removesuffix(":")])
+        elif histories:
+            histories[-1].append(line.strip())
+    details = "".join(
+        f"<details class=history><summary>{html.escape(h[0])}</summary>"
+        f"<pre>{html.escape(chr(10).join(h[1:]))}</pre></details>"
+        for h in histories
+    )
+    if details:
+        details = "<h2>Histories</h2>" + details
     rows = "".join(
         "<tr>"
         + "".join(
@@ -137,7 +236,7 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
                 _stop_cell(v, kind),
                 len(k.ignored),
                 f"{k.stalls} ({k.longest_stall:.2f}s)" if k.stalls else 0,
-                _growth_cell(k.growth),
+                _growth_cell(k.memory),
             )
         )
         + "</tr>"
@@ -189,14 +288,18 @@ td:first-child, th:first-child {{ text-align: left; }}
 </style></head><body>
 <h1>orch verify, seed {seed}: <span class="{status}">{status}</span></h1>
 <ul>{findings}</ul>
+{details}
 <h2>Timeline</h2>
-<p>One row per observer, one bar per copy, coloured by the process that ran it; red outline:
-two copies at once; dashed lines: faults (hover for each).</p>
+<p>One row per observer (those with findings first, in red), one bar per copy from its first
+witness record to its last, coloured by the process that ran it; arrow: running at the end; red
+cross: LOST, where its last copy's records end; red outline: two copies at once, or a copy that
+ran after its observer's delete; dashed lines: faults (hover for each).</p>
 <p>{legend}</p>
-<div class="scroll">{"".join(svg)}</div>
+<div class="scroll">{svg}</div>
 <h2>Per kind</h2>
 <table><tr><th>kind</th><th>observers</th><th>failed</th><th>stop after cancel s (p50/p99/max)</th>
-<th>ignored cancel</th><th>stalls (longest)</th><th>memory KiB/observer/min</th></tr>{rows}</table>
+<th>ignored cancel</th><th>stalls (longest)</th><th>memory KiB/observer/min (grown)</th></tr>
+{rows}</table>
 <h2>Outputs</h2>
 {outputs}
 <h2>Faults</h2>
