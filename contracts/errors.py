@@ -257,3 +257,28 @@ def broker_errors() -> contextlib.AbstractContextManager[None]:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
+
+
+# ------------------------------------------------------------------- an error as it is stored
+#: A stored error (``observers.last_error``, a failure's event): its one line, then, when kind
+#: code raised it, a blank line and Python's traceback from this line on.
+TRACEBACK_START = "Traceback (most recent call last):\n"
+#: The most of a traceback kept: its end, where the error was raised.
+TRACEBACK_MAX = 6000
+
+
+def stored_error(line: str, trace: str | None) -> str:
+    """The error's line, and its traceback (cut to its last ``TRACEBACK_MAX`` characters)."""
+    if not trace:
+        return line
+    if len(trace) > TRACEBACK_MAX:
+        trace = f"{TRACEBACK_START}  ...\n{trace[-TRACEBACK_MAX:]}"
+    return f"{line}\n\n{trace}"
+
+
+def split_error(text: str | None) -> tuple[str | None, str | None]:
+    """A stored error's line and its traceback (None: none was stored, as by earlier releases)."""
+    if not text:
+        return text, None
+    line, mark, trace = text.partition(f"\n\n{TRACEBACK_START}")
+    return (line, TRACEBACK_START + trace) if mark else (text, None)

@@ -4,10 +4,14 @@ that starts and stops the manager's runtime."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gzip
+import hashlib
+import importlib.resources
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
-from fastapi.responses import HTMLResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response
 
 from contracts import __version__
 from manager import problems
@@ -103,53 +107,119 @@ def create_app(
     return app
 
 
-#: Swagger UI and ReDoc, pinned to one version each with the digest of the very file (a CDN
-#: that served anything else is refused by the browser). Off unless ORCH_API_DOCS=true.
-CDN = "https://cdn.jsdelivr.net/npm"
-SWAGGER_JS = (
-    f"{CDN}/swagger-ui-dist@5.35.0/swagger-ui-bundle.js",
-    "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9",
+#: Swagger UI and ReDoc, served by the manager itself (no CDN: the pages work offline) from the
+#: files the fastapi-offline package ships. Off unless ORCH_API_DOCS=true.
+DOCS_ASSETS = "/docs/assets"
+ASSET_TYPES = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "redoc.standalone.js": "text/javascript; charset=utf-8",
+}
+#: Swagger UI's start, a file of its own so that no inline script need be allowed. No validator:
+#: Swagger UI would send the schema's address to validator.swagger.io for its badge.
+SWAGGER_INIT = (
+    'SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui", validatorUrl: null});\n'
 )
-SWAGGER_CSS = (
-    f"{CDN}/swagger-ui-dist@5.35.0/swagger-ui.css",
-    "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I",
+#: An asset's address carries its digest, so it may be cached for a year.
+ASSET_CACHE = "public, max-age=31536000, immutable"
+#: Only this origin's files, and no inline script.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 )
-REDOC_JS = (
-    f"{CDN}/redoc@2.5.2/bundles/redoc.standalone.js",
-    "sha384-70P5pmIdaQdVbxvjhrcTDv1uKcKqalZ3OHi7S2J+uzDl0PW8dO6L+pHOpm9EEjGJ",
+SWAGGER_CSP = _CSP
+#: ReDoc also writes its styles into the page and runs its search in a worker made from a blob.
+REDOC_CSP = _CSP.replace("style-src 'self'", "style-src 'self' 'unsafe-inline'").replace(
+    "connect-src 'self';", "connect-src 'self'; worker-src blob:;"
 )
 DOCS_HEADERS = {
-    "Content-Security-Policy": "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
 
 
-def _docs(app: FastAPI) -> None:
-    """/docs (Swagger UI) and /redoc, reading /openapi.json."""
-    title = f"{app.title} {app.version}"
+@dataclasses.dataclass(frozen=True)
+class _Asset:
+    body: bytes
+    #: None when gzip would not make it smaller.
+    gzipped: bytes | None
+    media_type: str
+    #: ``?v=`` and the digest's start: a new version is a new address.
+    url: str
 
-    def page(head: str, body: str) -> HTMLResponse:
+
+def _assets() -> dict[str, _Asset]:
+    """Swagger UI's and ReDoc's files, read (and gzipped) once, with Swagger UI's start."""
+    import fastapi_offline  # only with the docs on
+
+    static = importlib.resources.files(fastapi_offline) / "static"
+    files = {name: (static / name).read_bytes() for name in ASSET_TYPES}
+    files["swagger-init.js"] = SWAGGER_INIT.encode()
+    types = {**ASSET_TYPES, "swagger-init.js": "text/javascript; charset=utf-8"}
+    return {
+        name: _Asset(
+            body=body,
+            gzipped=zipped if len(zipped := gzip.compress(body, mtime=0)) < len(body) else None,
+            media_type=types[name],
+            url=f"{DOCS_ASSETS}/{name}?v={hashlib.sha256(body).hexdigest()[:16]}",
+        )
+        for name, body in files.items()
+    }
+
+
+def _docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc, reading /openapi.json, and their files under
+    /docs/assets/: no token needed, like /openapi.json."""
+    title = f"{app.title} {app.version}"
+    assets = _assets()
+
+    def page(head: str, body: str, csp: str) -> HTMLResponse:
         return HTMLResponse(
             f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"{head}</head><body>{body}</body></html>",
-            headers=DOCS_HEADERS,
+            f'<link rel="icon" href="data:,">{head}</head><body>{body}</body></html>',
+            headers={**DOCS_HEADERS, "Content-Security-Policy": csp},
         )
 
-    def script(src: tuple[str, str]) -> str:
-        return f'<script src="{src[0]}" integrity="{src[1]}" crossorigin="anonymous"></script>'
+    def script(name: str) -> str:
+        return f'<script src="{assets[name].url}"></script>'
 
     @app.get("/docs", include_in_schema=False)
     async def swagger() -> HTMLResponse:
         return page(
-            f'<link rel="stylesheet" href="{SWAGGER_CSS[0]}" integrity="{SWAGGER_CSS[1]}" '
-            'crossorigin="anonymous">',
+            f'<link rel="stylesheet" href="{assets["swagger-ui.css"].url}">',
             '<div id="swagger-ui"></div>'
-            + script(SWAGGER_JS)
-            + '<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui"})</script>',
+            + script("swagger-ui-bundle.js")
+            + script("swagger-init.js"),
+            SWAGGER_CSP,
         )
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
-        return page("", '<redoc spec-url="/openapi.json"></redoc>' + script(REDOC_JS))
+        redoc = '<redoc spec-url="/openapi.json"></redoc>' + script("redoc.standalone.js")
+        return page("", redoc, REDOC_CSP)
+
+    @app.get(DOCS_ASSETS + "/{name}", include_in_schema=False)
+    async def asset(name: str, request: Request) -> Response:
+        found = assets.get(name)
+        if found is None:
+            raise HTTPException(404, "no such docs asset")
+        headers = {
+            "Cache-Control": ASSET_CACHE,
+            "X-Content-Type-Options": "nosniff",
+            "Vary": "Accept-Encoding",
+        }
+        if found.gzipped is not None and _accepts_gzip(request.headers.get("accept-encoding", "")):
+            headers["Content-Encoding"] = "gzip"
+            return Response(found.gzipped, media_type=found.media_type, headers=headers)
+        return Response(found.body, media_type=found.media_type, headers=headers)
+
+
+def _accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding takes gzip (``gzip;q=0`` refuses it)."""
+    for item in accept_encoding.lower().split(","):
+        coding, _, params = item.partition(";")
+        if coding.strip() in ("gzip", "x-gzip"):
+            q = params.strip().removeprefix("q=").strip()
+            return not q or q.strip("0.") != ""
+    return False

@@ -61,15 +61,24 @@ def why_waiting(o: str) -> str:
         ELSE format('no live service%s runs %s', {in_pool}, {what}) END"""
 
 
+#: Why a live observer that some live service could run has no slot: it waits in its pool's
+#: work queue, or its service stopped renewing its lease and it is sent to another.
+WAIT_QUEUED = "queued for a free slot"
+WAIT_MOVING = "its service is gone: it moves to a live one"
+
+
 def waiting_shown(o: str) -> str:
-    """SQL: why ``o`` waits, as shown: what its row says (a service passed it on), or, for
-    one nobody holds that no live service can run (none of its pool, or none of its pool
-    runs its kind in its version), why; else NULL. Read when shown, so it is never out of
-    date."""
-    return (
-        f"COALESCE({o}.waiting, CASE WHEN {o}.service_id IS NULL AND {sql_in(o + '.status', LIVE)}"
-        f" AND NOT {runnable(o)} THEN {why_waiting(o)} END)"
-    )
+    """SQL: why ``o``, live, has no slot, as shown: what its row says (a service passed it
+    on); for one nobody holds, that it is queued for a free slot, or why no live service can
+    run it (none of its pool, or none of its pool runs its kind in its version); for one whose
+    service lost its lease, that it moves. NULL while a live service holds it. Read when shown,
+    so it is never out of date."""
+    held = f"EXISTS (SELECT 1 FROM services h WHERE h.id = {o}.service_id AND {live_service('h')})"
+    return f"""COALESCE({o}.waiting, CASE
+        WHEN NOT {sql_in(o + ".status", LIVE)} OR {held} THEN NULL
+        WHEN NOT {runnable(o)} THEN {why_waiting(o)}
+        WHEN {o}.service_id IS NULL THEN '{WAIT_QUEUED}'
+        ELSE '{WAIT_MOVING}' END)"""
 
 
 OBSERVER_COLUMNS = (
@@ -482,6 +491,12 @@ SELECT s.pool, count(*) AS services,
                                        WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) h
  WHERE {live_service("s")} GROUP BY s.pool
 """
+# Live observers whose service is not live: the few services not live, their observers by index.
+HELD_BY_THE_GONE = (
+    "SELECT count(*) FROM services s JOIN observers o ON o.service_id = s.id "
+    f"WHERE NOT {live_service('s')} AND {sql_in('o.status', LIVE)}"
+)
+STATUS_TOTALS = "SELECT o.status, count(*) AS n FROM observers o GROUP BY o.status"
 # Live observers nobody holds, by pool (the partial index of unheld observers).
 UNHELD_BY_POOL = (
     "SELECT o.pool, count(*) AS n FROM observers o "

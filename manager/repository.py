@@ -569,6 +569,16 @@ class PoolLoad:
     running: int
 
 
+async def held_by_the_gone(tx: Tx) -> int:
+    """Live observers whose service lost its lease (not yet sent to another)."""
+    return int(await tx.value(q.HELD_BY_THE_GONE))
+
+
+async def status_totals(tx: Tx) -> dict[str, int]:
+    """Every observer by status."""
+    return {r.status: int(r.n) for r in await tx.rows(q.STATUS_TOTALS)}
+
+
 async def pool_loads(tx: Tx) -> tuple[dict[str, PoolLoad], dict[str, int]]:
     """Each pool's live services, slots and what they run; and its live observers nobody
     holds."""

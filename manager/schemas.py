@@ -163,7 +163,11 @@ class ObserverOut(BaseModel):
     checkpoint: Any | None
     checkpointed_at: datetime | None
     restart_count: int
-    last_error: str | None
+    last_error: str | None = Field(description="its last error's line")
+    traceback: str | None = Field(
+        default=None,
+        description="that error's Python traceback, when its kind's code raised it",
+    )
     restart_policy: dict[str, Any] | None
     created_at: datetime
     modified_at: datetime

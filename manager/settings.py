@@ -46,9 +46,9 @@ class ManagerSettings(CommonSettings):
     #: believed, comma-separated; ``*`` for any. Empty (the default): nobody's, loopback
     #: included: the client is the peer of the TCP connection.
     forwarded_allow_ips: str = ""
-    #: Serve Swagger UI at /docs and ReDoc at /redoc. Off by default: they load their scripts
-    #: from a CDN (pinned versions with subresource integrity), which an offline site cannot
-    #: reach. /openapi.json is served either way, with no token.
+    #: Serve Swagger UI at /docs and ReDoc at /redoc, with their files under /docs/assets/ (the
+    #: manager serves them itself: no CDN, they work offline). Off by default. /openapi.json is
+    #: served either way, with no token.
     api_docs: bool = False
     #: The last ``orch verify`` report (its ``--report``), served at /verify-report and linked
     #: from the console when the file exists. A path relative to the manager's directory.

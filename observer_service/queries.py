@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from contracts.errors import TRACEBACK_START
 from contracts.statuses import (
     HELD,
     LIVE,
@@ -33,6 +34,11 @@ def _let_go_event(status_column: str) -> str:
 def _events(event: str, detail: str, service: str) -> str:
     return f"""e AS (INSERT INTO observer_events (observer_id, event, service_id, epoch, detail)
            SELECT u.id, {event}, {service}::uuid, u.epoch, {detail} FROM u)"""
+
+
+def error_line(param: str) -> str:
+    """A stored error's line, without its traceback (a history row keeps the line alone)."""
+    return f"split_part({param}::text, E'\\n\\n{TRACEBACK_START[:-1]}\\n', 1)"
 
 
 def with_events(update: str, event: str, detail: str, service: str = "$2") -> str:
@@ -242,7 +248,7 @@ UPDATE observers o
   FROM cur WHERE o.id = cur.id
 RETURNING o.id, o.epoch, o.restart_count, o.status""",
     f"CASE u.status WHEN {_FAILED} THEN {event(Event.FAILED)} ELSE {event(Event.RESTARTED)} END",
-    "$4::text",
+    error_line("$4"),
 )
 
 # $1 id, $2 me, $3 epoch, $4 error: a copy that cannot run here at all (kind not installed).
@@ -251,7 +257,7 @@ FAIL = with_events(
     f"modified_at = now() WHERE id = $1 AND epoch = $3 AND service_id = $2 "
     f"AND status = {_PROCESSING} RETURNING id, epoch",
     event(Event.FAILED),
-    "$4::text",
+    error_line("$4"),
 )
 
 # $1 id, $2 me, $3 reason: a copy blocked the event loop for longer than the lease, which cost
@@ -267,7 +273,7 @@ BLAME = with_events(
     f"modified_at = now() WHERE id = $1 AND $2::uuid IS NOT NULL "
     f"AND status IN ({_PROCESSING}, '{ObserverStatus.CREATED.value}') RETURNING id, epoch",
     event(Event.FAILED),
-    "$3::text",
+    error_line("$3"),
 )
 
 # $1 observers this service runs, $2 me: let go of what the database says we hold but we do

@@ -7,13 +7,16 @@ Its errors are its own; the orchestrator's own database trouble never reaches it
 from __future__ import annotations
 
 import asyncio
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-from contracts.errors import Fenced, LeaseLost
+from contracts.errors import Fenced, LeaseLost, split_error, stored_error
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.masking import mask
 from contracts.witness import Witness
@@ -163,7 +166,7 @@ async def run_observer(
         delay = policy.delay(record.restarts)
         ctx.logger.warning(
             "raised (%s); restart %d of %d in %.2fs",
-            error,
+            split_error(error)[0],  # its traceback is shown with the observer, not logged
             record.restarts,
             policy.max_restarts,
             delay,
@@ -199,10 +202,23 @@ async def _with_progress(run: Any, outputs: CopyOutputs, seconds: float) -> None
 
 
 def describe(exc: BaseException | None, secrets: Sequence[str] = ()) -> str:
-    """An error as stored and logged: the observer's secret values, URL credentials and secret
-    query values masked first, then cut (a cut first could leave half a password that no
-    longer looks like one)."""
-    return mask(f"{type(exc).__name__}: {exc}", secrets=secrets)[:2000]
+    """An error as stored: its line, then the traceback when it was raised
+    (``contracts.errors.stored_error``). The observer's secret values, URL credentials and
+    secret query values are masked first, then the text is cut (a cut first could leave half a
+    password that no longer looks like one)."""
+    line = mask(f"{type(exc).__name__}: {exc}", secrets=secrets)[:2000]
+    if exc is None or exc.__traceback__ is None:
+        return line
+    # From the kind's first frame: the service's own frames that drove it tell the author
+    # nothing (all of them, when the error never reached kind code).
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and Path(tb.tb_frame.f_code.co_filename).parent == _HERE:
+        tb = tb.tb_next
+    trace = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    return stored_error(line, mask(trace, secrets=secrets))
+
+
+_HERE = Path(__file__).parent
 
 
 def refused(what: str) -> Fenced:

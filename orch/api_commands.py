@@ -111,10 +111,13 @@ def _observer_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Table:
     for header in ("epoch", "restarts", "checkpointed"):
         table.add_column(header)
     for o in rows:
-        status = shown(o["status"])
+        # "processing" only with a live holder: else it waits (o["waiting"] says why).
+        waits = bool(o.get("waiting")) and o["status"] in ("created", "processing")
+        status = "waiting" if waits else shown(o["status"])
         style = {"failed": "red", "pausing": "yellow", "paused": "yellow"}.get(o["status"])
+        style = "yellow" if waits else style
         restarts = str(o["restart_count"]) if o["restart_count"] else ""
-        service = o["service_id"] or ("waiting" if o.get("waiting") else "")
+        service = "" if waits else o["service_id"] or ""
         table.add_row(
             shown(o["id"]),
             shown(o["name"]),
@@ -445,6 +448,9 @@ def _render_observer(o: dict[str, Any]) -> None:
         out.print("checkpoint:", shown(json.dumps(o["checkpoint"])), highlight=False)
     if o["last_error"]:
         out.print(f"[red]last error:[/red] {shown(o['last_error'])}", highlight=False)
+    if o.get("traceback"):
+        for line in o["traceback"].splitlines():
+            out.print(f"  {shown(line)}", highlight=False)
     if o.get("waiting"):
         out.print(f"[yellow]waiting:[/yellow] {shown(o['waiting'])}", highlight=False)
     pinned = f", version {o['kind_version']}" if o.get("kind_version") else ""

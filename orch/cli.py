@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import signal
-import socket
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -18,6 +15,9 @@ from contracts import __version__
 from orch.api_commands import err, kinds, observers_app, out, pools, services_app
 
 if TYPE_CHECKING:
+    import asyncio
+    import socket
+
     from contracts.settings import CommonSettings
     from orch.cluster import LocalCluster
 
@@ -80,6 +80,8 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
     """Run a server's main coroutine on uvloop where it is installed (it roughly halves the
     event loop's own cost per request and per delivery), else on asyncio's loop; with the
     garbage collector at a server's pace (``contracts.heap``)."""
+    import asyncio
+
     from contracts import heap
 
     heap.settle()
@@ -93,6 +95,8 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> NoReturn:
     """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
+    import asyncio
+
     from contracts.errors import StartupError
     from contracts.kinds import load_kinds
     from contracts.preflight import check_servers
@@ -162,6 +166,8 @@ async def _serve_manager(
     settings: Any, kinds: Any, replica: str, sock: socket.socket | None = None
 ) -> int:
     """Serve until a signal (0), or until a task of the runtime dies (1)."""
+    import asyncio
+
     import uvicorn
 
     from manager.app import create_app
@@ -230,6 +236,8 @@ def up(
     port: Annotated[int, typer.Option(help="port of the API")] = 8000,
 ) -> None:
     """Migrate, then run a manager and N services on this machine until Ctrl-C."""
+    import asyncio
+
     migrate()
     try:
         asyncio.run(_up(services, worker_count, port))
@@ -248,6 +256,9 @@ async def _broker_advice() -> str | None:
 
 
 async def _up(services: int, worker_count: int, port: int) -> None:
+    import asyncio
+    import signal
+
     from orch.api_commands import shown
     from orch.cluster import LocalCluster, free_port
 
@@ -295,6 +306,8 @@ async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
     """Start again, with backoff, every process of the cluster that exits, as compose's
     ``restart`` does, until ``stop`` is set: a service killed on purpose shows its observers
     moving, and the cluster stays up."""
+    import asyncio
+
     from contracts.backoff import Backoff
 
     backoffs: dict[str, Backoff] = {}
@@ -400,6 +413,7 @@ def outputs_tail(
 ) -> None:
     """Print records as they are published on <prefix>.outputs (a queue of its own, gone when
     this ends; Ctrl-C ends it), and every gap in an observer's seqs."""
+    import asyncio
     import uuid
 
     from contracts.errors import BrokerUnavailable
@@ -415,6 +429,9 @@ def outputs_tail(
     settings = _settings(CommonSettings)
 
     async def main() -> int:
+        import asyncio
+        import signal
+
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -507,6 +524,8 @@ def verify(
     """Prove the promise on your own kinds: a throw-away cluster, a seeded fault campaign, a
     verdict from what really ran. Exit 0 when no two copies ran at once, nothing was lost and
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
+    import asyncio
+
     from contracts.errors import OrchError, StartupError
     from contracts.kinds import load_kinds
     from observer_service.settings import ServiceSettings
@@ -578,6 +597,8 @@ def bench(
 def _scratch_server(settings: S) -> S:
     """For a tool that makes its own databases (``bench``, ``verify``): the settings on the
     server's ``postgres`` database, once the servers answer."""
+    import asyncio
+
     from contracts.errors import StartupError
     from contracts.preflight import check_servers
     from contracts.settings import on_database

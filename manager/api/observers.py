@@ -10,7 +10,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
-from contracts.errors import Conflict, NameTaken, NotFound, OrchError, TooLarge, Transient
+from contracts.errors import (
+    Conflict,
+    NameTaken,
+    NotFound,
+    OrchError,
+    TooLarge,
+    Transient,
+    split_error,
+)
 from contracts.kinds import mask_params, secret_values
 from contracts.masking import mask
 from contracts.pools import DEFAULT_POOL
@@ -64,10 +72,14 @@ PoolFilter = Annotated[PoolName | None, Query(description="only observers of thi
 
 def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
     """An observer as the caller may see it: for a ``read`` token its secret params are
-    ``***``, and so are, in its last error, their values and the passwords and secret query
-    values of URLs. The service masked the error so when it wrote it; masking it again here
-    covers an error written before (or by an older service). A console view row carries its
-    params only when it has an error (``queries.VIEW_OBSERVERS``), for this alone."""
+    ``***``, and so are, in its last error and its traceback, their values and the passwords
+    and secret query values of URLs. The service masked the error so when it wrote it; masking
+    it again here covers an error written before (or by an older service). A console view row
+    carries its params only when it has an error (``queries.VIEW_OBSERVERS``), for this
+    alone."""
+    if row.get("last_error"):
+        row = dict(row)
+        row["last_error"], row["traceback"] = split_error(row["last_error"])
     if raw:
         return row
     masked = dict(row)
@@ -79,6 +91,8 @@ def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, An
         # The secret values are looked for only where an error could quote them.
         values = secret_values(params, spec, masked["params"]) if params else []
         masked["last_error"] = mask(row["last_error"], secrets=values, keep_user=False)
+        if row["traceback"]:
+            masked["traceback"] = mask(row["traceback"], secrets=values, keep_user=False)
     return masked
 
 

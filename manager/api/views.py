@@ -94,6 +94,20 @@ class ObserverView(BaseModel):
     now: datetime | None = Field(default=None, description="the database's clock")
 
 
+class ClusterTotals(BaseModel):
+    """The whole cluster at a glance, whatever a list is filtered on."""
+
+    services: int = Field(description="live services")
+    slots: int = Field(description="capacity: the worker_count of the live services taking work")
+    running: int = Field(description="used: the observers live services hold")
+    free: int = Field(description="slots nobody holds (slots - running, at least 0)")
+    waiting: int = Field(
+        description="live observers no live service holds: queued for a free slot, waiting "
+        "for a service able to run them, or moving from a service that is gone"
+    )
+    by_status: dict[str, int] = Field(description="every observer by status, deleted included")
+
+
 class ActivityBucket(BaseModel):
     at: datetime = Field(description="the minute's start")
     taken: int
@@ -296,6 +310,33 @@ async def view_service(
         raise NotFound(f"no service with id {service_id}")
     _timed(response, started)
     return row
+
+
+@router.get(
+    "/views/totals",
+    response_model=ClusterTotals,
+    operation_id="viewTotals",
+    dependencies=[READ],
+    responses=responses(*AUTH, 503),
+)
+async def view_totals(state: RuntimeDep, response: Response) -> dict[str, Any]:
+    """Capacity, used and waiting across every pool, and the observers by status."""
+    started = time.perf_counter()
+    async with state.store.autocommit() as tx:
+        loads, unheld = await repo.pool_loads(tx)
+        waiting = sum(unheld.values()) + await repo.held_by_the_gone(tx)
+        by_status = await repo.status_totals(tx)
+    slots = sum(p.slots for p in loads.values())
+    running = sum(p.running for p in loads.values())
+    _timed(response, started)
+    return {
+        "services": sum(p.services for p in loads.values()),
+        "slots": slots,
+        "running": running,
+        "free": max(0, slots - running),
+        "waiting": waiting,
+        "by_status": by_status,
+    }
 
 
 @router.get(

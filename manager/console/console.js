@@ -11,7 +11,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;  // direction controls
 const state = {
   who: null, timer: null, busy: false, again: false, services: new Map(), kinds: [],
-  lists: {},
+  lists: {}, skew: 0,
 };
 const $ = (sel) => document.querySelector(sel);
 const $$ = (sel) => Array.from(document.querySelectorAll(sel));
@@ -96,15 +96,22 @@ function stamp(iso) {
   const p = Object.fromEntries(FMT.formatToParts(new Date(iso)).map((x) => [x.type, x.value]));
   return `${p.year}-${p.month}-${p.day} ${p.hour}:${p.minute}:${p.second} ${p.timeZoneName}`;
 }
+/** "12 s ago", "in 8 s", "3 min ago", "2.5 h ago", "4 d ago": by the server's clock when a view
+ * told it (state.skew), so a browser whose clock is off does not shift them. */
 function ago(iso) {
-  const s = (Date.now() - Date.parse(iso)) / 1000;
-  return s < 1 ? "just now" : s < 120 ? `${s.toFixed(1)} s ago` : `${Math.round(s / 60)} min ago`;
+  const s = (Date.now() + state.skew - Date.parse(iso)) / 1000;
+  const a = Math.abs(s);
+  if (a < 1) return "just now";
+  const span = a < 60 ? `${Math.round(a)} s` : a < 3600 ? `${Math.round(a / 60)} min`
+    : a < 86400 ? `${(a / 3600).toFixed(a < 36000 ? 1 : 0)} h` : `${Math.round(a / 86400)} d`;
+  return s > 0 ? `${span} ago` : `in ${span}`;
 }
+/** A time as how long ago it was; the absolute time in its title (shown on hover). */
 function when(iso) {
   if (!iso) return el("span", "never", "muted");
-  const t = el("time", stamp(iso));
+  const t = el("time", ago(iso));
   t.dateTime = iso;
-  t.title = ago(iso);
+  t.title = stamp(iso);
   return t;
 }
 
@@ -116,12 +123,16 @@ function restarts(o) {
   return s;
 }
 
+/** Its status, but "backoff" while it waits to be restarted and "waiting" while no live service
+ * holds it (queued, or no service able to run it): "processing" only with a live holder. */
 function statusPill(o) {
-  const backoffNow = o.in_backoff;
-  const p = el("span", backoffNow ? "backoff" : o.status, `pill status-${backoffNow ? "backoff" : o.status}`);
-  if (backoffNow) p.title = `${o.status}: its code raised, it waits to be restarted`;
+  const shown = o.in_backoff ? "backoff" : o.waiting && LIVE.includes(o.status) ? "waiting" : o.status;
+  const p = el("span", shown, `pill status-${shown}`);
+  if (o.in_backoff) p.title = `${o.status}: its code raised, it waits to be restarted`;
+  else if (shown === "waiting") p.title = `${o.status}: ${o.waiting}`;
   return p;
 }
+const LIVE = ["created", "processing"];
 
 // ------------------------------------------------------------------------------ problems
 /** Every failed action leaves its problem document on the page until it is dismissed. */
@@ -186,8 +197,10 @@ async function start() {
   $("#create-go").onclick = createMany;
   for (const b of $$("#bulk button")) b.onclick = () => bulkOverview(b.dataset.verb);
   $("#bulk-pool").onchange = () => state.lists.observers.changed();
+  $("#bulk-every").onchange = () => state.lists.observers.changed();
   $("#f-restart").onclick = () => bulk("restart");
   $("#f-delete").onclick = () => bulk("delete");
+  $("#f-every").onchange = () => state.lists.failed.changed();
   window.addEventListener("hashchange", () => { window.scrollTo(0, 0); filtersFromUrl(); refresh(); });
   makeLists();
   try {
@@ -280,8 +293,8 @@ const COLUMNS = {
   status: { label: "status", sort: "status", cell: statusPill },
   service: {
     label: "service", sort: "service",
-    cell: (o) => o.service_id ? nameNode(o.service_name || short(o.service_id), `#/services/${o.service_id}`)
-      : o.waiting ? Object.assign(el("span", "waiting", "waiting"), { title: o.waiting }) : "",
+    cell: (o) => o.waiting && LIVE.includes(o.status) ? Object.assign(el("span", "none", "muted"), { title: o.waiting })
+      : o.service_id ? nameNode(o.service_name || short(o.service_id), `#/services/${o.service_id}`) : "",
   },
   epoch: { label: "epoch", sort: "epoch", cell: (o) => o.epoch },
   restarts: { label: "restarts", sort: "restarts", cell: (o) => el("span", restarts(o), o.in_backoff ? "restarts backoff" : "restarts") },
@@ -348,6 +361,7 @@ class List {
     const page = await api("GET", "/views/observers", {
       ...this.params(), sort: this.sort, order: this.order, limit: PAGE, offset: this.offset,
     });
+    if (page.now) state.skew = Date.parse(page.now) - Date.now();
     if (page.items.length === 0 && this.offset > 0 && page.total > 0) {  // the page emptied
       this.offset = Math.max(0, Math.floor((page.total - 1) / PAGE) * PAGE);
       return this.load();
@@ -415,9 +429,14 @@ function makeLists() {
     ["name", "kind", "pool", "status", "service", "epoch", "restarts", "checkpoint", "created"], filters,
     { selectable: true });
   state.lists.observers.onchange = () => {
-    const n = state.lists.observers.selected.size;
+    const list = state.lists.observers;
+    const every = $("#bulk-every").checked;
+    const target = everyTarget();
+    $("#bulk-every-label").textContent = target.why ? `every one the filters match (${target.why})`
+      : `every one the filters match (${count(target.n)})`;
+    const n = every ? (target.why ? 0 : target.n) : list.selected.size;
     for (const b of $$("#bulk button")) b.disabled = n === 0 || (b.dataset.verb === "move" && !$("#bulk-pool").value);
-    if (n) $("#bulk-selected").textContent = `${n} selected`;
+    if (n && !every) $("#bulk-selected").textContent = `${n} selected`;
   };
   state.lists.service = new List("s-observers",
     ["name", "kind", "status", "epoch", "restarts", "checkpoint"], () => ({ service_id: state.serviceId }),
@@ -426,31 +445,51 @@ function makeLists() {
     ["name", "kind", "restarts", "error", "checkpoint", "created"], () => ({ status: "failed" }),
     { selectable: true, sort: "name" });
   state.lists.failed.onchange = () => {
-    const n = state.lists.failed.selected.size;
+    const every = $("#f-every").checked;
+    const total = state.lists.failed.page?.total ?? 0;
+    const n = every ? total : state.lists.failed.selected.size;
+    $("#f-every-label").textContent = `every failed one (${count(total)})`;
     $("#f-restart").disabled = n === 0;
     $("#f-delete").disabled = n === 0;
-    $("#f-selected").textContent = n ? `${n} selected` : "";
+    $("#f-restart").textContent = every ? "Restart every one" : "Restart selected";
+    $("#f-delete").textContent = every ? "Delete every one" : "Delete selected";
+    if (n && !every) $("#f-selected").textContent = `${n} selected`;
   };
 }
 
 // ------------------------------------------------------------------------------ activity
 const SERIES = [["taken", "takes"], ["restarted", "restarts"], ["failed", "failures"]];
 
+/** One chart per series: a column a minute, the y axis from 0 to the peak (labelled), the time
+ * axis from the first minute to now (labelled), and the live value: this minute's so far. */
 function activity(figure, data) {
-  const W = 240, H = 44, n = data.buckets.length, bw = W / n;
+  const W = 240, H = 44, L = 24, B = 12, n = data.buckets.length, bw = W / n;
   figure.replaceChildren(...SERIES.map(([key, label]) => {
     const values = data.buckets.map((b) => b[key]);
     const max = Math.max(1, ...values);
     const total = values.reduce((a, b) => a + b, 0);
     const box = el("div", null, `spark spark-${key}`);
     const head = el("div", null, "spark-head");
-    head.append(el("span", `${label} / min`, "muted"), el("strong", count(values[n - 1] ?? 0), "spark-now"));
-    const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "aria-label": `${label} per minute, the last ${n} minutes` });
-    chart.append(svg("line", { x1: 0, y1: H - 0.5, x2: W, y2: H - 0.5, class: "axis" }));
+    const now = el("strong", count(values[n - 1] ?? 0), "spark-now");
+    now.title = "this minute so far";
+    head.append(el("span", `${label} / min`, "muted"), now);
+    const chart = svg("svg", { viewBox: `0 0 ${L + W} ${H + B}`, width: L + W, height: H + B, role: "img", "aria-label": `${label} per minute, the last ${n} minutes` });
+    const tick = (x, y, text, anchor, cls) => {
+      const t = svg("text", { x, y, "text-anchor": anchor, class: `tick ${cls}` });
+      t.textContent = text;
+      return t;
+    };
+    chart.append(
+      svg("line", { x1: L, y1: H - 0.5, x2: L + W, y2: H - 0.5, class: "axis" }),
+      svg("line", { x1: L - 0.5, y1: 0, x2: L - 0.5, y2: H, class: "axis" }),
+      svg("line", { x1: L, y1: 2.5, x2: L + W, y2: 2.5, class: "grid" }),
+      tick(L - 3, 8, count(max), "end", "y-max"), tick(L - 3, H, "0", "end", "y-min"),
+      tick(L, H + B - 1, `${n} min ago`, "start", "x-from"), tick(L + W, H + B - 1, "now", "end", "x-to"),
+    );
     data.buckets.forEach((b, i) => {
       if (!b[key]) return;
-      const h = Math.max(2, (b[key] / max) * (H - 2));
-      const r = svg("rect", { x: (i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar-${key}` });
+      const h = Math.max(2, (b[key] / max) * (H - 3));
+      const r = svg("rect", { x: (L + i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar-${key}` });
       const t = svg("title");
       t.textContent = `${stamp(b.at)}: ${b[key]} ${label}`;
       r.append(t);
@@ -481,13 +520,30 @@ function serviceState(s) {
   return s.is_deleted ? "gone" : s.draining ? "draining" : "taking work";
 }
 
-function totals(page) {
+/** The whole cluster: capacity, used, free and waiting, then every observer by status (a chip
+ * filters the list on its status); "shown" counts the list as filtered. */
+function totals(cluster, page) {
+  const figure = (key, label, value, title) => {
+    const c = el("span", null, `chip figure figure-${key}`);
+    c.dataset.figure = key;
+    c.title = title;
+    c.append(el("span", label), el("strong", count(value)));
+    return c;
+  };
+  const capacity = [
+    figure("slots", "slots", cluster.slots, `the worker slots of the ${cluster.services} live service(s) taking work`),
+    figure("running", "running", cluster.running, "observers live services hold"),
+    figure("free", "free", cluster.free, "slots nobody holds"),
+    figure("waiting", "waiting", cluster.waiting, "live observers no live service holds: queued for a free slot, no service able to run them, or moving from a service that is gone"),
+  ];
+  capacity[3].classList.toggle("warn", cluster.waiting > 0);
   const order = ["created", "processing", "pausing", "paused", "on_deleting", "failed", "deleted"];
   const chips = order.map((status) => {
     const b = el("button", null, `chip status-${status}`);
     b.type = "button";
     b.dataset.status = status;
-    b.append(el("span", status), el("strong", count(page.totals[status] || 0)));
+    b.title = `every ${status} observer of the cluster; click to list them`;
+    b.append(el("span", status), el("strong", count(cluster.by_status[status] || 0)));
     b.onclick = () => {
       const sel = $("#filters select[name=status]");
       sel.value = sel.value === status ? "" : status;
@@ -499,20 +555,23 @@ function totals(page) {
     return b;
   });
   const all = el("span", null, "chip total");
+  all.title = "observers the list's filters match";
   all.append(el("span", "shown"), el("strong", count(page.total)));
+  $("#capacity").replaceChildren(...capacity);
   $("#totals").replaceChildren(all, ...chips);
 }
 
 async function renderOverview() {
-  const [services, leader, failed, act_, page] = await Promise.all([
+  const [services, leader, cluster, act_, page] = await Promise.all([
     api("GET", "/services"),
     api("GET", "/leader"),
-    api("GET", "/views/observers", { status: "failed", limit: 1 }),
+    api("GET", "/views/totals"),
     api("GET", "/views/activity", { minutes: 30 }),
     state.lists.observers.load(),
   ]);
-  totals(page);
-  $("#failed-count").textContent = failed.total ? count(failed.total) : "";
+  totals(cluster, page);
+  const failed = cluster.by_status.failed || 0;
+  $("#failed-count").textContent = failed ? count(failed) : "";
   activity($("#activity"), act_);
   state.services = new Map(services.map((s) => [s.id, s]));
   $("#leader").textContent = leader.holder ? `leader: ${leader.holder}` : "no leader";
@@ -565,6 +624,7 @@ async function renderFailed() {
 
 async function bulk(verb) {
   const list = state.lists.failed;
+  if ($("#f-every").checked) return bulkEveryFailed(verb);
   const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
   if (!chosen.length) return;
   const names = chosen.map((o) => o.name);
@@ -590,17 +650,60 @@ async function bulk(verb) {
   await refresh();
 }
 
+/** Restart or delete every failed observer (the oldest 10,000), as one action request. */
+async function bulkEveryFailed(verb) {
+  const n = Math.min(MAX_ACTION, state.lists.failed.page?.total ?? 0);
+  if (!n) return;
+  const question = verb === "restart"
+    ? `Restart every failed observer (${count(n)})? Each starts again from its last checkpoint with a fresh restart budget.`
+    : `Delete every failed observer (${count(n)}) for good?`;
+  if (!(await ask(question, `${verb === "restart" ? "Restart" : "Delete"} ${count(n)}`))) return;
+  try {
+    const out = await api("POST", "/observers/actions", null, { action: verb, selector: { status: "failed" }, limit: n });
+    $("#f-selected").textContent = `${count(out.done)} ${PAST[verb]}` + (out.failed ? `, ${count(out.failed)} failed` : "");
+    const bad = out.items.filter((i) => i.problem);
+    if (bad.length) {
+      report(`${verb}: ${bad.length} of ${out.items.length} failed`, { problem: { ...bad[0].problem, detail: "" } },
+        bad.map((i) => `${i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
+    }
+  } catch (err) {
+    report(`${verb} every failed observer`, err);
+  }
+  $("#f-every").checked = false;
+  await refresh();
+}
+
 // The overview's bulk actions: on the observers selected on this page, as one request.
 const PAST = { pause: "paused", resume: "resumed", restart: "restarted", delete: "deleted", move: "moving" };
 
+const MAX_ACTION = 10000;  // the most one action request takes
+
+/** The list's filters as an action's selector: every observer (not deleted) they match, or why
+ * they cannot be one (the lookup box matches any part of a name; no filter matches everyone). */
+function everyTarget() {
+  const f = state.lists.observers.params();
+  const page = state.lists.observers.page;
+  if (f.q) return { why: "clear the lookup box first" };
+  if (!f.status && !f.kind && !f.pool) return { why: "filter on a status, kind or pool first" };
+  if (f.status === "deleted") return { why: "deleted ones take no action" };
+  const selector = Object.fromEntries(["status", "kind", "pool"].filter((k) => f[k]).map((k) => [k, f[k]]));
+  const n = Math.min(MAX_ACTION, page?.total ?? 0);
+  return { selector, n, filters: Object.entries(selector).map(([k, v]) => `${k} ${v}`).join(", ") };
+}
+
 async function bulkOverview(verb) {
   const list = state.lists.observers;
-  const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
-  if (!chosen.length) return;
+  const every = $("#bulk-every").checked;
+  const target = every ? everyTarget() : null;
+  if (target?.why) return;
+  const chosen = every ? [] : (list.page?.items || []).filter((o) => list.selected.has(o.id));
+  if (!every && !chosen.length) return;
   const ids = chosen.map((o) => o.id);
+  const selector = every ? target.selector : { ids };
   const pool = $("#bulk-pool").value;
-  const n = chosen.length;
-  const what = verb === "move" ? `Move ${n} observer(s) to pool ${pool}?` : `${verb[0].toUpperCase()}${verb.slice(1)} ${n} observer(s)?`;
+  const n = every ? target.n : chosen.length;
+  const whom = every ? `every observer matching ${target.filters} (${count(n)}${n === MAX_ACTION ? ", the oldest" : ""})` : `${n} observer(s)`;
+  const what = verb === "move" ? `Move ${whom} to pool ${pool}?` : `${verb[0].toUpperCase()}${verb.slice(1)} ${whom}?`;
   const why = {
     pause: " Each stops and keeps its checkpoint.",
     resume: " Each starts again from its checkpoint.",
@@ -608,12 +711,12 @@ async function bulkOverview(verb) {
     delete: " They are ended for good.",
     move: " Each running one is handed over and resumes there from its checkpoint.",
   }[verb];
-  if (!(await ask(what + why, `${verb[0].toUpperCase()}${verb.slice(1)} ${n}`, chosen.map((o) => o.name)))) return;
+  if (!(await ask(what + why, `${verb[0].toUpperCase()}${verb.slice(1)} ${count(n)}`, chosen.map((o) => o.name)))) return;
   const byId = new Map(chosen.map((o) => [o.id, o.name]));
   try {
     const out = verb === "move"
-      ? await api("POST", "/observers/move", null, { selector: { ids }, to_pool: pool, limit: n })
-      : await api("POST", "/observers/actions", null, { action: verb, selector: { ids }, limit: n });
+      ? await api("POST", "/observers/move", null, { selector, to_pool: pool, limit: n })
+      : await api("POST", "/observers/actions", null, { action: verb, selector, limit: n });
     list.selected.clear();
     const done = verb === "move" ? out.moved : out.done;
     const failed = verb === "move" ? 0 : out.failed;
@@ -658,6 +761,8 @@ async function renderObserver(id) {
   }));
   $("#o-checkpoint").textContent = JSON.stringify(o.checkpoint, null, 2);
   $("#o-error").textContent = o.last_error || "none";
+  $("#o-traceback").textContent = o.traceback || "";
+  $("#o-trace").hidden = !o.traceback;
   const buttons = [];
   const button = (label, method, suffix, question, danger) => {
     const b = el("button", label, danger ? "danger" : "");

@@ -30,12 +30,13 @@ def upgrade() -> None:
     keys = []
     for row in rows:
         key = name_key(row.name)
+        stored: str | None = key
         if row.status != "deleted":
             if key in held:
-                key = None  # a look-alike of an older live observer: see the docstring
+                stored = None  # a look-alike of an older live observer: see the docstring
             else:
                 held.add(key)
-        keys.append({"id": row.id, "key": key})
+        keys.append({"id": row.id, "key": stored})
     if keys:
         conn.execute(sa.text("UPDATE observers SET name_key = :key WHERE id = :id"), keys)
     op.create_index(

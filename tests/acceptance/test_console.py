@@ -31,6 +31,7 @@ from tests.support.cluster import Cluster, wait_for
 __all__ = ["browser"]  # the fixture
 
 TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+$")
+AGO = re.compile(r"^(just now|\d+ (s|min|d) ago|\d+(\.\d)? h ago|in \d+ (s|min))$")
 
 
 async def _open(browser: Browser, cluster: Cluster, errors: list[str]) -> Page:
@@ -110,8 +111,10 @@ async def test_the_console_follows_a_move_and_acts(
         timeout=20,
         what="the failed observer highlighted",
     )
-    for stamp in await page.locator("#observers time").all_inner_texts():
-        assert TIME.match(stamp), f"a time not shown the one way: {stamp!r}"
+    for time_ in await page.locator("#observers time").all():
+        shown_, title = await time_.inner_text(), await time_.get_attribute("title")
+        assert AGO.match(shown_), f"a time not shown as how long ago: {shown_!r}"
+        assert TIME.match(title or ""), f"no absolute time on hover: {title!r}"
 
     # Its page: checkpoint, history, and the pause button (confirmed in the page's dialog).
     await page.click(f'#observers tr[data-id="{watched}"] a')
@@ -173,6 +176,96 @@ async def test_the_overview_acts_on_the_observers_selected(
     await page.wait_for_selector("#bulk-selected:text('2 moving')")
     await cluster.wait_all_running(ids[2:], timeout=20, on={eu_id})
     await page.wait_for_selector(f'#observers tr[data-id="{ids[2]}"] td[data-col=pool]:text("eu")')
+    assert not errors, errors
+    await page.close()
+
+
+async def _figure(page: Page, key: str) -> str:
+    return (await page.inner_text(f"#capacity [data-figure={key}] strong")).strip()
+
+
+async def test_capacity_waiting_charts_tracebacks_a_whole_filter_and_a_phone(
+    cluster: Cluster, browser: Browser, tmp_path: Path
+) -> None:
+    """The cluster's capacity and what waits; "waiting", never "processing", without a live
+    holder; charts with axes and the live value; a failed observer's traceback; a bulk action
+    on every observer a filter matches; the overview at a phone's width."""
+    shots = screenshot_dir(tmp_path)
+    await cluster.start_manager()
+    await cluster.start_service("small", worker_count=2)
+    failing = (await cluster.create("fails", kind="always_fails"))["id"]
+    await cluster.wait_status(failing, "failed", timeout=20)
+    tickers = [(await cluster.create(f"t-{i}", "ticker", interval=3600))["id"] for i in range(4)]
+    errors: list[str] = []
+    page = await _open(browser, cluster, errors)
+    await _sign_in(page, cluster.token or "")
+
+    # Capacity: 2 slots, both used, 2 waiting (said in the totals and on each row).
+    async def capacity_shown() -> bool:
+        figures = [await _figure(page, k) for k in ("slots", "running", "free", "waiting")]
+        return figures == ["2", "2", "0", "2"]
+
+    await page.wait_for_selector("#capacity [data-figure=waiting]")
+    await wait_for(capacity_shown, timeout=20, what="2 slots, 2 running, 0 free, 2 waiting")
+    assert "warn" in (await page.get_attribute("#capacity [data-figure=waiting]", "class") or "")
+    await page.wait_for_selector("#totals [data-status=failed] strong:text-is('1')")
+    statuses = [await _cell(page, oid, "status") for oid in tickers]
+    assert sorted(statuses) == ["processing", "processing", "waiting", "waiting"], statuses
+    waiting = page.locator("#observers td[data-col=status] .status-waiting").first
+    assert "queued for a free slot" in (await waiting.get_attribute("title") or "")
+    for time_ in await page.locator("#observers time").all():
+        assert AGO.match(await time_.inner_text())
+        assert TIME.match(await time_.get_attribute("title") or "")
+    # Charts: both axes labelled, the live value with its meaning.
+    chart = "#activity .spark-taken"
+    await page.wait_for_selector(f"{chart} rect.bar-taken")
+    assert await page.text_content(f"{chart} text.x-from") == "30 min ago"
+    assert await page.text_content(f"{chart} text.x-to") == "now"
+    assert int(await page.text_content(f"{chart} text.y-max") or "0") >= 1
+    assert await page.text_content(f"{chart} text.y-min") == "0"
+    assert await page.get_attribute(f"{chart} .spark-now", "title") == "this minute so far"
+    await shot(page, shots, "capacity")
+
+    # The failed observer's page: its error's line, and its traceback folded under it.
+    await page.goto(f"http://127.0.0.1:{cluster.api_port}/console#/observers/{failing}")
+    await page.wait_for_selector("#o-trace:not([hidden])")
+    assert await page.inner_text("#o-error") == "RuntimeError: boom"
+    await page.click("#o-trace summary")
+    trace = await page.inner_text("#o-traceback")
+    assert trace.startswith("Traceback (most recent call last):"), trace
+    assert ", in always_fails" in trace, trace
+    assert trace.rstrip().endswith("RuntimeError: boom"), trace
+    await shot(page, shots, "traceback")
+
+    # Every observer the filter matches (more than the rows checked: none are), confirmed with
+    # the count, the outcome left beside the buttons.
+    await page.goto(f"http://127.0.0.1:{cluster.api_port}/console#/?kind=ticker")
+    await page.wait_for_selector(f'#observers tr[data-id="{tickers[0]}"]')
+    assert await page.locator("#bulk button[data-verb=pause]").is_disabled()
+    await page.check("#bulk-every")
+    await page.wait_for_selector("#bulk-every-label:text('(4)')")
+    await page.click("#bulk button[data-verb=pause]")
+    await _confirm(page, "Pause every observer matching kind ticker (4)?")
+    await page.wait_for_selector("#bulk-selected:text('4 paused')")
+    for oid in tickers:
+        await cluster.wait_status(oid, "paused", timeout=15)
+    assert (await cluster.observer(failing))["status"] == "failed", "outside the filter"
+    await page.uncheck("#bulk-every")
+
+    # A phone: the page never scrolls sideways; tables scroll inside themselves.
+    await page.set_viewport_size({"width": 390, "height": 844})
+    await page.goto(f"http://127.0.0.1:{cluster.api_port}/console#/")
+    await page.wait_for_selector("#services tbody tr")
+    await page.wait_for_selector(f'#observers tr[data-id="{tickers[0]}"]')
+    width = await page.evaluate("document.documentElement.scrollWidth")
+    wide = await page.evaluate(
+        "Array.from(document.querySelectorAll('body *')).filter(e => e.offsetParent !== null"
+        " && !e.closest('table') && e.getBoundingClientRect().right > 391).slice(0, 8)"
+        ".map(e => e.tagName + '#' + e.id + '.' + e.className + ' '"
+        " + Math.round(e.getBoundingClientRect().right))"
+    )
+    assert width <= 390, f"the page is {width} px wide on a 390 px screen: {wide}"
+    await shot(page, shots, "phone")
     assert not errors, errors
     await page.close()
 

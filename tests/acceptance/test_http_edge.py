@@ -305,7 +305,9 @@ async def test_the_last_verify_report_is_served_as_a_page_without_scripts(
         assert (await c.head("/verify-report")).status_code == 200  # how the console asks
 
 
-async def test_the_api_docs_are_off_by_default_and_pinned_when_on(cluster: Cluster) -> None:
+async def test_the_api_docs_are_off_by_default_and_served_by_the_manager_when_on(
+    cluster: Cluster,
+) -> None:
     await cluster.start_manager()
     async with cluster.api() as api:
         assert (await api.get("/docs")).status_code == 404
@@ -319,12 +321,13 @@ async def test_the_api_docs_are_off_by_default_and_pinned_when_on(cluster: Clust
             r = await c.get(path)
             assert r.status_code == 200, path
             assert r.headers["x-frame-options"] == "DENY"
-            tags = re.findall(r"<(?:script|link)\b[^>]*>", r.text)
-            external = [t for t in tags if re.search(r"(?:src|href)=\"https?:", t)]
-            assert external, r.text
-            for tag in external:
-                assert re.search(r"@\d+\.\d+\.\d+/", tag), f"{path}: floating version: {tag}"
-                assert re.search(r'integrity="sha384-[A-Za-z0-9+/=]{64}"', tag), tag
+            # No CDN (tests/acceptance/test_docs_offline.py renders them with no other host).
+            refs = re.findall(r"<(?:script|link)\b[^>]*\b(?:src|href)=\"([^\"]*)\"", r.text)
+            files = [u for u in refs if u != "data:,"]
+            assert files, r.text
+            assert all(u.startswith("/docs/assets/") for u in files), files
+            for url in files:
+                assert (await c.get(url)).status_code == 200, url
             assert "fonts.googleapis" not in r.text
 
 

@@ -100,6 +100,13 @@ async def test_a_secret_quoted_by_an_error_is_shown_by_no_route_and_logged_nowhe
         view = (await api.read.get("/views/observers", params={"q": name})).json()
         (row,) = view["items"]
         assert row["last_error"] == "RuntimeError: upstream refused key ***", name
+    # The traceback, masked as well: where the kind raised, and the error's line again.
+    shown = (await api.read.get(f"/observers/{quoting['id']}")).json()
+    assert shown["last_error"] == "RuntimeError: upstream refused key ***"
+    trace = shown["traceback"]
+    assert trace.startswith("Traceback (most recent call last):\n"), trace
+    assert ", in quotes_its_key\n" in trace, trace
+    assert trace.endswith("RuntimeError: upstream refused key ***\n"), trace
 
     # The service's log: its warning line about the error, and the kind's own line with the
     # key, both written with the key masked.
@@ -112,10 +119,13 @@ async def test_a_secret_quoted_by_an_error_is_shown_by_no_route_and_logged_nowhe
     stored = await db.fetchval(
         "SELECT last_error FROM observers WHERE id = $1", uuid.UUID(quoting["id"])
     )
-    assert stored == "RuntimeError: upstream refused key ***"
+    assert stored.startswith("RuntimeError: upstream refused key ***\n\nTraceback"), stored
+    assert key not in stored
     details = await db.fetch(
         "SELECT detail FROM observer_events WHERE observer_id = $1 AND detail IS NOT NULL",
         uuid.UUID(quoting["id"]),
     )
     assert details
     assert all(key not in d["detail"] for d in details)
+    # A history row keeps the error's line alone.
+    assert all("Traceback" not in d["detail"] for d in details), details

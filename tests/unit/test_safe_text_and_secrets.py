@@ -15,6 +15,7 @@ import pytest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
 from contracts import logs
+from contracts.errors import split_error, stored_error
 from contracts.kinds import KindSpec, mask_params
 from contracts.logs import safe_text
 from contracts.masking import mask
@@ -296,7 +297,28 @@ def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
     masked = shown(state, row, raw=False)
     assert masked["last_error"] == "ConnectError: http://***@example.com/p?api_key=*** failed"
     assert masked["params"]["token"] == "***"
-    assert shown(state, row, raw=True) is row, "an admin sees the row as it is"
+    assert shown(state, row, raw=True) == {**row, "traceback": None}, "an admin sees it as it is"
+
+
+def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
+    from manager.api.observers import shown
+
+    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    params = SPEC.validate_params(RAW)
+    secret = str(params["token"])
+    line = f"Refused: bad token {secret}"
+    trace = f'Traceback (most recent call last):\n  File "k.py", line 3, in k\n{line}\n'
+    row = {"kind": SPEC.name, "params": params, "last_error": stored_error(line, trace)}
+    masked = shown(state, row, raw=False)
+    assert masked["last_error"] == "Refused: bad token ***"
+    assert masked["traceback"] == trace.replace(secret, "***")
+    assert shown(state, row, raw=True)["traceback"] == trace
+    # Cut to its end (where it was raised), saying so.
+    long = stored_error("E: x", "Traceback (most recent call last):\n" + "x" * 10_000 + "E: x\n")
+    assert split_error(long)[1] == (
+        "Traceback (most recent call last):\n  ...\n" + ("x" * 10_000 + "E: x\n")[-6000:]
+    )
+    assert split_error("E: no traceback") == ("E: no traceback", None)
 
 
 def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
