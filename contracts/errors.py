@@ -29,15 +29,13 @@ swallow them and no restart policy retries them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import aiormq.exceptions
-import asyncpg
-from aio_pika.exceptions import AMQPError
-from sqlalchemy import exc as sa
+# The drivers are imported where their errors are converted: the tree itself is also what the
+# API client raises (``orch.client``), in programs that have no driver to load.
 
 #: The name of the unique index that keeps live observer names unique.
 LIVE_NAME_INDEX = "uq_observers_live_name"
@@ -147,6 +145,9 @@ def _sqlstate(exc: BaseException) -> str:
 
 def convert_database_error(exc: BaseException) -> BaseException:
     """Our error for a driver error, or ``exc`` itself when it is a bug (bad SQL, …)."""
+    import asyncpg
+    from sqlalchemy import exc as sa
+
     if isinstance(exc, OrchError):
         return exc
     if isinstance(exc, sa.DBAPIError):
@@ -174,7 +175,6 @@ def convert_database_error(exc: BaseException) -> BaseException:
         | asyncpg.exceptions.InternalClientError
         | OSError
         | TimeoutError
-        | asyncio.TimeoutError
         | sa.InterfaceError
         | sa.OperationalError,
     ):
@@ -185,21 +185,28 @@ def convert_database_error(exc: BaseException) -> BaseException:
 # AMQP reply codes that no retry changes: ACCESS_REFUSED, PRECONDITION_FAILED, NOT_ALLOWED.
 _REFUSED_CODES = frozenset({403, 406, 530})
 
-# aiormq raises these classes for the reply codes it knows (with only the text as argument).
-_CODE_OF_CLASS: tuple[tuple[type[BaseException], int], ...] = (
-    (aiormq.exceptions.ChannelAccessRefused, 403),
-    (aiormq.exceptions.ProbableAuthenticationError, 403),  # Connection.Close 403 at login
-    (aiormq.exceptions.ChannelNotFoundEntity, 404),
-    (aiormq.exceptions.ChannelLockedResource, 405),
-    (aiormq.exceptions.ChannelPreconditionFailed, 406),
-    (aiormq.exceptions.ConnectionNotAllowed, 530),
-)
+
+@functools.cache
+def _code_of_class() -> tuple[tuple[type[BaseException], int], ...]:
+    """The classes aiormq raises for the reply codes it knows (with only the text as argument)."""
+    import aiormq.exceptions
+
+    return (
+        (aiormq.exceptions.ChannelAccessRefused, 403),
+        (aiormq.exceptions.ProbableAuthenticationError, 403),  # Connection.Close 403 at login
+        (aiormq.exceptions.ChannelNotFoundEntity, 404),
+        (aiormq.exceptions.ChannelLockedResource, 405),
+        (aiormq.exceptions.ChannelPreconditionFailed, 406),
+        (aiormq.exceptions.ConnectionNotAllowed, 530),
+    )
 
 
 def amqp_reply_code(exc: BaseException) -> int | None:
     """The AMQP reply code an aiormq error stands for: by its class, else (a code aiormq has no
     class for) the first argument of ChannelClosed / ConnectionClosed; None when it has none."""
-    for cls, code in _CODE_OF_CLASS:
+    import aiormq.exceptions
+
+    for cls, code in _code_of_class():
         if isinstance(exc, cls):
             return code
     if isinstance(exc, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ConnectionClosed):
@@ -212,6 +219,9 @@ def amqp_reply_code(exc: BaseException) -> int | None:
 def convert_broker_error(exc: BaseException) -> BaseException:
     """Our error for a broker driver error: a refusal (by its reply code, or a login the broker
     cannot take) is BrokerRefused, a lost or missing broker BrokerUnavailable."""
+    import aiormq.exceptions
+    from aio_pika.exceptions import AMQPError
+
     if isinstance(exc, OrchError):
         return exc
     code = amqp_reply_code(exc)
@@ -223,8 +233,7 @@ def convert_broker_error(exc: BaseException) -> BaseException:
         | aiormq.exceptions.AMQPError
         | aiormq.exceptions.ChannelInvalidStateError
         | OSError
-        | TimeoutError
-        | asyncio.TimeoutError,
+        | TimeoutError,
     ):
         return BrokerUnavailable(_first_line(exc) or type(exc).__name__)
     if type(exc) is Exception and not exc.args:

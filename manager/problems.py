@@ -21,7 +21,17 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 
-from contracts.errors import Conflict, InvalidInput, NotFound, OrchError, TooLarge, Transient
+from contracts.errors import (
+    Conflict,
+    InvalidInput,
+    InvalidParams,
+    NameTaken,
+    NotFound,
+    OrchError,
+    TooLarge,
+    Transient,
+    UnknownKind,
+)
 from contracts.kinds import RULE_ONLY
 from manager.auth import Forbidden, Unauthenticated
 
@@ -61,12 +71,26 @@ def _clean(text: object) -> str:
     return str(text).encode("utf-8", "replace").decode("utf-8")
 
 
+#: Problem types a client can tell apart where the status alone does not (RFC 9457 ``type``;
+#: the others are ``about:blank``): ``orch.client`` raises the error of the same name.
+PROBLEM_TYPES: list[tuple[type[OrchError], str]] = [
+    (NameTaken, "urn:observer-orchestrator:name-taken"),
+    (UnknownKind, "urn:observer-orchestrator:unknown-kind"),
+    (InvalidParams, "urn:observer-orchestrator:invalid-params"),
+]
+
+
 def problem_of(
-    status: int, detail: str, *, errors: list[dict[str, Any]] | None = None
+    status: int,
+    detail: str,
+    *,
+    errors: list[dict[str, Any]] | None = None,
+    type_: str = "about:blank",
 ) -> dict[str, Any]:
     """The problem document, as a JSON object (also what a bulk create gives each failed
     item)."""
     body = Problem(
+        type=type_,
         title=http.HTTPStatus(status).phrase,
         status=status,
         detail=_clean(detail),
@@ -90,6 +114,12 @@ def problem(
 def status_of(exc: OrchError) -> int:
     """The HTTP status of one of the orchestrator's errors."""
     return next(c for cls, c in _STATUS if isinstance(exc, cls))
+
+
+def problem_for(exc: OrchError) -> dict[str, Any]:
+    """The problem document of one of the orchestrator's errors: its status, message, type."""
+    type_ = next((t for cls, t in PROBLEM_TYPES if isinstance(exc, cls)), "about:blank")
+    return problem_of(status_of(exc), str(exc), type_=type_)
 
 
 def field_errors(errors: Sequence[Any], *, under: Sequence[str | int] = ()) -> list[dict[str, Any]]:
@@ -161,9 +191,13 @@ def install(app: FastAPI) -> None:
         code = status_of(exc)
         if code == 503:
             log.warning("unavailable: %s", exc)
-            return problem(503, "the database or the broker is unavailable; try again")
+            return problem(
+                503,
+                "the database or the broker is unavailable; try again",
+                headers={"Retry-After": "1"},
+            )
         headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
-        return problem(code, str(exc), headers=headers)
+        return JSONResponse(problem_for(exc), code, headers=headers, media_type=MEDIA_TYPE)
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -264,10 +264,10 @@ class InMemoryStore:
             self.outputs.pop(key, None)
             self.left_by_others.pop(key, None)
 
-    async def let_go_many(
+    async def release_many(
         self, copies: Sequence[Copy], detail: str
     ) -> list[ObserverStatus | Locked | None]:
-        self._up("let_go_many")
+        self._up("release_many")
         out: list[ObserverStatus | Locked | None] = []
         for copy in copies:
             row = self.rows.get(copy[0])

@@ -246,7 +246,7 @@ class Intake:
             # that crossed the end of our lease session is not covered by the new session's
             # look at our rows (someone may have taken it since), so it is let go too.
             await until_done(
-                lambda: self.settler.let_go(taken.copy, "taken while stopping"),
+                lambda: self.settler.release(taken.copy, "taken while stopping"),
                 "letting go of a late take",
             )
             await self.settler.dispose(start, origin, Disposition.REQUEUE)

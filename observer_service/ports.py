@@ -219,7 +219,7 @@ class Store(TakeRows, Protocol):
         """Forget commits (observer, first seq) whose every record the broker confirmed."""
         ...
 
-    async def let_go_many(
+    async def release_many(
         self, copies: Sequence[Copy], detail: str
     ) -> list[ObserverStatus | Locked | None]: ...
 

@@ -26,7 +26,7 @@ _PROCESSING = f"'{ObserverStatus.PROCESSING.value}'"
 _FAILED = f"'{ObserverStatus.FAILED.value}'"
 
 
-def _let_go_event(status_column: str) -> str:
+def _release_event(status_column: str) -> str:
     cases = " ".join(f"WHEN '{b.value}' THEN '{Event(b.value).value}'" for b in STOPPED.values())
     return f"CASE {status_column} {cases} ELSE '{Event.RELEASED.value}' END"
 
@@ -150,7 +150,7 @@ COMPLETE_STOP = skipping_locked(
     _seen,
     f"status = {sql_stopped('o.status')}, service_id = NULL, waiting = NULL, modified_at = now()",
     "o.status",
-    events=(_let_go_event("u.status"), "'not running'"),
+    events=(_release_event("u.status"), "'not running'"),
 )
 
 # $1 id, $2 dispatch id, $3 why: a start of another pool, or for a kind this service lacks,
@@ -213,17 +213,17 @@ SELECT o.id, o.epoch, o.output_seq, false FROM observers o WHERE {_MY_BATCH}
 # $1 ids, $2 me, $3 {"<id>:<epoch>": true}, $4 detail: the copy has stopped; the row is
 # released, or becomes what its holder's stop makes of it (deleted), whichever way it was asked
 # to stop.
-LET_GO = skipping_locked(
+RELEASE = skipping_locked(
     lambda _: _MY_BATCH,
     f"status = {sql_stopped('o.status')}, service_id = NULL, handoff_to = NULL, "
     "modified_at = now()",
     "o.status",
-    events=(_let_go_event("u.status"), "$4::text"),
+    events=(_release_event("u.status"), "$4::text"),
 )
 
 
 def copy_key(observer_id: object, epoch: int) -> str:
-    """How $3 of COMMIT and LET_GO names one copy."""
+    """How $3 of COMMIT and RELEASE names one copy."""
     return f"{observer_id}:{epoch}"
 
 
@@ -282,7 +282,7 @@ RECONCILE = with_events(
     f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
     f"modified_at = now() WHERE o.service_id = $2 AND {sql_in('o.status', HELD)} "
     "AND NOT (o.id = ANY($1::uuid[])) RETURNING o.id, o.epoch, o.status",
-    _let_go_event("u.status"),
+    _release_event("u.status"),
     "'not running here'",
 )
 

@@ -32,8 +32,8 @@ class StopReason(Enum):
     still processing once the copy has stopped (a delete or a pause always wins: the row
     decides)."""
 
-    #: Deleted or paused: the row says which.
-    CANCEL = "cancelled"
+    #: Its observer was deleted or paused (a cancel): the row says which.
+    DELETED_OR_PAUSED = "deleted or paused"
     SHUTDOWN = "service stopping"
     DRAIN = "service draining"
     HANDOFF = "handed off"

@@ -121,7 +121,7 @@ class ObserverService:
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
         self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
         self.checks = ControlChecks(store)
-        self._let_go = Batcher(self._let_go_batch)
+        self._release = Batcher(self._release_batch)
         self.stalls = StallWatch(
             config.loop_stall,
             lease_valid=self.lease.deadline.valid,
@@ -129,7 +129,7 @@ class ObserverService:
             writes=thread_writes,
         )
         self.settler = Settler(
-            let_go=self.let_go, blame=store.blame, session=self.broker, metrics=self.metrics
+            release=self.release_copy, blame=store.blame, session=self.broker, metrics=self.metrics
         )
         self.intake = Intake(
             self,
@@ -175,7 +175,7 @@ class ObserverService:
                 ("take-writer", self.intake.takes.run()),
                 ("checkpoint-writer", self.checkpoints.run()),
                 ("output-publisher", self.outputs.run()),
-                ("let-go-writer", self._let_go.run()),
+                ("release-writer", self._release.run()),
                 ("control-checks", self.checks.reads.run()),
                 ("broker", self._broker_loop()),
                 ("renewals", self._renewals()),
@@ -326,18 +326,18 @@ class ObserverService:
         self.metrics.checkpoint_batch.observe(len(items))
         return done
 
-    async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
+    async def release_copy(self, copy: Copy, detail: str) -> ObserverStatus | None:
         """Release a stopped copy (or complete its delete); None where it was fenced, RowLocked
         where its row is locked by another transaction (the settle retries it)."""
-        return landed(await self._let_go.submit((copy, detail)))
+        return landed(await self._release.submit((copy, detail)))
 
-    async def _let_go_batch(
+    async def _release_batch(
         self, items: list[tuple[Copy, str]]
     ) -> list[ObserverStatus | Locked | None]:
         out: list[ObserverStatus | Locked | None] = [None] * len(items)
         for detail in {d for _, d in items}:
             idx = [i for i, (_, d) in enumerate(items) if d == detail]
-            done = await self.store.let_go_many([items[i][0] for i in idx], detail)
+            done = await self.store.release_many([items[i][0] for i in idx], detail)
             for i, status in zip(idx, done, strict=True):
                 out[i] = status
         return out
@@ -445,7 +445,7 @@ class ObserverService:
         """Stop this observer's copy (or the start being admitted): the database says so."""
         runner = self.runners.get(observer_id)
         if runner is not None:
-            runner.stop(StopReason.CANCEL)
+            runner.stop(StopReason.DELETED_OR_PAUSED)
         else:
             self.admission.cancel(observer_id)
 

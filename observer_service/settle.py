@@ -38,7 +38,7 @@ class Disposition(Enum):
     HANDOFF = auto()
 
 
-LetGo = Callable[[Copy, str], Awaitable[ObserverStatus | None]]
+Release = Callable[[Copy, str], Awaitable[ObserverStatus | None]]
 Blame = Callable[[uuid.UUID, str], Awaitable[bool]]
 
 
@@ -46,19 +46,19 @@ class Settler:
     def __init__(
         self,
         *,
-        let_go: LetGo,
+        release: Release,
         blame: Blame,
         session: Callable[[], BrokerSession | None],
         metrics: ServiceMetrics,
     ) -> None:
-        self._let_go = let_go
+        self._release = release
         self._blame = blame
         self._session = session
         self.metrics = metrics
 
-    async def let_go(self, copy: Copy, detail: str) -> ObserverStatus | None:
+    async def release(self, copy: Copy, detail: str) -> ObserverStatus | None:
         """Release a stopped copy (or complete its stop); None where it was fenced."""
-        return await self._let_go(copy, detail)
+        return await self._release(copy, detail)
 
     async def conclude(self, runner: Runner) -> None:
         """Record why the copy stopped and settle its message."""
@@ -84,7 +84,7 @@ class Settler:
                 runner.ctx.logger.error("copy ended unexpectedly: %r", exc)
             reason = StopReason.LEASE_LOST
         status = await until_done(
-            lambda: self._let_go(runner.copy, reason.value),
+            lambda: self._release(runner.copy, reason.value),
             f"letting go of observer {runner.observer_id}",
         )
         runner.ctx.logger.info("stopped (%s): %s", reason.value, status or "fenced")

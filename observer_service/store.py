@@ -133,14 +133,14 @@ class PgStore:
                 q.DELETE_PUBLISHED, [c[0] for c in commits], [c[1] for c in commits]
             )
 
-    async def let_go_many(
+    async def release_many(
         self, copies: Sequence[Copy], detail: str
     ) -> list[ObserverStatus | Locked | None]:
         """Release stopped copies (or complete their delete); None where the copy was fenced,
         LOCKED where its row was locked by another transaction."""
         with database_errors():
             rows = await self.pool.fetch(
-                q.LET_GO,
+                q.RELEASE,
                 list({c[0] for c in copies}),
                 self.me,
                 json.dumps({q.copy_key(*c): True for c in copies}),
@@ -269,7 +269,7 @@ async def prepare_connection(conn: asyncpg.Connection) -> None:
     for cas in (q.TAKE, q.COMPLETE_STOP):
         await conn.fetch(cas, [], nobody, "{}")
     await conn.fetch(q.COMMIT, [], nobody, "{}")
-    await conn.fetch(q.LET_GO, [], nobody, "{}", "")
+    await conn.fetch(q.RELEASE, [], nobody, "{}", "")
     await conn.fetch(q.CONTROL_FACTS, [], nobody)
 
 

@@ -56,7 +56,7 @@ services_app = typer.Typer(
 
 
 def _client(api: str, token: str | None) -> Client:
-    return Client(api, token)
+    return Client(api, token, retries=0)  # a command says at once that the manager is away
 
 
 def shown(value: object) -> str:
@@ -89,7 +89,7 @@ def _show_json(data: Any) -> None:
 def _read(api: str, token: str | None, path: str, as_json: bool, **params: Any) -> Any:
     """GET ``path``; with --json print it and return None, else return it for a table."""
     try:
-        data = _client(api, token).get(path, **params)
+        data = _client(api, token).get_json(path, **params)
     except ApiError as exc:
         raise _failed(exc) from None
     if as_json:
@@ -197,7 +197,7 @@ def create(
     client = _client(api, token)
     try:
         slots = _slots(client)
-        o = client.post("/observers", body)
+        o = client.post_json("/observers", body)
     except ApiError as exc:
         raise _failed(exc) from None
     _show_json(o) if as_json else out.print(f"created {shown(o['id'])} ({shown(o['status'])})")
@@ -220,8 +220,8 @@ class Slots:
 def _slots(client: Client) -> Slots | None:
     """Before a create: what is free (None when this token may not read it)."""
     try:
-        services = client.get("/services")
-        waiting = client.get("/views/observers", status="created", limit=1)["total"]
+        services = client.get_json("/services")
+        waiting = client.get_json("/views/observers", status="created", limit=1)["total"]
     except ApiError:
         return None
     taking = [s for s in services if not s["is_deleted"] and not s["draining"]]
@@ -324,7 +324,9 @@ def import_observers(
         for first in range(0, len(todo), BATCH):
             batch = todo[first : first + BATCH]
             try:
-                answer = client.post("/observers/batch", {"observers": [e.body for e in batch]})
+                answer = client.post_json(
+                    "/observers/batch", {"observers": [e.body for e in batch]}
+                )
             except ApiError as exc:
                 raise _failed(exc) from None
             for item in answer["items"]:
@@ -374,7 +376,7 @@ def _resolve(client: Client, ref: str) -> str:
 def _pages(client: Client, **filters: Any) -> Iterator[list[dict[str, Any]]]:
     offset = filters.pop("offset", 0)
     while True:
-        page = client.get("/observers", offset=offset, **filters)
+        page = client.get_json("/observers", offset=offset, **filters)
         yield page["items"]
         if page["next_offset"] is None:
             return
@@ -424,7 +426,7 @@ def list_observers(
         if kind is not None and not rows:
             # Nothing of that kind: say so when the cluster does not know it (observers of a
             # kind no longer installed are still listed by it).
-            installed = sorted(k["name"] for k in client.get("/kinds"))
+            installed = sorted(k["name"] for k in client.get_json("/kinds"))
             if kind not in installed:
                 raise _usage(
                     f"unknown kind {kind!r}; installed kinds: {', '.join(installed) or 'none'}"
@@ -517,7 +519,7 @@ def _act(
         if wait and o["status"] != settled:
             client.wait(
                 f"{observer_id} to be {settled}",
-                lambda: client.get(path)["status"] == settled,
+                lambda: client.get_json(path)["status"] == settled,
                 timeout=timeout,
             )
             out.print(f"{shown(o['id'])}: {settled}")
@@ -531,7 +533,7 @@ def _act_on_many(
     """One action on every observer a selector takes (``POST /observers/actions``): a line a
     failure, then the count; exit 1 when any failed."""
     try:
-        answer = _client(api, token).post(
+        answer = _client(api, token).post_json(
             "/observers/actions", {"action": action, "selector": selector, "limit": limit}
         )
     except ApiError as exc:
@@ -650,7 +652,7 @@ def move(
     try:
         if observer is not None:
             selector = {"ids": [_resolve(client, observer)]}
-        answer = client.post("/observers/move", {**body, "selector": selector})
+        answer = client.post_json("/observers/move", {**body, "selector": selector})
     except ApiError as exc:
         raise _failed(exc) from None
     if as_json:
@@ -728,7 +730,7 @@ def services_drain(
     try:
         ids = _service_ids(client, service_id, name)
         for sid in ids:
-            s = client.post(f"/services/{sid}/drain")
+            s = client.post_json(f"/services/{sid}/drain")
             out.print(
                 f"draining {shown(s['name'])} {shown(s['id'])} "
                 f"({shown(s['running'])} observers to move)"
@@ -754,14 +756,14 @@ def services_undrain(
     client = _client(api, token)
     try:
         for sid in _service_ids(client, service_id, name):
-            s = client.post(f"/services/{sid}/undrain")
+            s = client.post_json(f"/services/{sid}/undrain")
             out.print(f"taking work again: {shown(s['name'])} {shown(s['id'])}")
     except ApiError as exc:
         raise _failed(exc) from None
 
 
 def _ids_named(client: Client, name: str) -> list[str]:
-    ids = [s["id"] for s in client.get("/services") if s["name"] == name]
+    ids = [s["id"] for s in client.get_json("/services") if s["name"] == name]
     if not ids:
         raise ApiError(f"no live service named {name!r}")
     return ids
@@ -769,7 +771,7 @@ def _ids_named(client: Client, name: str) -> list[str]:
 
 def _empty(client: Client, service_id: str) -> Callable[[], bool]:
     def check() -> bool:
-        live = [s for s in client.get("/services") if s["id"] == service_id]
+        live = [s for s in client.get_json("/services") if s["id"] == service_id]
         return not live or live[0]["running"] == 0
 
     return check

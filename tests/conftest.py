@@ -24,6 +24,9 @@ from contracts.settings import asyncpg_dsn, on_database
 from contracts.topology import Topology, delete_topology
 from tests.support.cluster import Cluster
 
+#: The kit kind authors get: ``kind_run`` and ``virtual_clock`` (tests/unit/test_builtin_kinds.py).
+pytest_plugins = ["orch.testing"]
+
 RUN = uuid.uuid4().hex[:8]
 _counter = itertools.count(1)
 

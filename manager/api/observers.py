@@ -27,7 +27,7 @@ from manager import repository as repo
 from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ, Authenticator, Credentials, Role
 from manager.outbox import Pending
-from manager.problems import field_errors, problem_of, responses, status_of
+from manager.problems import field_errors, problem_for, problem_of, responses, status_of
 from manager.runtime import ManagerRuntime
 from manager.schemas import (
     Action,
@@ -146,14 +146,14 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
             errors = field_errors(exc.errors(), under=("body", "observers", i))
             items.append(_failed(i, 422, "the observer is not valid", errors))
         except OrchError as exc:
-            items.append(_failed(i, status_of(exc), str(exc)))
+            items.append(_refused(i, exc))
     pending: list[Pending] = []
     if todo:
         async with state.store.autocommit() as tx:  # one statement for all of them
             rows, pending = await repo.create_observers(tx, [new for _, new in todo])
         for (i, _), row in zip(todo, rows, strict=True):
             if isinstance(row, NameTaken):
-                items.append(_failed(i, 409, str(row)))
+                items.append(_refused(i, row))
             else:
                 items.append({"index": i, "status": 201, "observer": row})
     await state.outbox.publish_now(pending)
@@ -197,8 +197,7 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
             except Transient:
                 raise  # the database is away: the rest would wait for it one by one (503)
             except OrchError as exc:
-                code = status_of(exc)
-                items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
+                items.append({"id": oid, "status": status_of(exc), "problem": problem_for(exc)})
                 continue
             pending += published
             items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
@@ -287,6 +286,11 @@ def _failed(
     index: int, code: int, detail: str, errors: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     return {"index": index, "status": code, "problem": problem_of(code, detail, errors=errors)}
+
+
+def _refused(index: int, exc: OrchError) -> dict[str, Any]:
+    """A batch item one of the orchestrator's errors refused (its problem's type included)."""
+    return {"index": index, "status": status_of(exc), "problem": problem_for(exc)}
 
 
 @router.get(

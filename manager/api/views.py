@@ -28,7 +28,7 @@ from manager.api.deps import RuntimeDep
 from manager.api.observers import KindFilter, PoolFilter, SeesSecrets, StatusFilter, shown
 from manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
 from manager.outbox import Pending
-from manager.problems import Problem, problem_of, responses, status_of
+from manager.problems import Problem, problem_for, responses, status_of
 from manager.schemas import SafeText, ServiceOut
 
 router = APIRouter(tags=["console"])
@@ -390,7 +390,7 @@ async def _bulk(
                 code = status_of(exc)
                 if code == 503:
                     raise
-                items.append({"id": oid, "status": code, "problem": problem_of(code, str(exc))})
+                items.append({"id": oid, "status": code, "problem": problem_for(exc)})
                 continue
             pending.extend(more)
             items.append({"id": oid, "status": ok, "observer_status": row["status"]})

@@ -120,7 +120,7 @@ async def test_a_stale_checkpoint_is_refused(pool: asyncpg.Pool, stale: Any) -> 
 async def test_a_stale_release_is_refused(pool: asyncpg.Pool, stale: Any) -> None:
     a, start = stale
     before = await row_of(pool, start.observer_id)
-    assert await a.let_go_many([(start.observer_id, 1)], "stale") == [None]
+    assert await a.release_many([(start.observer_id, 1)], "stale") == [None]
     assert await row_of(pool, start.observer_id) == before
 
 
@@ -130,9 +130,9 @@ async def test_a_stale_delete_is_refused(pool: asyncpg.Pool, stale: Any) -> None
         "UPDATE observers SET status = 'on_deleting' WHERE id = $1", start.observer_id
     )
     before = await row_of(pool, start.observer_id)
-    assert await a.let_go_many([(start.observer_id, 1)], "stale") == [None]
+    assert await a.release_many([(start.observer_id, 1)], "stale") == [None]
     assert await row_of(pool, start.observer_id) == before
-    assert [s.value if s else None for s in await a.let_go_many([(start.observer_id, 2)], "")] == [
+    assert [s.value if s else None for s in await a.release_many([(start.observer_id, 2)], "")] == [
         "deleted"
     ]
 

@@ -410,9 +410,9 @@ async def test_writes_of_a_stale_copy_are_refused(world: World) -> None:
     state = json.dumps({"n": 1})
     checkpoints = [Checkpoint(*stale, state), Checkpoint(*copy, state)]
     assert await world.store.checkpoint_many(checkpoints) == [False, True]
-    assert await world.store.let_go_many([stale], "stale") == [None]
+    assert await world.store.release_many([stale], "stale") == [None]
     assert await world.store.record_error(stale, "boom", RestartPolicy()) is None
-    assert await world.store.let_go_many([copy], "done") == [S.PROCESSING]
+    assert await world.store.release_many([copy], "done") == [S.PROCESSING]
     assert await world.row(copy.observer_id) == (S.PROCESSING, None, copy.epoch)
 
 
@@ -453,7 +453,7 @@ async def test_a_take_and_a_release_clear_a_recorded_handoff(world: World) -> No
     assert facts.observers[start.observer_id].handoff_to is None
     target = uuid.uuid4()
     await world.record_handoff(start.observer_id, target)
-    assert await world.store.let_go_many([result.taken.copy], "handed over") == [S.PROCESSING]
+    assert await world.store.release_many([result.taken.copy], "handed over") == [S.PROCESSING]
     facts = await world.store.control_facts([start.observer_id])
     assert facts.observers[start.observer_id] == Holding(S.PROCESSING, None, 1, None)
 
@@ -564,12 +564,14 @@ async def test_a_locked_row_neither_stalls_a_release_nor_a_take(world: World) ->
     the rest of their batches lands at once; a restart record fails RowLocked at once."""
     kept, locked = await _held(world), await _held(world)
     await world.lock(locked.observer_id)
-    answers = await asyncio.wait_for(world.store.let_go_many([kept, locked], "stopped"), _UNBLOCKED)
+    answers = await asyncio.wait_for(
+        world.store.release_many([kept, locked], "stopped"), _UNBLOCKED
+    )
     assert answers == [S.PROCESSING, LOCKED]
     with pytest.raises(RowLocked):
         await asyncio.wait_for(world.store.record_error(locked, "boom", RestartPolicy()), 1)
     await world.unlock()
-    assert await world.store.let_go_many([locked], "stopped") == [S.PROCESSING]
+    assert await world.store.release_many([locked], "stopped") == [S.PROCESSING]
 
     free, busy = await world.observer(), await world.observer()
     await world.lock(busy.observer_id)
@@ -607,7 +609,7 @@ async def test_a_commit_gives_its_records_the_next_seqs_once_even_when_retried(
     await world.store.delete_published([(copy.observer_id, 1)])
     assert await world.outbox(copy.observer_id) == []
     # Once let go, the next take resumes from the checkpoint and seq 2 together.
-    assert await world.store.let_go_many([copy], "done") == [S.PROCESSING]
+    assert await world.store.release_many([copy], "done") == [S.PROCESSING]
     again = (await take(world, start)).taken
     assert again is not None
     assert (again.epoch, again.output_seq, again.checkpoint) == (copy.epoch + 1, 2, {"n": 2})

@@ -98,7 +98,7 @@ async def _explained(
 
 
 @pytest.mark.parametrize("size", [40, 1000])
-@pytest.mark.parametrize("statement", ["checkpoint", "let_go", "take", "control"])
+@pytest.mark.parametrize("statement", ["checkpoint", "release", "take", "control"])
 async def test_a_batch_write_reads_only_its_own_rows(
     conn: asyncpg.Connection, statement: str, size: int
 ) -> None:
@@ -128,7 +128,7 @@ async def test_a_batch_write_reads_only_its_own_rows(
         scans = await _explained(conn, q.COMMIT, ids, me, commits)
     else:
         scans = await _explained(
-            conn, q.LET_GO, ids, me, json.dumps(dict.fromkeys(keys, True)), "t"
+            conn, q.RELEASE, ids, me, json.dumps(dict.fromkeys(keys, True)), "t"
         )
     read = sum(rows for _, _, rows in scans)
     assert scans, "the plan names the observers table"

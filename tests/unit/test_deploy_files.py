@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import uuid
 from collections.abc import Sequence
@@ -355,3 +356,18 @@ def test_the_lock_pins_every_dependency() -> None:
     for requirement in project["dependencies"]:
         name = re.split(r"[\[><=!~ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
         assert name in pinned, f"{name} is not in requirements.lock (uv pip compile …)"
+
+
+def _has_compose() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    done = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _has_compose(), reason="no docker compose here")
+def test_docker_compose_config_accepts_the_compose_file() -> None:
+    done = subprocess.run(
+        ["docker", "compose", "config", "--quiet"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from starlette.routing import Match
 
@@ -284,3 +285,24 @@ def test_a_metrics_port_a_pod_declares_listens_beyond_the_pod() -> None:
             settings = _settings_of(container, ServiceSettings)
             assert settings.metrics_host == "0.0.0.0", f"{name}: set ORCH_METRICS_HOST=0.0.0.0"
     assert declared, "the observer service declares its metrics port"
+
+
+def test_the_objects_are_valid_against_the_kubernetes_schemas() -> None:
+    """Each object against the schema of the newest Kubernetes release the validator knows,
+    strictly (an unknown field, a misspelt one, fails)."""
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    objects = _objects()
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Job", "ConfigMap", "Service", "PodDisruptionBudget"} <= kinds, kinds
+    for o in objects:
+        try:
+            kubernetes_validate.validate(o, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{o['kind']} {o['metadata']['name']}: {exc.message}") from None
+    # The check bites: a misspelt field of a container is refused.
+    deployment = next(iter(_of_kind("Deployment").values()))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, version, strict=True)
