@@ -165,9 +165,15 @@ def error_for(status: int, data: bytes, reason: str, retry_after: str | None) ->
         body = json.loads(data)
     except ValueError:
         body = None
-    problem: dict[str, Any] = body if isinstance(body, dict) else {}
-    text = problem_text(problem, reason) if problem else (data.decode(errors="replace").strip()
-                                                          or reason)  # fmt: skip
+    if isinstance(body, dict):
+        return error_of(status, body, problem_text(body, reason), retry_after)
+    return error_of(status, {}, data.decode(errors="replace").strip() or reason, retry_after)
+
+
+def error_of(
+    status: int, problem: Mapping[str, Any], text: str, retry_after: str | None = None
+) -> ApiError:
+    """The error of a problem document (an answer's, or a batch or action item's)."""
     message = f"{status}: {text}" + (f"; {TOKEN_HINT}" if status == 401 else "")
     cls = _BY_TYPE.get(str(problem.get("type")), _BY_STATUS.get(status, ApiError))
     if cls is Unavailable:
@@ -351,9 +357,7 @@ def _outcomes(items: list[dict[str, Any]]) -> list[Outcome]:
         problem = i.get("problem")
         error = None
         if problem:
-            status = int(i["status"])
-            raw = json.dumps(problem).encode()
-            error = error_for(status, raw, str(problem.get("title", "failed")), None)
+            error = error_of(int(i["status"]), problem, problem_text(problem))
         observer = model(Observer, i["observer"]) if i.get("observer") else None
         oid = uuid.UUID(i["id"]) if i.get("id") else None
         out.append(Outcome(int(i["status"]), observer, error, i.get("index"), oid))
@@ -445,22 +449,19 @@ class _Api:
         self.retries = retries
         self.max_wait = max_wait
 
-    def wait_before(self, attempt: int, exc: Unavailable) -> float | None:
-        """Seconds to wait before trying ``exc``'s request again, or None: give up."""
+    def wait_before(self, attempt: int, exc: Unavailable, request: Request) -> float | None:
+        """Seconds to wait before trying ``request`` again after ``exc``, or None: give up.
+        Only a read is tried again when nothing came back: a write may have been done."""
         if attempt >= self.retries:
             return None
-        if exc.status is None and not exc.problem.get("reads", False):
+        if exc.status is None and not request.reads:
             return None
         asked = exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt
         return min(asked, self.max_wait)
 
-    def unreachable(self, request: Request, exc: BaseException) -> Unavailable:
+    def unreachable(self, exc: BaseException) -> Unavailable:
         reason = str(exc) or type(exc).__name__
-        # Only a read is tried again when nothing came back: a write may have been done.
-        return Unavailable(
-            f"cannot reach the manager at {self.base_url}: {reason}",
-            problem={"reads": request.reads},
-        )
+        return Unavailable(f"cannot reach the manager at {self.base_url}: {reason}")
 
 
 #: (The clients have a method named ``list``: these name the builtin where it is shadowed.)
@@ -689,7 +690,7 @@ class Client(_Actions):
             try:
                 return then(self._send(request))
             except Unavailable as exc:
-                wait = self._api.wait_before(attempt, exc)
+                wait = self._api.wait_before(attempt, exc, request)
                 if wait is None:
                     raise
                 time.sleep(wait)
@@ -725,7 +726,7 @@ class Client(_Actions):
             r = conn.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise self._api.unreachable(request, exc) from None
+            raise self._api.unreachable(exc) from None
         finally:
             conn.close()
         if r.status >= 400:
@@ -804,7 +805,7 @@ class AsyncClient(_Actions):
             try:
                 return then(await self._send(request))
             except Unavailable as exc:
-                wait = self._api.wait_before(attempt, exc)
+                wait = self._api.wait_before(attempt, exc, request)
                 if wait is None:
                     raise
                 await asyncio.sleep(wait)
@@ -825,7 +826,7 @@ class AsyncClient(_Actions):
                 request.method, url, json=request.body, headers=self._api.headers
             )
         except httpx.HTTPError as exc:
-            raise self._api.unreachable(request, exc) from None
+            raise self._api.unreachable(exc) from None
         if r.status_code >= 400:
             raise error_for(r.status_code, r.content, r.reason_phrase, r.headers.get("Retry-After"))
         return r.json() if r.content else None

@@ -158,6 +158,14 @@ function report(what, err, items) {
   $("#problems").append(box);
 }
 
+/** The items of a bulk answer that failed, as one problem that stays, each named. */
+function reportFailed(what, out, byId) {
+  const bad = out.items.filter((i) => i.problem);
+  if (!bad.length) return;
+  report(`${what}: ${bad.length} of ${out.items.length} failed`, { problem: { ...bad[0].problem, detail: "" } },
+    bad.map((i) => `${byId?.get(i.id) ?? i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
+}
+
 /** Ask first, in the page (no window.confirm); resolves true on "confirm". */
 function ask(question, okLabel, names) {
   const d = $("#confirm");
@@ -637,13 +645,7 @@ async function bulk(verb) {
     const out = await api("POST", `/views/observers/${verb}`, null, { ids: chosen.map((o) => o.id) });
     list.selected.clear();
     $("#f-selected").textContent = `${out.done} ${verb === "restart" ? "restarted" : "deleted"}`;
-    const bad = out.items.filter((i) => i.problem);
-    if (bad.length) {
-      const first = bad[0].problem;
-      report(`${verb === "restart" ? "Restart" : "Delete"}: ${bad.length} of ${out.items.length} failed`,
-        { problem: { ...first, detail: "" } },
-        bad.map((i) => `${byId.get(i.id) ?? i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
-    }
+    reportFailed(verb === "restart" ? "Restart" : "Delete", out, byId);
   } catch (err) {
     report(`${verb === "restart" ? "Restart" : "Delete"} ${chosen.length}`, err);
   }
@@ -661,11 +663,7 @@ async function bulkEveryFailed(verb) {
   try {
     const out = await api("POST", "/observers/actions", null, { action: verb, selector: { status: "failed" }, limit: n });
     $("#f-selected").textContent = `${count(out.done)} ${PAST[verb]}` + (out.failed ? `, ${count(out.failed)} failed` : "");
-    const bad = out.items.filter((i) => i.problem);
-    if (bad.length) {
-      report(`${verb}: ${bad.length} of ${out.items.length} failed`, { problem: { ...bad[0].problem, detail: "" } },
-        bad.map((i) => `${i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
-    }
+    reportFailed(verb, out);
   } catch (err) {
     report(`${verb} every failed observer`, err);
   }
@@ -721,11 +719,7 @@ async function bulkOverview(verb) {
     const done = verb === "move" ? out.moved : out.done;
     const failed = verb === "move" ? 0 : out.failed;
     $("#bulk-selected").textContent = `${done} ${PAST[verb]}` + (failed ? `, ${failed} failed` : "");
-    const bad = verb === "move" ? [] : out.items.filter((i) => i.problem);
-    if (bad.length) {
-      report(`${verb}: ${bad.length} of ${out.items.length} failed`, { problem: { ...bad[0].problem, detail: "" } },
-        bad.map((i) => `${byId.get(i.id) ?? i.id}: ${i.problem.status} ${i.problem.title}: ${i.problem.detail}`));
-    }
+    if (verb !== "move") reportFailed(verb, out, byId);  // a move answers with ids alone
   } catch (err) {
     report(`${verb} ${n}`, err);
   }
