@@ -10,11 +10,13 @@ import logging
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, cast
 
 import aio_pika
 from aio_pika.abc import AbstractChannel
 from aio_pika.exceptions import DeliveryError, PublishError
 
+from contracts import tracing
 from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
 from contracts.messages import DirectedStart, Message, StartMessage
 from contracts.pools import DEFAULT_POOL
@@ -71,11 +73,13 @@ class Sender:
     async def publish(self, to: Destination, message: Message, *, timeout: float = 10) -> bool:
         """Publish and wait for the broker's confirm. False when it was returned: the service it
         was sent to has no control queue (any more). Raises BrokerUnavailable, Unroutable for a
-        start returned by the work queue (deleted): it was not delivered, so it is kept."""
+        start returned by the work queue (deleted): it was not delivered, so it is kept. The
+        current span's trace context goes along in the headers (``contracts.tracing``)."""
         body = aio_pika.Message(
             message.to_bytes(),
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            headers=cast(dict[str, Any] | None, tracing.carrier()),
         )
         with broker_errors():
             if to.route is Route.WORK:

@@ -220,6 +220,9 @@ class OutboxMessage(Base):
     #: For a start: the observer's pool, whose work queue takes it (also when a directed
     #: start comes back).
     pool: Mapped[str] = mapped_column(Text, nullable=False, server_default="default")
+    #: The W3C trace context it was written in (``contracts.tracing``; NULL when tracing is
+    #: off): the relay publishes it in that trace.
+    trace: Mapped[dict[str, str] | None] = mapped_column(JSONB)
 
     __table_args__ = (
         Index("ix_outbox_created_at", "created_at"),

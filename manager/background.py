@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts import tracing
 from contracts.errors import BrokerUnavailable, Transient
 from contracts.messages import DirectedStart, Message
 from contracts.pools import DEFAULT_POOL
@@ -110,6 +111,7 @@ async def redispatch(
     *,
     present: Collection[uuid.UUID],
     margin: float,
+    by: str,
     placed_only: bool = False,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
@@ -119,23 +121,27 @@ async def redispatch(
     ``placed_only``: those that no such service has room for are left as they are."""
     if not ids:
         return []
-    free = await reachable_slots(tx, present, margin)
-    needs = await repo.needs_of(tx, ids)
-    runs = await repo.kinds_run(tx, list(free))
-    wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
-    targets = dict(zip(ids, place(free, wanted, runs), strict=True))
-    if placed_only:
-        ids = [i for i in ids if targets[i] is not None]
-    starts = await repo.new_dispatches(tx, ids, why)
-    messages: list[tuple[Destination, Message]] = []
-    for start in starts:
-        target = targets[start.observer_id]
-        pool = needs[start.observer_id].pool
-        if target is None:
-            messages.append((Destination.work(pool), start))
-        else:
-            messages.append((Destination.service(target, pool), DirectedStart.of(start)))
-    return await repo.add_outbox(tx, messages)
+    # A trace of its own (a root): the starts it sends are taken in it.
+    with tracing.span(
+        f"{by} re-dispatch", attributes=lambda: {"orch.reason": why, "orch.observers": len(ids)}
+    ):
+        free = await reachable_slots(tx, present, margin)
+        needs = await repo.needs_of(tx, ids)
+        runs = await repo.kinds_run(tx, list(free))
+        wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
+        targets = dict(zip(ids, place(free, wanted, runs), strict=True))
+        if placed_only:
+            ids = [i for i in ids if targets[i] is not None]
+        starts = await repo.new_dispatches(tx, ids, why)
+        messages: list[tuple[Destination, Message]] = []
+        for start in starts:
+            target = targets[start.observer_id]
+            pool = needs[start.observer_id].pool
+            if target is None:
+                messages.append((Destination.work(pool), start))
+            else:
+                messages.append((Destination.service(target, pool), DirectedStart.of(start)))
+        return await repo.add_outbox(tx, messages)
 
 
 @dataclass
@@ -209,7 +215,7 @@ class Sweeper:
             )
             moving = [o.id for o in orphans if o.status == ObserverStatus.PROCESSING]
             pending = await redispatch(
-                tx, moving, "holder gone", present=present, margin=self.margin
+                tx, moving, "holder gone", present=present, margin=self.margin, by="sweeper"
             )
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
@@ -233,6 +239,7 @@ class Sweeper:
                 "to a service of its pool that runs its kind",
                 present=present,
                 margin=self.margin,
+                by="sweeper",
                 placed_only=True,
             )
             await repo.set_waiting(tx, await repo.unexplained(tx))
@@ -335,6 +342,7 @@ class Audit:
                 "audit: start message stuck or lost",
                 present=present,
                 margin=self.margin,
+                by="audit",
             )
         for oid in ids:
             times = self.recent.get(oid, (0, now))[0] + 1

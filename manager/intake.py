@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from contracts import tracing
 from contracts.batching import LINGER, Batcher
 from contracts.errors import NameTaken
 from manager import repository as repo
@@ -63,7 +64,18 @@ class GroupCommit:
         for i, new in enumerate(batch):
             first.setdefault(new.key, i)
         todo = sorted(first.values())
+        began = tracing.now()
         rows, pending = await self._write([batch[i] for i in todo])
+        if began:  # the write, in the trace of each create it carried
+            ended = tracing.now()
+            for new in batch:
+                tracing.record(
+                    "group commit",
+                    parent=new.trace,
+                    started=began,
+                    ended=ended,
+                    attributes={"orch.creates": len(batch)},
+                )
         self.writes += 1
         self.creates += len(batch)
         await self._publish(pending)

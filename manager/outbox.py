@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from contracts import tracing
 from contracts.errors import Transient
 from manager import repository as repo
 from manager.publisher import Publisher
@@ -31,9 +32,7 @@ class Outbox:
         self._in_flight: set[int] = set()  # being published here, not yet confirmed
 
     async def _publish(self, rows: Sequence[Pending]) -> list[int]:
-        results = await asyncio.gather(
-            *(self.publisher.deliver(r.to, r.message) for r in rows), return_exceptions=True
-        )
+        results = await asyncio.gather(*map(self._deliver, rows), return_exceptions=True)
         done = [r.id for r, res in zip(rows, results, strict=True) if res is None]
         failed = [res for res in results if res is not None]
         for res in failed:
@@ -46,6 +45,14 @@ class Outbox:
                 failed[0],
             )
         return done
+
+    async def _deliver(self, row: Pending) -> None:
+        """One message, in a span of the trace it was written in (its headers carry that
+        span on: the take is its child)."""
+        with tracing.span(
+            "publish", parent=row.trace, kind="producer", attributes=lambda: _attributes(row)
+        ):
+            await self.publisher.deliver(row.to, row.message)
 
     async def publish_now(self, rows: Sequence[Pending]) -> None:
         """Publish rows just committed; whatever fails stays for the relay. Never raises for an
@@ -93,3 +100,15 @@ class Outbox:
         finally:
             self._in_flight -= ids
         return len(done)
+
+
+def _attributes(row: Pending) -> dict[str, str]:
+    observer = getattr(row.message, "observer_id", None)
+    out = {
+        "messaging.system": "rabbitmq",
+        "orch.route": row.to.route.value,
+        "orch.pool": row.to.pool,
+    }
+    if observer is not None:
+        out["orch.observer_id"] = str(observer)
+    return out

@@ -118,14 +118,15 @@ LIST_EVENTS = (
 # ----------------------------------------------------------------------------------- outbox
 # :routes, :services, :pools, :bodies
 OUTBOX_ADD = (
-    "INSERT INTO outbox (route, service_id, pool, body) "
-    "SELECT r, s, p, CAST(b AS jsonb) "
+    "INSERT INTO outbox (route, service_id, pool, body, trace) "
+    "SELECT r, s, p, CAST(b AS jsonb), CAST(t AS jsonb) "
     "FROM unnest(CAST(:routes AS text[]), CAST(:services AS uuid[]), CAST(:pools AS text[]), "
-    "CAST(:bodies AS text[])) WITH ORDINALITY AS m(r, s, p, b, n) ORDER BY n RETURNING id"
+    "CAST(:bodies AS text[]), CAST(:traces AS text[])) WITH ORDINALITY AS m(r, s, p, b, t, n) "
+    "ORDER BY n RETURNING id"
 )
 OUTBOX_DELETE = "DELETE FROM outbox WHERE id = ANY(:ids)"
 OUTBOX_DUE = (
-    "SELECT id, route, service_id, pool, body FROM outbox "
+    "SELECT id, route, service_id, pool, body, trace FROM outbox "
     "WHERE created_at < now() - make_interval(secs => :g) AND NOT (id = ANY(:skip)) "
     "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
 )
@@ -139,8 +140,9 @@ WITH v AS (
     SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:keys AS text[]),
                          CAST(:kinds AS text[]), CAST(:params AS text[]), CAST(:ds AS uuid[]),
                          CAST(:rps AS text[]), CAST(:bodies AS text[]), CAST(:pools AS text[]),
-                         CAST(:versions AS text[]))
-           WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, pool, version, n)
+                         CAST(:versions AS text[]), CAST(:traces AS text[]))
+           WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, pool, version,
+                                trace, n)
 ), o AS (
     INSERT INTO observers AS o (id, name, name_key, kind, params, status, dispatch_id,
                                 restart_policy, pool, kind_version)
@@ -152,8 +154,9 @@ WITH v AS (
 ), e AS (
     INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
 ), b AS (
-    INSERT INTO outbox (route, pool, body)
-    SELECT :route, v.pool, CAST(v.body AS jsonb) FROM v JOIN o ON o.id = v.id ORDER BY v.n
+    INSERT INTO outbox (route, pool, body, trace)
+    SELECT :route, v.pool, CAST(v.body AS jsonb), CAST(v.trace AS jsonb)
+      FROM v JOIN o ON o.id = v.id ORDER BY v.n
     RETURNING id, CAST(body ->> 'observer_id' AS uuid) AS observer_id
 )
 SELECT o.*, b.id AS outbox_id FROM o JOIN b ON b.observer_id = o.id

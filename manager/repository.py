@@ -31,6 +31,7 @@ from contracts.outputs import Committed
 from contracts.pools import DEFAULT_POOL
 from contracts.routing import BROADCAST, Destination, Route
 from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
+from contracts.tracing import Carrier, carrier
 from manager import queries as q
 from manager.store import Row, Tx
 
@@ -47,6 +48,12 @@ class Pending:
     id: int
     to: Destination
     message: Message
+    #: The trace context it was written in (``contracts.tracing``), to publish it in.
+    trace: Carrier | None = None
+
+
+def _trace_json(trace: Carrier | None) -> str | None:
+    return None if trace is None else to_json(trace)
 
 
 def parse(
@@ -88,17 +95,20 @@ async def record_events(
 
 # ----------------------------------------------------------------------------------- outbox
 async def add_outbox(tx: Tx, messages: Sequence[tuple[Destination, Message]]) -> list[Pending]:
-    """Outbox records, each with its own destination, in one statement: the one way in."""
+    """Outbox records, each with its own destination, in one statement: the one way in. Each
+    keeps the trace context it is written in."""
     if not messages:
         return []
+    trace = carrier()
     ids = await tx.values(
         q.OUTBOX_ADD,
         routes=[to.route.value for to, _ in messages],
         services=[to.service_id for to, _ in messages],
         pools=[to.pool for to, _ in messages],
         bodies=[to_json(m.to_json()) for _, m in messages],
+        traces=[_trace_json(trace)] * len(messages),
     )
-    return [Pending(i, to, m) for i, (to, m) in zip(ids, messages, strict=True)]
+    return [Pending(i, to, m, trace) for i, (to, m) in zip(ids, messages, strict=True)]
 
 
 async def outbox_due(tx: Tx, *, grace: float, limit: int, skip: list[int]) -> list[Pending]:
@@ -106,7 +116,7 @@ async def outbox_due(tx: Tx, *, grace: float, limit: int, skip: list[int]) -> li
     skipped by another relay) until the transaction ends."""
     rows = await tx.rows(q.OUTBOX_DUE, g=grace, n=limit, skip=skip)
     return [
-        Pending(r.id, p.to, p.message)
+        Pending(r.id, p.to, p.message, r.trace)
         for r in rows
         for p in (parse(r.route, r.service_id, r.body, r.pool),)
     ]
@@ -143,6 +153,8 @@ class NewObserver:
     pool: str = DEFAULT_POOL
     #: The version of its kind it is pinned to (None: any).
     kind_version: str | None = None
+    #: The trace context of the request that asks for it (``contracts.tracing``).
+    trace: Carrier | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -172,10 +184,11 @@ async def create_observers(
         bodies=[to_json(s.to_json()) for s in starts],
         pools=[n.pool for n in new],
         versions=[n.kind_version for n in new],
+        traces=[_trace_json(n.trace) for n in new],
     )
     made = {r.id: _row(r) for r in rows}
     pending = [
-        Pending(made[s.observer_id].pop("outbox_id"), Destination.work(n.pool), s)
+        Pending(made[s.observer_id].pop("outbox_id"), Destination.work(n.pool), s, n.trace)
         for s, n in zip(starts, new, strict=True)
         if s.observer_id in made
     ]

@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from contracts import pgconnect
+from contracts import pgconnect, tracing
 from contracts.errors import database_errors
 from contracts.settings import CommonSettings
 
@@ -84,6 +84,10 @@ class Tx:
             yield
 
 
+#: Attributes of its spans (``contracts.tracing``).
+_DB = {"db.system": "postgresql"}
+
+
 def _json_text(value: str) -> str:
     return value  # the manager writes JSON it has already encoded (``repository.to_json``)
 
@@ -140,12 +144,14 @@ class ManagerStore:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
         """A transaction: committed when the block ends, rolled back when it raises."""
-        async with self._connection() as conn, conn.transaction():
-            yield Tx(conn)
+        with tracing.child("transaction", _DB):
+            async with self._connection() as conn, conn.transaction():
+                yield Tx(conn)
 
     @contextlib.asynccontextmanager
     async def autocommit(self) -> AsyncIterator[Tx]:
         """A connection without BEGIN/COMMIT round trips: for reads, and for work done in one
         (atomic) statement."""
-        async with self._connection() as conn:
-            yield Tx(conn)
+        with tracing.child("statement", _DB):
+            async with self._connection() as conn:
+                yield Tx(conn)

@@ -32,6 +32,7 @@ from aiormq.exceptions import (
     ConnectionClosed,
 )
 
+from contracts import tracing
 from contracts.amqp import connect_first
 from contracts.errors import BrokerUnavailable, broker_errors
 from contracts.messages import CancelMessage, StartMessage
@@ -60,6 +61,7 @@ class AmqpDelivery(Settling):
         self.message = message
         self.body = message.body
         self.redelivered = bool(message.redelivered)
+        self.trace = tracing.carrier_of(message.headers)
         self._session = session
 
     @property
@@ -171,7 +173,7 @@ class AmqpSession:
             await cq.bind(exchange)
 
             async def control_message(message: AbstractIncomingMessage) -> None:
-                await spec.on_control(message.body)
+                await spec.on_control(message.body, tracing.carrier_of(message.headers))
 
             async def start_message(message: AbstractIncomingMessage) -> None:
                 await spec.on_start(AmqpDelivery(message, self))

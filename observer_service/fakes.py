@@ -22,6 +22,7 @@ from contracts.messages import StartMessage
 from contracts.outputs import Committed, Output
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import HELD, LIVE, STOPPED, ObserverStatus
+from contracts.tracing import Carrier
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
@@ -466,6 +467,7 @@ class FakeDelivery(Settling):
     def __init__(self, body: bytes, session: FakeSession, *, redelivered: bool) -> None:
         self.body = body
         self.redelivered = redelivered
+        self.trace: Carrier | None = None
         self._session = session
         #: "ack", "requeue", "reject", or None while unsettled.
         self.outcome: str | None = None
@@ -503,7 +505,7 @@ class FakeSession:
         return delivery
 
     async def control(self, body: bytes) -> None:
-        await self._on_control(body)
+        await self._on_control(body, None)
 
     async def stop_consuming(self) -> None:
         self.consuming = False

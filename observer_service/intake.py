@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from contracts import tracing
 from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
@@ -27,6 +28,7 @@ from contracts.logs import observer_log
 from contracts.masking import mask
 from contracts.messages import StartMessage
 from contracts.pools import DEFAULT_POOL
+from contracts.tracing import Carrier
 from contracts.witness import Witness
 from observer_service.admission import Admission, Slot
 from observer_service.context import ObserverContext
@@ -49,7 +51,7 @@ from observer_service.ports import (
 )
 from observer_service.retry import landed, until_done, while_leased
 from observer_service.runner import NoProgress, Runner, StopReason, refused, run_observer
-from observer_service.settle import Disposition, Settler
+from observer_service.settle import Settlement, Settler
 from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
@@ -123,21 +125,29 @@ class Intake:
             log.error("malformed start message sent to the error queue: %s", exc)
             await delivery.reject()
             return
-        await self.admit(start, Queued(delivery))
+        await self.admit(start, Queued(delivery), trace=delivery.trace)
 
-    async def admit(self, start: StartMessage, origin: Origin) -> None:
+    async def admit(
+        self, start: StartMessage, origin: Origin, *, trace: Carrier | None = None
+    ) -> None:
         """Take the observer if the rule allows and a slot is free, then run it; whatever
         happens, the start is settled (run, acked, requeued or dead-lettered).
 
         ``origin``: the work-queue delivery to hold while it runs, or ``DIRECTED`` for a start
         with no delivery behind it (handed to the work queue whenever it cannot run here)."""
         oid = start.observer_id
-        async with self.admission.admitting(oid) as entry:
-            try:
-                await self._admit(start, origin, cancelled=lambda: entry.cancelled)
-            except Exception:  # a bug: the start must still be settled
-                log.exception("admitting the start of %s failed: requeued", oid)
-                await self.settler.dispose(start, origin, Disposition.REQUEUE)
+        with tracing.span(
+            "take",
+            parent=trace,
+            kind="consumer",
+            attributes=lambda: {"orch.observer_id": str(oid), "orch.service": self.name},
+        ):
+            async with self.admission.admitting(oid) as entry:
+                try:
+                    await self._admit(start, origin, cancelled=lambda: entry.cancelled)
+                except Exception:  # a bug: the start must still be settled
+                    log.exception("admitting the start of %s failed: requeued", oid)
+                    await self.settler.settle(start, origin, Settlement.REQUEUE)
 
     async def _admit(
         self, start: StartMessage, origin: Origin, *, cancelled: Callable[[], bool]
@@ -156,12 +166,12 @@ class Intake:
             existing.ctx.logger.info("adopted its redelivered start message")
             return
         if not self.host.accepting():
-            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            await self.settler.settle(start, origin, Settlement.REQUEUE)
             return
         if not self.lease.valid():
             # Fenced: let others have it, but not in a tight loop back to us.
             await asyncio.sleep(self.lease.timings.renew_interval)
-            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            await self.settler.settle(start, origin, Settlement.REQUEUE)
             return
         slot = self.admission.slot()
         started = False
@@ -201,11 +211,11 @@ class Intake:
             try:
                 result = await while_leased(partial(self._submit_take, request), alive)
             except LeaseLost:
-                await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                await self.settler.settle(start, origin, Settlement.REQUEUE)
                 return None
             if result.decision is Decision.NO_ROOM:
                 if not isinstance(origin, Queued):
-                    await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                    await self.settler.settle(start, origin, Settlement.REQUEUE)
                     return None
                 # Free, it may be taken: wait for room (the prefetch bounds how many wait
                 # here), but not for ever: copies that lost their deliveries hold slots the
@@ -214,7 +224,7 @@ class Intake:
                     room = await asyncio.wait_for(slot.take(wait=True), timings.stale_after)
                 except TimeoutError:
                     await asyncio.sleep(timings.renew_interval)
-                    await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                    await self.settler.settle(start, origin, Settlement.REQUEUE)
                     return None
                 request = replace(request, room=room)
                 continue
@@ -224,20 +234,20 @@ class Intake:
             elif result.decision is not Decision.WAIT:
                 break
             if not alive() or (isinstance(origin, Queued) and not origin.live):
-                await self.settler.dispose(start, origin, Disposition.REQUEUE)
+                await self.settler.settle(start, origin, Settlement.REQUEUE)
                 return None
             if self.clock.now() > give_up:
                 result = TakeResult(Decision.DROP_DUPLICATE)
                 break
             await asyncio.sleep(min(backoff.next(), max(0.005, result.holder_remaining)))
         if result.decision is Decision.NOT_HERE and not await self._pass_on(start, result):
-            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            await self.settler.settle(start, origin, Settlement.REQUEUE)
             return None
         if result.decision is not Decision.TAKE:
             observer_log(log, observer_id=start.observer_id).info(
                 "start message: %s", result.decision.value
             )
-            await self.settler.dispose(start, origin, Disposition.ACK)
+            await self.settler.settle(start, origin, Settlement.ACK)
             return None
         taken = result.taken
         assert taken is not None
@@ -249,7 +259,7 @@ class Intake:
                 lambda: self.settler.release(taken.copy, "taken while stopping"),
                 "letting go of a late take",
             )
-            await self.settler.dispose(start, origin, Disposition.REQUEUE)
+            await self.settler.settle(start, origin, Settlement.REQUEUE)
             return None
         return taken
 
@@ -337,13 +347,22 @@ class Intake:
             )
             return False
         copy = taken.copy
+        # From the take to the first checkpoint written (a child of the take's span).
+        first = tracing.begin(
+            "start",
+            attributes=lambda: {
+                "orch.observer_id": str(taken.observer_id),
+                "orch.kind": taken.kind,
+                "orch.epoch": taken.epoch,
+            },
+        )
         outputs = CopyOutputs(
             observer_id=taken.observer_id,
             epoch=taken.epoch,
             kind=taken.kind,
             name=taken.name,
             last_seq=taken.output_seq,
-            write=lambda item: self._save(copy, item),
+            write=lambda item: self._save(copy, item, first),
             commit_every=spec.commit_every,
             to_json=checkpoint_json,
         )
@@ -386,6 +405,7 @@ class Intake:
         runner.task = asyncio.create_task(
             self._run_copy(
                 runner,
+                first,
                 run_observer(
                     spec,
                     ctx,
@@ -410,10 +430,20 @@ class Intake:
         ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
 
-    async def _run_copy(self, runner: Runner, run: Coroutine[Any, Any, str]) -> str:
+    async def _run_copy(
+        self, runner: Runner, first: tracing.Open, run: Coroutine[Any, Any, str]
+    ) -> str:
         """The copy's task: its kind's code and, for a kind with ``commit_every``, the commits
         of what it emits, made on their own; the last of them before the task ends, so that
         the copy's release comes after it."""
+        try:
+            return await self._run_copy_code(runner, run)
+        finally:
+            first.end(
+                attributes={"orch.checkpointed": False}
+            )  # stopped before its first checkpoint
+
+    async def _run_copy_code(self, runner: Runner, run: Coroutine[Any, Any, str]) -> str:
         outputs = runner.outputs
         if outputs is None or outputs.commit_every is None:
             return await run
@@ -454,9 +484,10 @@ class Intake:
         if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
             runner.blame = reason
 
-    async def _save(self, copy: Copy, item: Checkpoint) -> None:
+    async def _save(self, copy: Copy, item: Checkpoint, first: tracing.Open) -> None:
         """A commit (a checkpoint, records): fenced, batched, retried while the lease holds
-        (also alone, when the batch skipped its row as locked: that is no fence)."""
+        (also alone, when the batch skipped its row as locked: that is no fence). The first
+        one ends the copy's ``start`` span."""
         checkpoints = self.host.checkpoints
 
         async def write() -> bool:
@@ -465,6 +496,7 @@ class Intake:
         if not await while_leased(write, self.lease.valid):
             self.metrics.fenced.labels("checkpoint").inc()
             raise refused("checkpoint")
+        first.end(attributes={"orch.checkpointed": True})
 
     async def _record_error(
         self, copy: Copy, kind: str, error: str, policy: RestartPolicy
@@ -487,8 +519,8 @@ class Intake:
         failed = await until_done(lambda: self.store.fail(taken.copy, error), "failing an observer")
         if failed:
             self.metrics.failed.labels(taken.kind).inc()
-        how = Disposition.DEAD_LETTER if failed else Disposition.ACK
-        await self.settler.dispose(taken.start, origin, how)
+        how = Settlement.DEAD_LETTER if failed else Settlement.ACK
+        await self.settler.settle(taken.start, origin, how)
 
 
 #: ``\u0000`` as an escape, not as the text after an escaped backslash.

@@ -19,6 +19,7 @@ from contracts.messages import StartMessage
 from contracts.outputs import Committed
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
+from contracts.tracing import Carrier
 from observer_service.take import Decision
 
 
@@ -285,6 +286,8 @@ class Delivery(Protocol):
 
     body: bytes
     redelivered: bool
+    #: The trace context it came with (``contracts.tracing``).
+    trace: Carrier | None
 
     @property
     def live(self) -> bool:
@@ -353,7 +356,8 @@ class BrokerSession(Protocol):
 
 
 OnStart = Callable[[Delivery], Awaitable[None]]
-OnControl = Callable[[bytes], Awaitable[None]]
+#: A control message's body and the trace context it came with (``contracts.tracing``).
+OnControl = Callable[[bytes, Carrier | None], Awaitable[None]]
 
 
 @dataclass(frozen=True)

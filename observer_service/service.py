@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from contracts import tracing
 from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
@@ -35,6 +36,7 @@ from contracts.messages import (
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from contracts.topology import consumer_timeout_advice
+from contracts.tracing import Carrier
 from contracts.witness import Witness
 from observer_service.admission import Admission
 from observer_service.control import ControlChecks, cancel_confirmed, handoff_confirmed
@@ -300,12 +302,12 @@ class ObserverService:
         # Settled once its task has ended; no second task per observer waits for that end (a
         # waiting task was about 1.8 KiB of the 11.5 KiB an idle observer took).
         task.add_done_callback(
-            lambda _: self.spawn(self._conclude(runner), f"settle-{runner.observer_id}")
+            lambda _: self.spawn(self._settle_stopped(runner), f"settle-{runner.observer_id}")
         )
 
-    async def _conclude(self, runner: Runner) -> None:
+    async def _settle_stopped(self, runner: Runner) -> None:
         try:
-            await self.settler.conclude(runner)
+            await self.settler.settle_stopped(runner)
         except Exception:  # a bug: the periodic check reconciles the row
             runner.ctx.logger.exception("settling failed")
         finally:
@@ -371,7 +373,7 @@ class ObserverService:
             log.warning("stopping %d observers: %s", len(stopped), reason.value)
 
     # ----------------------------------------------------------------- control
-    async def _on_control(self, body: bytes) -> None:
+    async def _on_control(self, body: bytes, trace: Carrier | None) -> None:
         """A control message. Anyone on the broker can send one, so a drain, undrain, cancel or
         handoff is acted on only once the database confirms it (``control.py``), in a task of
         its own: a check waits for the database, the control queue does not. A directed start
@@ -382,7 +384,7 @@ class ObserverService:
             log.error("malformed control message ignored: %s", exc)
             return
         if isinstance(control, DirectedStart):
-            await self.intake.admit(control.start(), DIRECTED)
+            await self.intake.admit(control.start(), DIRECTED, trace=trace)
         elif isinstance(control, HandoffMessage):
             if control.observer_id in self.runners:
                 self.spawn(self._handoff_checked(control), f"check-handoff-{control.observer_id}")
@@ -392,7 +394,7 @@ class ObserverService:
         elif isinstance(control, CancelMessage):
             oid = control.observer_id
             if oid in self.runners or self.admission.admits(oid):
-                self.spawn(self._cancel_checked(oid), f"check-cancel-{oid}")
+                self.spawn(self._cancel_checked(oid, trace), f"check-cancel-{oid}")
 
     def _refused(self, kind: str, what: str) -> None:
         self.metrics.control_refused.labels(kind).inc()
@@ -410,7 +412,23 @@ class ObserverService:
         else:
             self.undrain()
 
-    async def _cancel_checked(self, observer_id: uuid.UUID) -> None:
+    async def _cancel_checked(self, observer_id: uuid.UUID, trace: Carrier | None) -> None:
+        """A cancel, in a span from its arrival until the copy stopped and was settled."""
+        with tracing.span(
+            "cancel",
+            parent=trace,
+            kind="consumer",
+            attributes=lambda: {
+                "orch.observer_id": str(observer_id),
+                "orch.service": self.config.name,
+            },
+        ):
+            stopped = await self._cancel_if_confirmed(observer_id)
+            if stopped is not None and tracing.enabled():
+                await stopped.finished.wait()
+
+    async def _cancel_if_confirmed(self, observer_id: uuid.UUID) -> Runner | None:
+        """Stop the copy if the database confirms the cancel: that copy, if there was one."""
         runner = self.runners.get(observer_id)
         copy = None if runner is None else runner.copy
 
@@ -421,11 +439,12 @@ class ObserverService:
 
         facts = await self.checks.facts([observer_id], moot=moot)
         if facts is None or moot():
-            return
+            return None
         if not cancel_confirmed(facts.observers.get(observer_id), self.id, copy):
             self._refused("cancel", f"cancel of {observer_id}")
-        else:
-            self.cancel(observer_id)
+            return None
+        self.cancel(observer_id)
+        return runner
 
     async def _handoff_checked(self, control: HandoffMessage) -> None:
         oid = control.observer_id

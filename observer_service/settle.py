@@ -27,7 +27,7 @@ from observer_service.runner import Runner, StopReason
 log = logging.getLogger(__name__)
 
 
-class Disposition(Enum):
+class Settlement(Enum):
     """What becomes of a start message: ACK (done with: deleted, paused, failed elsewhere, or
     held by a newer copy), REQUEUE (back to the work queue, for another service), DEAD_LETTER
     (to the error queue: failed for good), HANDOFF (a directed start to one named service)."""
@@ -60,7 +60,7 @@ class Settler:
         """Release a stopped copy (or complete its stop); None where it was fenced."""
         return await self._release(copy, detail)
 
-    async def conclude(self, runner: Runner) -> None:
+    async def settle_stopped(self, runner: Runner) -> None:
         """Record why the copy stopped and settle its message."""
         task = runner.task
         assert task is not None
@@ -72,11 +72,11 @@ class Settler:
             return
         if isinstance(exc, Fenced):
             runner.ctx.logger.warning("fenced (%s): stopped", exc)
-            await self.dispose(start, origin, Disposition.ACK)
+            await self.settle(start, origin, Settlement.ACK)
             return
         if not task.cancelled() and exc is None:  # the restart budget is spent: row failed
             runner.ctx.logger.error("failed after its last restart: %s", task.result())
-            await self.dispose(start, origin, Disposition.DEAD_LETTER)
+            await self.settle(start, origin, Settlement.DEAD_LETTER)
             return
         reason = runner.stop_reason
         if reason is None:
@@ -93,11 +93,11 @@ class Settler:
         elif status is ObserverStatus.PROCESSING:
             self.metrics.releases.labels(reason.name.lower()).inc()
         if status is not ObserverStatus.PROCESSING:
-            await self.dispose(start, origin, Disposition.ACK)
+            await self.settle(start, origin, Settlement.ACK)
         elif reason is StopReason.HANDOFF and runner.handoff_to is not None:
-            await self.dispose(start, origin, Disposition.HANDOFF, to=runner.handoff_to)
+            await self.settle(start, origin, Settlement.HANDOFF, to=runner.handoff_to)
         else:
-            await self.dispose(start, origin, Disposition.REQUEUE)
+            await self.settle(start, origin, Settlement.REQUEUE)
 
     async def _fail_blamed(self, runner: Runner, reason: str) -> None:
         """Failed with no lease needed, before its message goes anywhere; a cancel tells
@@ -107,27 +107,27 @@ class Settler:
             self.metrics.failed.labels(runner.ctx.kind).inc()
             runner.ctx.logger.error("failed: %s, past the lease", reason)
         await self._publish(runner.taken.start, lambda s: s.send_cancel(oid))
-        await self.dispose(runner.taken.start, runner.origin, Disposition.ACK)
+        await self.settle(runner.taken.start, runner.origin, Settlement.ACK)
 
-    async def dispose(
+    async def settle(
         self,
         start: StartMessage,
         origin: Origin,
-        how: Disposition,
+        how: Settlement,
         *,
         to: uuid.UUID | None = None,
     ) -> None:
         """Settle the start behind a copy on its delivery; what the origin cannot settle (no
         delivery, or its session is gone) is published anew, and if that fails too, the
         leader's audit re-dispatches the observer."""
-        if how is Disposition.ACK:
+        if how is Settlement.ACK:
             await origin.ack()
-        elif how is Disposition.HANDOFF:
+        elif how is Settlement.HANDOFF:
             if await self._publish(start, lambda s: s.send_start(start, on=to)):
                 await origin.ack()
             elif not await origin.requeue():
                 await self._publish(start, lambda s: s.send_start(start))
-        elif how is Disposition.REQUEUE:
+        elif how is Settlement.REQUEUE:
             if not await origin.requeue():
                 await self._publish(start, lambda s: s.send_start(start))
         elif not await origin.reject():

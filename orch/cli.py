@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Coroutine
@@ -96,12 +97,15 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
 def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> NoReturn:
     """Load the kinds, check the servers (waiting up to ``wait``), run; exit with its code."""
     import asyncio
+    import os
 
+    from contracts import tracing
     from contracts.errors import StartupError
     from contracts.kinds import load_kinds
     from contracts.preflight import check_servers
 
     try:
+        tracing.check(os.environ)  # here, before any fork: a wrong setting is one line
         kinds = load_kinds(settings.kind_module_list)
         asyncio.run(check_servers(settings, wait=wait))
         code = run(kinds)
@@ -145,9 +149,27 @@ def manager(
     if settings.workers == 1:
         replica = new_holder_id()
         logs.configure(settings.log_level, settings.log_format, replica=replica)
-        _run(settings, wait, lambda kinds: run_loop(_serve_manager(settings, kinds, replica)))
+        _run(
+            settings,
+            wait,
+            lambda kinds: _traced("manager", replica, _serve_manager, settings, kinds, replica),
+        )
     logs.configure(settings.log_level, settings.log_format)
     _run(settings, wait, lambda kinds: _serve_workers(settings, kinds))
+
+
+def _traced(role: str, instance: str, serve: Any, *args: Any) -> int:
+    """Run ``serve(*args)`` to its end, traced if the environment asks (``contracts.tracing``),
+    and export what is left before the process ends."""
+    import os
+
+    from contracts import tracing
+
+    tracing.configure(role, os.environ, instance=instance)
+    try:
+        return run_loop(serve(*args))
+    finally:
+        tracing.shutdown()
 
 
 def _serve_workers(settings: Any, kinds: Any) -> int:
@@ -157,7 +179,7 @@ def _serve_workers(settings: Any, kinds: Any) -> int:
 
     def worker(sock: socket.socket, replica: str) -> int:
         logs.configure(settings.log_level, settings.log_format, replica=replica)
-        return run_loop(_serve_manager(settings, kinds, replica, sock))
+        return _traced("manager", replica, _serve_manager, settings, kinds, replica, sock)
 
     return run_workers(settings.host, settings.port, settings.workers, worker)
 
@@ -226,7 +248,13 @@ def service(
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count, pool=pool)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
     until = time.monotonic() + wait  # the check's wait and the pool's share one deadline
-    _run(settings, wait, lambda kinds: run_loop(serve(settings, kinds, wait_until=until)))
+    _run(
+        settings,
+        wait,
+        lambda kinds: _traced(
+            "service", settings.name, functools.partial(serve, wait_until=until), settings, kinds
+        ),
+    )
 
 
 @app.command()

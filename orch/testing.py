@@ -51,6 +51,11 @@ class VirtualClock:
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
 
+    @property
+    def sleeping(self) -> int:
+        """How many sleeps wait on it (a kind waiting for its next turn is one)."""
+        return sum(1 for *_, future in self._sleepers if not future.done())
+
     async def sleep(self, seconds: float) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (self.now + max(0.0, seconds), next(self._order), future))
@@ -106,9 +111,10 @@ class KindRun:
     observer_id: uuid.UUID = field(default_factory=uuid.uuid4)
     #: Every state checkpointed, in order.
     checkpoints: list[Any] = field(default_factory=list)
-    #: Every record emitted and committed (with a checkpoint), in order.
+    #: Every record emitted and committed (with a checkpoint, or on its own), in order.
     outputs: list[Any] = field(default_factory=list)
-    #: Records emitted since the last checkpoint (lost if the copy ends before the next).
+    #: Records emitted since the last checkpoint (lost if the copy ends before the next); a
+    #: kind with ``commit_every`` commits its records on their own: at once, here.
     staged: list[Any] = field(default_factory=list)
     #: What it tried to write (``checkpoint`` or ``emit``) once fenced: should stay empty.
     writes_after_fence: list[str] = field(default_factory=list)
@@ -162,7 +168,11 @@ class KindRun:
             if not self.lease:
                 raise LeaseLost("the test took the lease away")
 
-        self.task = asyncio.create_task(self._run(guarded(self.spec.run(ctx), gate)))
+        # As a service runs it: what it registered with ``ctx.on_abandon`` is released when the
+        # guard abandons it.
+        self.task = asyncio.create_task(
+            self._run(guarded(self.spec.run(ctx), gate, None, ctx.abandoned))
+        )
 
     async def _run(self, copy: Any) -> None:
         await copy
@@ -179,11 +189,24 @@ class KindRun:
         if self.fenced:
             self.writes_after_fence.append("emit")
             raise Fenced("emit refused: another copy holds a newer epoch")
-        self.staged.append(record)
+        if self.spec.commit_every is not None:
+            self.outputs.append(record)  # committed on their own (at once here)
+        else:
+            self.staged.append(record)
 
     async def advance(self, seconds: float) -> None:
         """Move the clock on (``VirtualClock.advance``)."""
         await self.clock.advance(seconds)
+
+    async def until(self, check: Callable[[], object], timeout: float = 5.0) -> None:
+        """Wait, in real time, until ``check()`` is true: for a kind that waits on real I/O (a
+        local server the test runs) rather than on the clock. ``TimeoutError`` after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not true within {timeout:g} s")
+            await asyncio.sleep(0.005)
 
     def fence(self) -> None:
         """Another copy took the observer over (a newer epoch): its next write is refused."""

@@ -1077,7 +1077,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Any], Callable[[Size], int]]] = {
 def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
     from orch_bench.overhead import observability_cost
 
-    return observability_cost, lambda s: 2 * s.start_samples
+    return observability_cost, lambda s: 3 * s.start_samples
 
 
 SCENARIOS["observability"] = _observability()

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
+from contracts import tracing
 from contracts.errors import (
     Conflict,
     NameTaken,
@@ -104,7 +105,9 @@ async def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
     if len(json.dumps(params)) > limit:
         raise TooLarge(f"params are larger than {limit} bytes")
     policy = body.restart_policy.model_dump() if body.restart_policy else None
-    return repo.NewObserver(body.name, body.kind, params, policy, body.pool, body.version)
+    return repo.NewObserver(
+        body.name, body.kind, params, policy, body.pool, body.version, tracing.carrier()
+    )
 
 
 @router.post(

@@ -147,3 +147,12 @@ async def test_a_database_out_of_connections_is_waited_for_then_one_line(
     assert ended.lines[0].startswith("error: "), ended.output
     assert f'too many connections for role "{limited_role}"' in ended.lines[0], ended.output
     assert wait <= ended.seconds < wait + 10, ended.seconds
+
+
+@pytest.mark.parametrize("command", ["service", "manager"])
+async def test_a_trace_exporter_it_does_not_have_is_one_line(command: str) -> None:
+    ended = await _orch(command, env={"OTEL_TRACES_EXPORTER": "jaeger", "ORCH_AUTH": "disabled"})
+    assert ended.code != 0, ended.output
+    assert ended.lines == [
+        "error: OTEL_TRACES_EXPORTER='jaeger': jaeger not supported (use otlp or console, or none)"
+    ], ended.output
