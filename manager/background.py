@@ -200,6 +200,11 @@ class Sweeper:
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
                 self.metrics.swept.labels("lease_expired").inc()
             ended = await repo.sessions_ended(tx)
+            # The usual sweep finds nothing: then it reads no more (no service's load, no
+            # probe), so an idle fleet costs the same however many observers it runs.
+            if not ended and not await repo.any_orphan(tx) and not await repo.any_waiting(tx):
+                self.suspects = {}  # "twice in a row": a sweep that suspects none breaks a row
+                return 0
         probed = await reachable(self.store, self.publisher, self.margin, also=ended)
         present = {sid for sid, yes in probed.items() if yes}
         async with self.store.transaction() as tx:
@@ -310,6 +315,8 @@ class Audit:
             if not idle:
                 return 0
             stuck = await repo.unheld_stuck(tx, self.grace, idle)
+            if not stuck:
+                return 0
             free = await repo.free_slots(tx, self.margin)
             free_pools = {r.pool for r in (await repo.kinds_run(tx, list(free))).values()}
         for pool in set(stuck.values()) - set(ready):

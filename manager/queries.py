@@ -294,6 +294,11 @@ SELECT o.id, o.status FROM observers o
  WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
    FOR UPDATE OF o SKIP LOCKED
 """
+# Whether a dead service still holds a live observer: the sweeper's look before anything costly.
+ANY_ORPHAN = (
+    "SELECT EXISTS (SELECT 1 FROM observers o WHERE o.service_id = ANY(CAST(:dead AS uuid[])) "
+    f"AND {sql_in('o.status', HELD)})"
+)
 # New dispatch ids (old start messages become stale), nobody holding them.
 REDISPATCH = (
     "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, waiting = NULL, "

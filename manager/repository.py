@@ -467,6 +467,12 @@ async def orphans(tx: Tx) -> list[Row]:
     return await tx.rows(q.ORPHANS, dead=dead) if dead else []
 
 
+async def any_orphan(tx: Tx) -> bool:
+    """Whether a dead service still holds a live observer (by index, not locked)."""
+    dead = await tx.values(q.DEAD_SERVICES)
+    return bool(dead) and bool(await tx.value(q.ANY_ORPHAN, dead=dead))
+
+
 async def complete_stops(tx: Tx, ids: list[uuid.UUID], why: str) -> None:
     """Deletes and pauses whose copy nobody runs any more: deleted, paused."""
     if not ids:

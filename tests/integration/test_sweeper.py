@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 
 from contracts.settings import asyncpg_dsn
+from manager import repository as repo
 from manager.background import Sweeper
 from manager.metrics import ManagerMetrics
 from manager.store import ManagerStore
@@ -155,3 +156,41 @@ async def test_a_services_row_locked_by_a_take_never_stalls_the_sweep(
         assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
     finally:
         await taker.close()
+
+
+async def test_an_idle_sweep_reads_no_service_load_and_probes_nobody(
+    db: tuple[asyncpg.Connection, ManagerStore], database_url: str, monkeypatch: Any
+) -> None:
+    """A sweep that finds no ended session, no observer of a dead service and none waiting
+    stops there. It used to count every live service's observers (the free slots) and probe
+    each on the broker, four times a second: reads that grew with the observers of the fleet."""
+    conn, store = db
+    sid, _ = await _held_by_a_live_service(conn)
+    session = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        key = secrets.randbits(63)
+        await session.execute("SELECT pg_advisory_lock($1)", key)  # its lease session lives
+        await conn.execute("UPDATE services SET lock_key = $2 WHERE id = $1", sid, key)
+        probes: list[uuid.UUID] = []
+        broker = _Broker()
+
+        async def probed() -> None:
+            probes.append(sid)
+
+        broker.before_answer = probed
+        loads = 0
+        free_slots = repo.free_slots
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal loads
+            loads += 1
+            return await free_slots(*args, **kwargs)
+
+        monkeypatch.setattr(repo, "free_slots", counted)
+        sweeper = Sweeper(store, _Box(), broker, margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+        sweeper.suspects = {uuid.uuid4(): 0.0}
+        assert await sweeper.once() == 0
+        assert (loads, probes) == (0, []), "an idle sweep read the services' loads or probed"
+        assert sweeper.suspects == {}, "a sweep that suspects nobody breaks 'twice in a row'"
+    finally:
+        await session.close()
