@@ -221,6 +221,12 @@ SELECT o.id, o.status, o.service_id, o.pool, o.kind, o.kind_version,
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
  WHERE o.moved_at IS NOT NULL ORDER BY o.moved_at LIMIT :n
 """
+# The first asked to move, if any: by the partial index of moving observers (ORDER BY
+# and LIMIT 1 hold the planner to it; MOVING alone, planned on statistics from a bulk intake,
+# scanned every observer twice a second on an idle fleet).
+FIRST_MOVING = (
+    "SELECT o.id FROM observers o WHERE o.moved_at IS NOT NULL ORDER BY o.moved_at LIMIT 1"
+)
 MOVED = "UPDATE observers SET moved_at = NULL WHERE id = ANY(:ids) AND moved_at IS NOT NULL"
 LOCK_WITH_HOLDER = f"""
 SELECT o.status, o.service_id, o.pool, COALESCE({live_service("s")}, false) AS live
@@ -366,12 +372,15 @@ SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
 
 # ------------------------------------------------------------------------ leader: the audit
 # The pools of live services, and the default pool, where nothing was taken in the last :g
-# seconds (a busy pool is found at its first recent take, by the index on started_at).
+# seconds: per pool, its newest take of those seconds by the index on started_at. (A scalar
+# subquery with ORDER BY and LIMIT 1 holds the planner to that index; as an anti-join it
+# chose to scan every observer, four times a second, on an idle fleet.)
 IDLE_POOLS = f"""
 SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
                     UNION SELECT 'default') AS p(pool)
- WHERE NOT EXISTS (SELECT 1 FROM observers o
-                    WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool)
+ WHERE (SELECT o.started_at FROM observers o
+         WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool
+         ORDER BY o.started_at DESC LIMIT 1) IS NULL
 """
 # Of the pools :pools.
 UNHELD_STUCK = f"""
@@ -575,15 +584,16 @@ SELECT date_trunc('minute', e.at) AS minute, e.event, count(*) AS n
 # or older than :grace seconds while another service, or none, holds the observer (the copy that
 # committed them ended before their publish, say): per observer in seq order. A new holder of
 # the observer publishes them too, before its own records: both publish in order, so a consumer
-# sees repeats at worst, never a reorder.
+# sees repeats at worst, never a reorder. Each commit's observer is read by its key (as a join
+# it was planned as a scan of every observer, on an idle fleet with no output at all).
 OUTPUTS_LEFT = f"""
 SELECT x.observer_id, x.seq, x.epoch, x.kind, x.name, CAST(x.records AS text) AS records,
        CAST(extract(epoch FROM x.committed_at) AS float8) AS committed_at
   FROM observer_outputs x LEFT JOIN services s ON s.id = x.service_id
-                          LEFT JOIN observers o ON o.id = x.observer_id
  WHERE s.id IS NULL OR NOT {live_service("s")}
     OR (x.committed_at < clock_timestamp() - make_interval(secs => :grace)
-        AND o.service_id IS DISTINCT FROM x.service_id)
+        AND (SELECT o.service_id FROM observers o WHERE o.id = x.observer_id)
+            IS DISTINCT FROM x.service_id)
  ORDER BY x.observer_id, x.seq LIMIT :n
 """
 OUTPUTS_DELETE = """

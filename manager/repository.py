@@ -785,6 +785,8 @@ async def move_observers(
 
 async def moving(tx: Tx, limit: int) -> list[Row]:
     """Observers asked to move that the mover has not seen where they may run yet."""
+    if await tx.value(q.FIRST_MOVING) is None:
+        return []
     return await tx.rows(q.MOVING, n=limit)
 
 
