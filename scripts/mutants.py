@@ -87,7 +87,9 @@ MUTANTS = [
         "   AND (o.epoch = ({v} ->> 'epoch')::bigint"
         " AND o.dispatch_id = ({v} ->> 'dispatch_id')::uuid\n"
         "        AND o.status = {v} ->> 'status'\n"
-        "        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid) IS TRUE",
+        "        AND o.service_id IS NOT DISTINCT FROM ({v} ->> 'holder')::uuid\n"
+        "        AND o.pool = {v} ->> 'pool'\n"
+        "        AND o.kind_version IS NOT DISTINCT FROM {v} ->> 'kind_version') IS TRUE",
         "   AND true",
         (
             f"{FENCES}::test_a_take_that_lost_the_race_is_refused",
@@ -304,8 +306,8 @@ MUTANTS = [
     Mutant(
         "take: a recorded handoff survives the take",
         "observer_service/queries.py",
-        '"handoff_to = NULL, modified_at = now()",',
-        '"modified_at = now()",',
+        '"handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now()",',
+        '"committed_at = NULL, waiting = NULL, modified_at = now()",',
         (
             "tests/integration/test_store_contract.py::"
             "test_a_take_and_a_release_clear_a_recorded_handoff[postgresql]",
