@@ -36,6 +36,8 @@ from contracts.topology import (
 )
 
 log = logging.getLogger(__name__)
+#: Seconds a shutdown waits for the broker connection to close.
+CLOSE_TIMEOUT = 5.0
 
 
 class Publisher:
@@ -239,5 +241,8 @@ class Publisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._connection is not None:
+            # Bounded: a close caught in the middle of a reconnect can wait on a connect that
+            # never completes (seen once in CI: a manager's shutdown hung for five minutes).
             with broker_errors():
-                await self._connection.close()
+                async with asyncio.timeout(CLOSE_TIMEOUT):
+                    await self._connection.close()
