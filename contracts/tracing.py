@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from contracts import __version__
@@ -192,56 +192,22 @@ def child(
 
 class Open:
     """A span begun now and ended later, elsewhere (``end`` is idempotent), that is not made
-    current: its ``carrier`` parents what it leads to."""
+    current."""
 
     __slots__ = ("_span",)
 
     def __init__(self, span_: Any) -> None:
         self._span = span_
 
-    @property
-    def carrier(self) -> Carrier | None:
-        if self._span is None:
-            return None
-        from opentelemetry import trace
-        from opentelemetry.propagate import inject
-
-        out: Carrier = {}
-        inject(out, context=trace.set_span_in_context(self._span))
-        return out or None
-
-    def end(
-        self,
-        *,
-        name: str | None = None,
-        error: str | None = None,
-        attributes: Attributes | None = None,
-    ) -> None:
-        """End it (again: nothing), renamed, failed with ``error``, with more attributes."""
+    def end(self, *, attributes: Attributes | None = None) -> None:
+        """End it (again: nothing), with more attributes."""
         s = self._span
         if s is None:
             return
         self._span = None
-        if name is not None:
-            s.update_name(name)
         if attributes:
             s.set_attributes(attributes)
-        if error is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            s.set_status(Status(StatusCode.ERROR, error))
         s.end()
-
-    @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
-        """Make it the current span inside the block (it is not ended at the block's end)."""
-        if self._span is None:
-            yield
-            return
-        from opentelemetry import trace
-
-        with trace.use_span(self._span, end_on_exit=False):
-            yield
 
 
 _NO_SPAN = Open(None)
