@@ -240,6 +240,10 @@ def convert_broker_error(exc: BaseException) -> BaseException:
         # aiormq's reason for what was waiting on a connection or channel that closed
         # without an exception of its own.
         return BrokerUnavailable("broker connection closed")
+    if isinstance(exc, StopAsyncIteration):
+        # aiormq's handshake reading a frame from a connection the broker already closed (a
+        # node shutting down): it ends its frame iterator instead of raising.
+        return BrokerUnavailable("broker connection closed during the handshake")
     return exc
 
 

@@ -15,6 +15,9 @@ process ``p`` and the wall time ``t``:
 - ``stop``: the service asked the copy to stop, reason ``x``;
 - ``end``: the copy's task ended;
 - ``hung``: a graceful stop gave up waiting for the copy (the process exits with it running);
+- on ``end``, ``w``: the seconds the copy's stop waited on the orchestrator's own commit of its
+  checkpoint (a stop never cuts that write short), which are not the kind's; on ``hung``, the
+  seconds of the wait under way when the stop gave up (none: the kind's code held it);
 - ``stall``: one step of the copy held the event loop for ``d`` seconds (from ``STALL``);
 - ``mem``: bytes still allocated by kind ``k``'s code in this process (``b``) over its ``n``
   copies here (no observer).
@@ -88,12 +91,15 @@ class Witness:
     def stop(self, observer: uuid.UUID, epoch: int, why: str) -> None:
         self._write("stop", observer, epoch, x=why)
 
-    def end(self, observer: uuid.UUID, epoch: int) -> None:
+    def end(self, observer: uuid.UUID, epoch: int, waited: float = 0.0) -> None:
+        """The copy's task ended; its stop waited ``waited`` seconds on its commit write."""
         self._last_run.pop((observer, epoch), None)
-        self._write("end", observer, epoch)
+        self._write("end", observer, epoch, **_waited(waited))
 
-    def hung(self, observer: uuid.UUID, epoch: int) -> None:
-        self._write("hung", observer, epoch)
+    def hung(self, observer: uuid.UUID, epoch: int, waited: float = 0.0) -> None:
+        """A graceful stop gave up on the copy, which has waited ``waited`` seconds on its
+        commit write (0: it is not in one)."""
+        self._write("hung", observer, epoch, **_waited(waited))
 
     def stall(self, observer: uuid.UUID, epoch: int, seconds: float) -> None:
         self._write("stall", observer, epoch, d=round(seconds, 4))
@@ -103,6 +109,10 @@ class Witness:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _waited(seconds: float) -> dict[str, float]:
+    return {"w": round(seconds, 3)} if seconds > 0 else {}
 
 
 @dataclass(frozen=True)

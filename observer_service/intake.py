@@ -421,7 +421,9 @@ class Intake:
             name=f"observer-{taken.observer_id}",
         )
         if (witness := self.witness) is not None:
-            runner.task.add_done_callback(lambda _: witness.end(taken.observer_id, taken.epoch))
+            runner.task.add_done_callback(
+                lambda _: witness.end(taken.observer_id, taken.epoch, outputs.stop_waiting())
+            )
         self.host.outputs.register(outputs)
         self.host.add_runner(runner)
         self.metrics.takes.inc()

@@ -79,6 +79,11 @@ class CopyOutputs:
         self._lock = asyncio.Lock()
         self._room = asyncio.Event()
         self._room.set()
+        #: Seconds a stop of this copy waited on its commit write, as yet; and since when
+        #: (the event loop's clock) one waits now. ``orch verify`` counts that wait as the
+        #: orchestrator's, not as the kind's slowness to stop.
+        self.stop_waited = 0.0
+        self._stop_waits_since: float | None = None
         #: Set while records are staged: a copy that emits nothing costs its commit loop no
         #: wake-ups (a thousand copies polling every 5 ms kept a core busy).
         self._pending = asyncio.Event()
@@ -122,11 +127,32 @@ class CopyOutputs:
             try:
                 await asyncio.shield(writing)
             except asyncio.CancelledError:
-                await asyncio.wait([writing])
+                await self._stop_waits_on(writing)
                 if not writing.cancelled() and writing.exception() is None:
                     self._landed(records, first)
                 raise
             self._landed(records, first)
+
+    async def _stop_waits_on(self, writing: asyncio.Future[None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop_waits_since = since = loop.time()
+        try:
+            await asyncio.wait([writing])
+        finally:
+            self._stop_waits_since = None
+            self.stop_waited += loop.time() - since
+
+    @property
+    def stop_waits_now(self) -> bool:
+        """A stop of this copy waits on its commit write now."""
+        return self._stop_waits_since is not None
+
+    def stop_waiting(self) -> float:
+        """Seconds a stop of this copy has waited on its commit write, the wait under way
+        included."""
+        since = self._stop_waits_since
+        now = asyncio.get_running_loop().time()
+        return self.stop_waited + (0.0 if since is None else now - since)
 
     def _landed(self, records: tuple[str, ...], first: int) -> None:
         del self._staged[: len(records)]

@@ -195,7 +195,12 @@ class ObserverService:
             if task is not stop:
                 code = 1
                 exc = None if task.cancelled() else task.exception()
-                log.critical("side task %r died (%r): stopping the service", task.get_name(), exc)
+                log.critical(
+                    "side task %r died (%r): stopping the service",
+                    task.get_name(),
+                    exc,
+                    exc_info=exc,  # with its traceback: the repr alone told too little once
+                )
         await self._shutdown(side)
         self.stalls.stop()
         return code
@@ -224,7 +229,9 @@ class ObserverService:
             self.clean = False
             if self.witness is not None:
                 for r in hung:
-                    self.witness.hung(r.observer_id, r.epoch)
+                    out = r.outputs  # in its commit now: the orchestrator's wait, not the kind's
+                    waited = out.stop_waiting() if out is not None and out.stop_waits_now else 0.0
+                    self.witness.hung(r.observer_id, r.epoch, waited)
             log.error(
                 "%d observers did not stop within %.1fs; leaving without releasing them "
                 "(the process exit frees them)",

@@ -73,6 +73,8 @@ class Copy:
     end_at: float | None = None
     #: A graceful stop gave up waiting for it.
     hung: bool = False
+    #: Seconds its stop waited on the orchestrator's commit of its checkpoint (not the kind's).
+    waited: float = 0.0
 
     @property
     def label(self) -> str:
@@ -112,6 +114,9 @@ class KindFigures:
     observers: int = 0
     stops: list[float] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    #: Stops that took longer than the timeout only while the orchestrator's own commit of the
+    #: copy's checkpoint was under way (a locked row, a slow database): not the kind's fault.
+    waited_on_commit: list[str] = field(default_factory=list)
     stalls: int = 0
     longest_stall: float = 0.0
     stalled_observer: str = ""
@@ -238,6 +243,8 @@ class Verdict:
         for kind, k in sorted(self.kinds.items()):
             for what in k.ignored:
                 out.append(f"IGNORED CANCELLATION {kind}: {what}")
+            for what in k.waited_on_commit:
+                out.append(f"STOP WAITED ON ITS COMMIT {kind}: {what}")
             if k.longest_stall:
                 out.append(
                     f"STALL {kind}: blocked the event loop {k.stalls} time(s), longest "
@@ -325,6 +332,7 @@ class Verdict:
                     "stop_seconds_p50_p99_max": k.stop_percentiles(),
                     "stops": len(k.stops),
                     "ignored_cancellation": k.ignored,
+                    "stops_waited_on_commit": k.waited_on_commit,
                     "stalls": k.stalls,
                     "longest_stall_seconds": round(k.longest_stall, 3),
                     "stalled_observer": k.stalled_observer,
@@ -358,8 +366,10 @@ def copies_of(records: list[Record]) -> dict[tuple[str, int, int], Copy]:
             copy.stop_at, copy.stop_why = rec.at, str(rec.detail.get("x", ""))
         elif rec.r == "end":
             copy.end_at = rec.at
+            copy.waited = float(rec.detail.get("w", 0.0))
         elif rec.r == "hung":
             copy.hung = True
+            copy.waited = float(rec.detail.get("w", 0.0))
     return copies
 
 
@@ -433,13 +443,26 @@ def judge(
             continue
         windows = (paused or {}).get(c.pid, [])
         if c.end_at is not None:
-            took = _running(c.stop_at, c.end_at, windows)
+            spent = _running(c.stop_at, c.end_at, windows)
+            took = max(0.0, spent - c.waited)  # the wait on its commit is the orchestrator's
             k.stops.append(took)
             if took > shutdown_timeout:
                 k.ignored.append(
                     f"{c.observer} ({c.label}) stopped {took:.1f}s after it was asked "
                     f"({c.stop_why})"
                 )
+            elif spent > shutdown_timeout:
+                k.waited_on_commit.append(
+                    f"{c.observer} ({c.label}) stopped {spent:.1f}s after it was asked "
+                    f"({c.stop_why}), {c.waited:.1f}s of them in the orchestrator's commit of "
+                    "its checkpoint"
+                )
+        elif c.hung and c.waited > 0:
+            k.waited_on_commit.append(
+                f"{c.observer} ({c.label}) was in the orchestrator's commit of its checkpoint "
+                f"when its service gave up waiting, {shutdown_timeout:.0f}s after it was asked "
+                f"({c.stop_why})"
+            )
         elif c.hung:
             k.ignored.append(
                 f"{c.observer} ({c.label}) had not stopped when its service gave up waiting, "

@@ -16,10 +16,12 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
+from contracts import witness
 from contracts.clock import set_suspend_lag
 from contracts.messages import HandoffMessage, StartMessage
 from contracts.settings import asyncpg_dsn
 from orch_bench.ticklog import failover_gaps, largest_gaps, read_ticks
+from orch_verify.judge import judge
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import (
@@ -418,6 +420,65 @@ async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their
     assert max(moves.values()) < 5, f"the neighbours waited for the locked row to move: {moves}"
     await cluster.wait_all_running(ids, timeout=20, on={b_id}, fresh_after=killed)
     assert_no_overlap(cluster.tick_dir)
+
+
+async def test_a_stop_held_by_its_locked_checkpoint_is_the_orchestrators_wait(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """An outside lock holds a recorder's row while its service stops gracefully. The copy's
+    cancellation waits on its checkpoint write (a stop never cuts that write short), and the
+    service gives up after its timeout. The witness says the copy was in that write, so the
+    judge of ``orch verify`` puts the wait on the orchestrator, not on the kind (it blamed the
+    kind for ignoring its cancellation: chaos seed 3)."""
+    witness_dir = tmp_path / "witness"
+    await cluster.start_manager()
+    a = await cluster.start_service(
+        "a", worker_count=4, witness_dir=witness_dir, shutdown_timeout=2
+    )
+    (oid,) = await cluster.create_recorders(1, interval=0.05)
+    await cluster.wait_all_running([oid], timeout=15)
+    outsider = await asyncpg.connect(asyncpg_dsn(cluster.database_url))
+    try:
+        tx = outsider.transaction()
+        await tx.start()
+        await outsider.execute("SELECT 1 FROM observers WHERE id = $1 FOR UPDATE", oid)
+        # The row is locked: its count is the last checkpoint that landed. The recorder writes
+        # a tick, then checkpoints it with no await between: once the next tick is written,
+        # the copy is in the commit that the lock holds up.
+        landed = await cluster.checkpoint_count(oid)
+
+        async def in_its_commit() -> bool:
+            ticks = [t.count for t in read_ticks(cluster.tick_dir) if t.observer == str(oid)]
+            return max(ticks, default=0) > landed
+
+        await wait_for(in_its_commit, timeout=10, what="the copy's checkpoint on the lock")
+        a.signal(signal.SIGTERM)
+
+        async def exited() -> bool:
+            return not a.alive
+
+        await wait_for(exited, timeout=20, what="the service to give up and exit")
+        await tx.rollback()
+    finally:
+        await outsider.close()
+    records = witness.read(witness_dir)
+    assert any(r.r == "hung" for r in records), "the stop did not give up on the copy"
+    verdict = judge(
+        records,
+        kinds={str(oid): "recorder"},
+        live=set(),
+        deleted={},
+        failed={},
+        restarts=[],
+        alive=set(),
+        shutdown_timeout=2,
+    )
+    k = verdict.kinds["recorder"]
+    assert not k.ignored, k.ignored
+    (waited,) = k.waited_on_commit
+    assert str(oid) in waited
+    assert "commit of its checkpoint" in waited
+    assert verdict.stopped_in_time
 
 
 # ---------------------------------------------------------------- a crash met by a blip

@@ -366,6 +366,35 @@ def test_stops_are_timed_per_kind_and_a_copy_running_on_is_named() -> None:
     assert not v.stopped_in_time
 
 
+def test_a_stop_waiting_on_its_commit_is_the_orchestrators_not_the_kinds() -> None:
+    """The seconds a stop waited on the orchestrator's commit of the copy's checkpoint (``w``)
+    are not the kind's: a stop slow only by them, or a copy given up on while in that write,
+    is told apart; a copy given up on in its own code is the kind's."""
+    o3 = "33333333-3333-3333-3333-333333333333"
+    records = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("stop", O1, 1, 10, 1.0, x="cancelled"),
+        rec("end", O1, 1, 10, 10.0, w=8.5),
+        rec("run", O2, 1, 10, 0.0),
+        rec("stop", O2, 1, 10, 1.0, x="service stopping"),
+        rec("hung", O2, 1, 10, 6.0, w=5.0),
+        rec("run", o3, 1, 10, 0.0),
+        rec("stop", o3, 1, 10, 1.0, x="service stopping"),
+        rec("hung", o3, 1, 10, 6.0),
+    ]
+    v = verdict_of(records, live=set(), kinds={O1: "k", O2: "k", o3: "k"})
+    k = v.kinds["k"]
+    assert k.stops == [0.5]
+    waited_o1, waited_o2 = k.waited_on_commit
+    assert O1 in waited_o1
+    assert "8.5s of them in the orchestrator's commit" in waited_o1
+    assert O2 in waited_o2
+    assert "gave up waiting" in waited_o2
+    (ignored,) = k.ignored
+    assert o3 in ignored
+    assert any(line.startswith("STOP WAITED ON ITS COMMIT k:") for line in v.lines())
+
+
 def test_stalls_name_the_observer_and_memory_growth_is_per_observer() -> None:
     records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 10, 0.0)]
     records += [rec("stall", O1, 1, 10, 5.0, d=0.3), rec("stall", O2, 1, 10, 6.0, d=2.1)]
