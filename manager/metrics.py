@@ -2,14 +2,18 @@
 
 Counters of what this replica did (re-dispatches, moves, sweeps, requests) are counted as it
 happens. The state of the cluster (observers by status and kind, services, outbox) is read from
-the database when scraped, at most once every ``ORCH_METRICS_REFRESH`` seconds, by whichever
-replica is scraped: every replica shows the same cluster. No observer id is ever a label, and a
+the database by a task of its own (``keep_fresh``), every ``ORCH_METRICS_REFRESH`` seconds while
+this replica is scraped, and not at all while it is not: a scrape renders what was last read and
+never waits on the database (but the first, for its first read). Every replica shows the same
+cluster. No observer id is ever a label, and a
 service's id is one only for a caller with a token (``render``): that id is what a broker
 control message names.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Iterator
 
@@ -18,9 +22,19 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from contracts import __version__
+from contracts.errors import Transient
 from contracts.metrics import Metrics
 from manager import repository as repo
 from manager.store import ManagerStore
+
+log = logging.getLogger(__name__)
+
+#: After a scrape, the cluster's state is read on for this long (seconds), at least two
+#: refreshes: a scraper's usual interval (15 s to a minute) keeps it read without a gap.
+SCRAPED_FOR = 120.0
+#: The first scrape waits this long at most for the first read (seconds), then renders what
+#: this replica counted itself.
+FIRST_READ_WAIT = 5.0
 
 
 class ManagerMetrics(Metrics):
@@ -28,7 +42,9 @@ class ManagerMetrics(Metrics):
         super().__init__()
         m = self
         self.refresh_every = refresh
-        self._refreshed = -float("inf")
+        self._scraped = -float("inf")
+        self._wanted = asyncio.Event()
+        self._read_once = asyncio.Event()
         Info("orch_manager", "This manager replica", registry=m.registry).info(
             {"version": __version__}
         )
@@ -103,13 +119,35 @@ class ManagerMetrics(Metrics):
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
         self.http.labels(route, method, str(code)).observe(seconds)
 
-    async def refresh(self, store: ManagerStore, *, leads: bool) -> None:
-        """Read the cluster's state from the database, unless it was read lately."""
+    async def scraped(self, *, leads: bool) -> None:
+        """A scrape: the cluster's state is read on from now (``keep_fresh``); the first waits
+        for its first read, ``FIRST_READ_WAIT`` at most."""
         self.leader.set(1 if leads else 0)
-        now = time.monotonic()
-        if now - self._refreshed < self.refresh_every:
-            return
-        self._refreshed = now
+        self._scraped = time.monotonic()
+        self._wanted.set()
+        if not self._read_once.is_set():
+            try:
+                await asyncio.wait_for(self._read_once.wait(), FIRST_READ_WAIT)
+            except TimeoutError:
+                log.warning("metrics: no read of the cluster's state yet; rendered without it")
+
+    async def keep_fresh(self, store: ManagerStore) -> None:
+        """Read the cluster's state every ``refresh_every`` seconds while scraped (within
+        ``SCRAPED_FOR``); an unavailable database is logged, and what was read is kept."""
+        while True:
+            await self._wanted.wait()
+            try:
+                await self.read(store)
+            except Transient as exc:
+                log.warning("metrics: cluster state not read: %s", exc)
+            else:
+                self._read_once.set()
+            if time.monotonic() - self._scraped > max(SCRAPED_FOR, 2 * self.refresh_every):
+                self._wanted.clear()
+            await asyncio.sleep(self.refresh_every)
+
+    async def read(self, store: ManagerStore) -> None:
+        """Read the cluster's state from the database."""
         async with store.autocommit() as tx:
             state = await repo.cluster_state(tx)
         self.observers.clear()

@@ -546,6 +546,9 @@ VIEW_OBSERVERS = (
     f"AND (:deleted OR CAST(:status AS text) IS NOT NULL OR o.status <> {_v(S.DELETED)}) "
     "ORDER BY {order} LIMIT :limit OFFSET :offset"
 )
+# NULLS LAST only where a value may be missing: on a column that is never null the order is
+# plain, and an index on it serves the page both ways (``ix_observers_created_at``).
+VIEW_NULLABLE = {"service", "checkpoint"}
 VIEW_SORTS = {
     "name": "o.name",
     "kind": "o.kind",

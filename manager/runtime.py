@@ -260,6 +260,8 @@ class ManagerRuntime:
             background.every(0.1, self.outbox.delete_published, "outbox cleanup")(),
             "outbox-cleanup",
         )
+        if self.settings.metrics:
+            self._spawn(self.metrics.keep_fresh(self.store), "metrics")
         if self.settings.background:
             self._spawn(self.leadership.run(), "leadership")
 

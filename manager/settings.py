@@ -97,8 +97,9 @@ class ManagerSettings(CommonSettings):
     #: ``open``: /metrics needs no token, and shows services by name only (a service id is
     #: shown to a caller with a valid token). ``token``: /metrics needs a token (any role).
     metrics_auth: Literal["open", "token"] = "open"
-    #: The database figures at /metrics are refreshed at most this often, seconds.
-    metrics_refresh: float = Field(default=5.0, ge=0)
+    #: The database figures at /metrics are read this often (seconds) while /metrics is
+    #: scraped, and not at all while it is not.
+    metrics_refresh: float = Field(default=5.0, ge=1)
 
     @property
     def forwarded_allow_list(self) -> list[str]:

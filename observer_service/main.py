@@ -56,7 +56,7 @@ async def serve(
     # A query slower than a lease is useless: whatever it guarded has been fenced by then.
     # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
     # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
-    size = min(20, 2 + settings.worker_count)
+    size = settings.db_pool_max or min(20, 2 + settings.worker_count)
 
     async def open_pool() -> asyncpg.Pool:
         with database_errors():

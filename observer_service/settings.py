@@ -14,6 +14,11 @@ class ServiceSettings(CommonSettings):
     #: queue.
     pool: str = Field(default=DEFAULT_POOL, pattern=POOL_PATTERN)
     worker_count: int = Field(default=10, ge=1, le=65_535)
+    #: PostgreSQL connections its pool opens at most (its lease session is one more); unset:
+    #: min(20, 2 + worker_count); 3 at least (the batchers of takes, checkpoints and releases
+    #: each want one). Four are opened at start (fewer if this is lower). A fleet
+    #: counts them against the server's ``max_connections`` (``docs/scaling.md``).
+    db_pool_max: int | None = Field(default=None, ge=3, le=1000)
     #: How long a graceful stop waits for observers to finish, seconds. What has not stopped
     #: by then is not handed over; the process exits and others take it from there.
     shutdown_timeout: float = Field(default=10.0, gt=0)

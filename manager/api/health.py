@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -14,7 +12,6 @@ from manager.api.deps import RuntimeDep
 from manager.auth import Authenticator, Unauthenticated
 from manager.http import bearer
 
-log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
@@ -26,8 +23,9 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, state: RuntimeDep) -> Response:
-    """Prometheus metrics; the cluster's state is read from the database at most every
-    ``ORCH_METRICS_REFRESH`` seconds (and kept as it was while the database is away).
+    """Prometheus metrics; the cluster's state as last read from the database (every
+    ``ORCH_METRICS_REFRESH`` seconds while scraped, and kept as it was while the database is
+    away): a scrape waits on the database only when it is the first.
 
     ``ORCH_METRICS_AUTH=open``: no token needed, and services are shown by name; a caller with
     a valid token (any role) also sees their ids. ``token``: a valid token is needed (401)."""
@@ -40,10 +38,7 @@ async def metrics(request: Request, state: RuntimeDep) -> Response:
             "a valid API token is needed for /metrics (ORCH_METRICS_AUTH=token): "
             "Authorization: Bearer …"
         )
-    try:
-        await state.metrics.refresh(state.store, leads=state.leadership.is_leader)
-    except Transient as exc:
-        log.warning("metrics: cluster state not refreshed: %s", exc)
+    await state.metrics.scraped(leads=state.leadership.is_leader)
     return Response(state.metrics.render(service_ids=known), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -171,6 +171,12 @@ def backoff(row: dict[str, Any], policy: RestartPolicy, now: datetime) -> tuple[
     return True, max(0.0, (start - now).total_seconds())
 
 
+def _order(sort: str, direction: str) -> str:
+    """The list's ORDER BY: the column asked for, then the id; a missing value last."""
+    nulls = " NULLS LAST" if sort in q.VIEW_NULLABLE else ""
+    return f"{q.VIEW_SORTS[sort]} {direction}{nulls}, o.id {direction}"
+
+
 def _lookup(text_: str | None) -> dict[str, Any]:
     """The lookup box: a whole id, or part of a name (or the start of an id)."""
     if not text_:
@@ -247,7 +253,7 @@ async def view_observers(
     async with state.store.autocommit() as tx:
         rows, totals = await repo.view_observers(
             tx,
-            order=f"{q.VIEW_SORTS[sort]} {direction} NULLS LAST, o.id {direction}",
+            order=_order(sort, direction),
             filters={"kind": kind, "pool": pool, "sid": service_id, **_lookup(q_)},
             status=status_.value if status_ else None,
             deleted=include_deleted,

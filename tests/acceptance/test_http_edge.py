@@ -725,7 +725,7 @@ async def test_forwarded_headers_are_believed_only_from_listed_proxies(cluster: 
 
 # ------------------------------------------------------------------------ the manager's /metrics
 async def test_metrics_name_no_service_id_without_a_token(cluster: Cluster) -> None:
-    manager = await cluster.start_manager(metrics_refresh="0")
+    manager = await cluster.start_manager()
     await cluster.start_service("edge-svc", worker_count=3)
     async with cluster.api() as api:
         (svc,) = (await api.get("/services")).json()

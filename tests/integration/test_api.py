@@ -25,6 +25,7 @@ async def api(servers: Servers, database_url: str, prefix: str) -> AsyncIterator
         max_body_bytes=4096,
         max_batch_body_bytes=32768,
         max_params_bytes=512,
+        metrics_refresh=1,
     )
     app = create_app(settings)
     async with app.router.lifespan_context(app):
@@ -212,6 +213,54 @@ async def test_metrics_show_the_cluster_and_the_requests(api: httpx.AsyncClient)
         'route="/observers/{observer_id}"} 1.0'
     ) in text, "labelled by route template, never by the id in the path"
     assert "00000000-0000" not in text
+
+
+async def test_a_scrape_waits_on_the_database_only_when_it_is_the_first(
+    api: httpx.AsyncClient, database_url: str
+) -> None:
+    """/metrics renders what its own task read last. With the observers table locked from
+    outside, so that no read of the cluster's state can end, a scrape still answers at once;
+    once the lock goes, the figures catch up without a scrape waiting for them."""
+    import asyncio
+    import time
+
+    import asyncpg
+
+    from contracts.settings import asyncpg_dsn
+    from orch.cluster import wait_for
+
+    created = 'orch_observers{kind="ticker",pool="default",status="created"}'
+    await api.post("/observers", json={"name": "s1", "kind": "ticker"})
+    assert f"{created} 1.0" in (await api.get("/metrics")).text  # the first: it waited
+    scraped = time.monotonic()
+    outsider = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        tx = outsider.transaction()
+        await tx.start()
+        await outsider.execute("LOCK TABLE observers IN ACCESS EXCLUSIVE MODE")
+
+        # Past the refresh (1 s), with the manager's reads waiting on the lock: a scrape that
+        # read in line, as they did, would wait with them.
+        async def reads_wait() -> bool:
+            waiting = await outsider.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+            return bool(waiting) and time.monotonic() - scraped > 1.5
+
+        await wait_for(reads_wait, timeout=10, what="reads behind the lock, past the refresh")
+        r = await asyncio.wait_for(api.get("/metrics"), 2)
+        assert r.status_code == 200
+        assert f"{created} 1.0" in r.text, "what was read last"
+        await tx.rollback()
+    finally:
+        await outsider.close()
+    await api.post("/observers", json={"name": "s2", "kind": "ticker"})
+
+    async def caught_up() -> bool:
+        return f"{created} 2.0" in (await api.get("/metrics")).text
+
+    await wait_for(caught_up, timeout=10, what="the metrics to show the second create")
 
 
 async def test_every_create_is_published_once(
