@@ -55,9 +55,11 @@ class Size:
     cost_seconds: float
     outputs_observers: int = 1000
     outputs_seconds: float = 10
+    fleet_services: int = 20
+    fleet_per_service: int = 5000
 
 
-QUICK = Size(30, 5, 200, 40, 40, (20,), 3000, (1000,), (1000,), (3,), 5, 1000, 5)
+QUICK = Size(30, 5, 200, 40, 40, (20,), 3000, (1000,), (1000,), (3,), 5, 1000, 5, 3, 500)
 FULL = Size(
     200,
     30,
@@ -1085,9 +1087,20 @@ def _observability() -> tuple[Callable[..., Any], Callable[[Size], int]]:
 
 
 SCENARIOS["observability"] = _observability()
+
+
+def _fleet() -> tuple[Callable[..., Any], Callable[[Size], int]]:
+    from orch_bench.fleet import fleet
+
+    return fleet, lambda s: 6
+
+
+SCENARIOS["fleet"] = _fleet()
 #: Left out of --quick (ask for them with --only): the observability cost's paired samples
 #: take minutes, and density's target (50,000 in one process) only a full run can show.
 #: The broker restart needs rights on the broker and stops it for every user of it; the node
 #: loss starts a three-node cluster of its own (about 16 s and 450 MiB); the outputs scenario
-#: loads the machine with 20,000 records a second for its whole length.
-FULL_ONLY = frozenset({"observability", "density", "broker", "nodeloss", "outputs"})
+#: loads the machine with 20,000 records a second for its whole length; the fleet starts 20
+#: service processes and 100,000 observers (about 10 minutes, and PostgreSQL's max_connections
+#: raised past its default 100).
+FULL_ONLY = frozenset({"observability", "density", "broker", "nodeloss", "outputs", "fleet"})
