@@ -4,8 +4,8 @@ thousand observers on this one machine.
 What it measures, in one run:
 
 - the broker's own intake floor: bare aio-pika publishing persistent start messages with
-  confirms, in the batches bulk create uses, to consumers that hold them unacked as services
-  do (``intake_floor``);
+  confirms, in the batches bulk create uses, to a process of consumers that hold them unacked
+  as services do (``intake_floor``, ``hold``);
 - bulk intake from ``10%`` to all of the observers, through ``POST /observers/batch``, as a
   rate, as a ratio to that floor, and as CPU per observer by role;
 - idle rows read per second at 10 % and at 100 % of the observers (the same services);
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -73,15 +75,11 @@ READS_AT_SIZE = (
 )
 
 
-async def intake_floor(
-    url: str, queue: str, n: int, *, consumers: int, batch: int = 1000, senders: int = 2
-) -> float:
-    """Seconds for bare aio-pika to publish ``n`` persistent messages with confirms, ``batch``
-    at a time on each of ``senders`` channels, to a durable queue, and for ``consumers``
-    (prefetch n/consumers, no ack: held, as a running observer's start is) to receive them."""
-    body = b'{"observer_id": "%s", "dispatch_id": "%s"}'
-    publishing = await aio_pika.connect(url)
-    consuming = await aio_pika.connect(url)
+async def hold(url: str, queue: str, n: int, consumers: int) -> None:
+    """The floor's consumers, a process of their own: ``consumers`` channels (prefetch
+    n/consumers) hold ``n`` messages unacked, as services hold running observers' starts; says
+    ``consuming`` once ready and ``received N`` once they all came."""
+    connection = await aio_pika.connect(url)
     got = 0
     done = asyncio.Event()
 
@@ -91,13 +89,28 @@ async def intake_floor(
         if got >= n:
             done.set()
 
+    for _ in range(consumers):
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=-(-n // consumers))
+        await (await channel.declare_queue(queue, durable=True)).consume(received)
+    print("consuming", flush=True)
+    await done.wait()
+    print(f"received {got}", flush=True)
+    await asyncio.Event().wait()  # holds them until killed
+
+
+async def intake_floor(
+    c: BenchCluster, url: str, n: int, *, consumers: int, batch: int = 1000, senders: int = 2
+) -> float:
+    """Seconds for bare aio-pika to publish ``n`` persistent messages with confirms, ``batch``
+    at a time on each of ``senders`` channels (as the manager publishes starts), to a durable
+    queue, until a consumer process (``hold``) has received them all."""
+    queue = f"{c.prefix}.floor"
+    body = b'{"observer_id": "%s", "dispatch_id": "%s"}'
+    consumer = c.spawn("floor", [url, queue, str(n), str(consumers)], module="orch_bench.fleet")
+    publishing = await aio_pika.connect(url)
     try:
-        setup = await publishing.channel()
-        await setup.declare_queue(queue, durable=True)
-        for _ in range(consumers):
-            channel = await consuming.channel()
-            await channel.set_qos(prefetch_count=-(-n // consumers))
-            await (await channel.get_queue(queue)).consume(received)
+        await consumer.wait_log("consuming", timeout=60)
         todo = iter(range(0, n, batch))
 
         async def sender() -> None:
@@ -119,10 +132,10 @@ async def intake_floor(
 
         began = time.monotonic()
         await asyncio.gather(*(sender() for _ in range(senders)))
-        await asyncio.wait_for(done.wait(), 600)
+        await consumer.wait_log(f"received {n}", timeout=600)
         return time.monotonic() - began
     finally:
-        await consuming.close()
+        consumer.signal(signal.SIGKILL)
         with contextlib.suppress(Exception):
             await (await publishing.channel()).queue_delete(queue)
         await publishing.close()
@@ -169,9 +182,7 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
                 f"{services} services need PostgreSQL's max_connections ≥ {needed} "
                 f"(it is {limit}): raise it for the run (docs/scaling.md)"
             )
-        floor = await intake_floor(
-            bench.settings.amqp_url, f"{c.prefix}.floor", n - first, consumers=services
-        )
+        floor = await intake_floor(c, bench.settings.amqp_url, n - first, consumers=services)
         tick()
         await c.start(services=services, worker_count=per)
         await c.grow_to(first, tag="f")
@@ -289,3 +300,8 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
         ),
     ]
     return figures
+
+
+if __name__ == "__main__":
+    url_, queue_, n_, consumers_ = sys.argv[1:5]
+    asyncio.run(hold(url_, queue_, int(n_), int(consumers_)))
