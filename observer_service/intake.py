@@ -422,7 +422,7 @@ class Intake:
         )
         if (witness := self.witness) is not None:
             runner.task.add_done_callback(
-                lambda _: witness.end(taken.observer_id, taken.epoch, outputs.stop_waiting())
+                lambda _: witness.end(taken.observer_id, taken.epoch, outputs.stop_waited)
             )
         self.host.outputs.register(outputs)
         self.host.add_runner(runner)

@@ -142,17 +142,13 @@ class CopyOutputs:
             self._stop_waits_since = None
             self.stop_waited += loop.time() - since
 
-    @property
-    def stop_waits_now(self) -> bool:
-        """A stop of this copy waits on its commit write now."""
-        return self._stop_waits_since is not None
-
-    def stop_waiting(self) -> float:
-        """Seconds a stop of this copy has waited on its commit write, the wait under way
-        included."""
+    def stop_waiting_now(self) -> float:
+        """Seconds a stop of this copy has waited on its commit write, if it waits on one now
+        (0.0: it does not)."""
         since = self._stop_waits_since
-        now = asyncio.get_running_loop().time()
-        return self.stop_waited + (0.0 if since is None else now - since)
+        if since is None:
+            return 0.0
+        return self.stop_waited + asyncio.get_running_loop().time() - since
 
     def _landed(self, records: tuple[str, ...], first: int) -> None:
         del self._staged[: len(records)]

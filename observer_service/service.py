@@ -229,8 +229,8 @@ class ObserverService:
             self.clean = False
             if self.witness is not None:
                 for r in hung:
-                    out = r.outputs  # in its commit now: the orchestrator's wait, not the kind's
-                    waited = out.stop_waiting() if out is not None and out.stop_waits_now else 0.0
+                    # In its commit now: the orchestrator's wait, not the kind's.
+                    waited = r.outputs.stop_waiting_now() if r.outputs is not None else 0.0
                     self.witness.hung(r.observer_id, r.epoch, waited)
             log.error(
                 "%d observers did not stop within %.1fs; leaving without releasing them "
