@@ -14,8 +14,22 @@ What it measures, in one run:
 - the memory of the manager and of each service, and a service's memory per observer
   (marginal, between 10 % and 100 %).
 
-Moves at this size (a SIGKILLed service, five at once, a service joining, the leader killed) are
-not measured here yet.
+Then, at full size, moves (``moves``), each timed from the observers' own tick logs and put
+next to the broker's floor for the same count, measured just before on the same loaded machine:
+
+- one service SIGKILLed: seconds from the kill until each of its observers ticked in a new copy,
+  re-dispatches and takes per moved observer, and duplicate starts (two new copies of one);
+- a service joining: seconds until every live service holds its share ±10 %, and observers moved
+  twice;
+- five services SIGKILLed at once, as the first;
+- the leader manager SIGKILLed: seconds until the standby leads, the rows its loops read in their
+  first seconds next to the idle rate, and observers started again (re-dispatches, and new copies
+  in the tick logs) that did not need it.
+
+The observers are ``recorder`` at one tick a minute and one checkpoint (at their first tick), so
+that they cost what idle tickers cost and still say in their own logs when each copy began. A
+service has slots enough (and 5 % more) for the fifteen left after five are killed to hold every
+observer: 7,000 for a share of 5,000.
 
 Each service's database pool is capped (``ORCH_DB_POOL_MAX``), so that 20 services hold 80
 connections. With the manager's and this process's, that is more than PostgreSQL's default
@@ -32,18 +46,29 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
 import httpx
 
-from orch.cluster import quiet
+from orch.cluster import Proc, quiet, wait_for
+from orch_bench.floor import measure_floor
 from orch_bench.harness import Bench, BenchCluster, Figure, cpu_by_role, percentile, rss_bytes
+from orch_bench.ticklog import Tick, TickTail
 
 #: Connections each service's pool opens at most (its lease session is one more).
 POOL_MAX = 3
-#: Connections the manager, this process and a margin may hold besides the services'.
-OTHERS = 30
+#: Connections two managers, this process and a margin may hold besides the services'.
+OTHERS = 50
+#: Slots beyond what the services left after the largest kill need to hold every observer.
+SLOTS_MARGIN = 1.05
+#: Seconds between an observer's ticks (and so its log lines): a copy's first tick is at its start.
+TICK_EVERY = 60.0
+#: Seconds watched after all moved observers run again, for a second copy to show.
+AFTER_MOVE = 5.0
+#: Seconds watched after the new leader leads: its first pass, and what it re-dispatches.
+LEADER_WINDOW = 15.0
 #: The held-rows check's period and a little: one window sees each service check once.
 IDLE_WINDOW = 31.0
 #: For the database's statistics to catch up before a window, seconds.
@@ -59,9 +84,12 @@ LIST_TARGET_MS = 100
 VIEW_TARGET_MS = 200
 METRICS_TARGET_MS = 100
 MEMORY_TARGET_KIB = 10.0
+KILL_RATIO_TARGET = 2.0
+KILL5_TARGET_S = 10.0
+JOIN_TARGET_S = 60.0
+LEADER_MARGIN_S = 2.0
 
-Tick = Callable[..., None]
-IDLE = {"interval": 3600}
+Progress = Callable[..., None]
 #: What is read at full size: (label, path, target ms).
 READS_AT_SIZE = (
     ("GET /observers (a page of 100)", "/observers?limit=100", LIST_TARGET_MS),
@@ -169,13 +197,16 @@ def _service_rss(c: BenchCluster) -> list[int]:
     return [rss_bytes(p.pid) for p in c.procs if p.name != "manager" and p.alive]
 
 
-async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
+async def fleet(bench: Bench, size: Any, tick: Progress) -> list[Figure]:
     services, per = size.fleet_services, size.fleet_per_service
     n = services * per
     first = n // 10
     figures: list[Figure] = []
-    needed = services * (1 + POOL_MAX) + OTHERS
-    async with bench.cluster("fleet", db_pool_max=POOL_MAX, prune_interval=5) as c:
+    needed = (services + 1) * (1 + POOL_MAX) + OTHERS  # one more service joins
+    # The rebalance runs, as by default: a joining service is given its share.
+    async with bench.cluster(
+        "fleet", db_pool_max=POOL_MAX, prune_interval=5, rebalance="true"
+    ) as c:
         limit = int(await (await c.connect()).fetchval("SHOW max_connections"))
         if limit < needed:
             raise RuntimeError(
@@ -184,8 +215,13 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
             )
         floor = await intake_floor(c, bench.settings.amqp_url, n - first, consumers=services)
         tick()
-        await c.start(services=services, worker_count=per)
-        await c.grow_to(first, tag="f")
+        slots = round(n / (services - _many(services)) * SLOTS_MARGIN)
+        await c.start(services=services, worker_count=slots)
+        await c.start_manager()  # a standby, for the leader's kill
+        ticks = str(c.workdir / "ticks")
+        params = {"dir": ticks, "interval": TICK_EVERY, "checkpoint_every": 10**6}
+        await c.create_batches(first, "recorder", params, tag="f")
+        await c.wait_running(first, timeout=300)
         tick()
         reads_low = await _idle_reads(c)
         rss_low = _service_rss(c)
@@ -195,7 +231,7 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
 
         async def sender() -> None:
             for start in todo:
-                await c.create_batches(min(1000, n - start), "ticker", IDLE, tag=f"b{start}")
+                await c.create_batches(min(1000, n - start), "recorder", params, tag=f"b{start}")
 
         before = cpu_by_role(c)
         began = time.monotonic()
@@ -216,6 +252,7 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
         manager = next(p for p in c.procs if p.name == "manager")
         manager_rss = rss_bytes(manager.pid)
         tick()
+        moved = await moves(bench, c, n, per, slots, reads_high, tick)
 
     bulk = n - first
     rate = bulk / took
@@ -299,7 +336,286 @@ async def fleet(bench: Bench, size: Any, tick: Tick) -> list[Figure]:
             kib <= MEMORY_TARGET_KIB,
         ),
     ]
+    return figures + moved
+
+
+@dataclass
+class Moved:
+    """What the observers' logs say of one fault's moves, and what the orchestrator did."""
+
+    observers: int
+    #: Per moved observer: seconds from the fault to its first tick in a new copy.
+    resumed: list[float]
+    #: Moved observers of which more than one new copy ticked.
+    twice: int
+    #: ``observer_events`` of the moved observers since the fault, by event.
+    events: dict[str, int]
+
+
+class NewCopies:
+    """Per observer (of ``observers``, if given): the copies that ticked after ``at``, and when
+    the first of them did."""
+
+    def __init__(self, at: float, observers: set[str] | None = None) -> None:
+        self.at = at
+        self.observers = observers
+        self.first: dict[str, float] = {}
+        self.copies: dict[str, set[tuple[int, int]]] = {}
+
+    def take(self, ticks: list[Tick]) -> None:
+        for t in ticks:
+            if t.at > self.at and (self.observers is None or t.observer in self.observers):
+                self.first[t.observer] = min(self.first.get(t.observer, t.at), t.at)
+                self.copies.setdefault(t.observer, set()).add(t.copy)
+
+
+async def _events(c: BenchCluster, at: float, observers: set[str] | None) -> dict[str, int]:
+    db = await c.connect()
+    rows = await db.fetch(
+        "SELECT event, count(*) AS k FROM observer_events WHERE at > to_timestamp($1) "
+        "AND ($2::text[] IS NULL OR observer_id = ANY($2::text[]::uuid[])) GROUP BY event",
+        at,
+        None if observers is None else sorted(observers),
+    )
+    return {r["event"]: int(r["k"]) for r in rows}
+
+
+async def _kill(c: BenchCluster, tail: TickTail, victims: list[Proc]) -> Moved:
+    """SIGKILL ``victims`` at once; wait until every observer they held ticks in a new copy."""
+    db = await c.connect()
+    ids = [await c.service_id(p) for p in victims]
+    held = {
+        r[0]
+        for r in await db.fetch(
+            "SELECT id::text FROM observers WHERE service_id = ANY($1::uuid[]) "
+            "AND status = 'processing'",
+            ids,
+        )
+    }
+    tail.skip()
+    at = time.time()
+    for p in victims:
+        p.signal(signal.SIGKILL)
+    new = NewCopies(at, held)
+
+    async def resumed() -> bool:
+        new.take(tail.read())
+        return len(new.first) == len(held)
+
+    await wait_for(resumed, timeout=300, what=f"{len(held)} moved observers ticking", every=0.25)
+    await quiet(AFTER_MOVE, "a second copy of a moved observer would start")
+    new.take(tail.read())
+    return Moved(
+        len(held),
+        [new.first[o] - at for o in held],
+        sum(1 for copies in new.copies.values() if len(copies) > 1),
+        await _events(c, at, held),
+    )
+
+
+async def _floor(bench: Bench, c: BenchCluster, count: int) -> float:
+    """The broker's own move of ``count`` held messages, from the kill to the last resumed."""
+    gaps = await measure_floor(
+        c, bench.settings.amqp_url, c.workdir / f"floor-{count}", count, TICK_EVERY, from_fault=True
+    )
+    return max(gaps)
+
+
+def _kill_figures(scenario: str, m: Moved, floor: float, target: Figure | None) -> list[Figure]:
+    worst = max(m.resumed)
+    ratio = worst / floor
+    per = {e: k / m.observers for e, k in m.events.items()}
+    figures = [
+        Figure(
+            scenario,
+            "last moved observer ticking again",
+            round(worst, 2),
+            "s",
+            note=f"{m.observers} moved; median {sorted(m.resumed)[len(m.resumed) // 2]:.2f} s",
+        ),
+        Figure(scenario, "the broker's floor for as many", round(floor, 2), "s"),
+        Figure(
+            scenario,
+            "last moved ÷ floor",
+            round(ratio, 2),
+            "x",
+            f"≤ {KILL_RATIO_TARGET:g}",
+            ratio <= KILL_RATIO_TARGET,
+        ),
+        Figure(
+            scenario,
+            "re-dispatches per moved observer",
+            round(per.get("redispatched", 0.0), 3),
+            "",
+            note=f"takes per moved observer {per.get('taken', 0.0):.3f}",
+        ),
+        Figure(scenario, "moved observers started twice", float(m.twice), "", "0", m.twice == 0),
+    ]
+    if target is not None:
+        figures.insert(1, target)
     return figures
+
+
+def _many(services: int) -> int:
+    """How many services are killed at once: five of twenty."""
+    return max(1, services // 4)
+
+
+async def _leads(c: BenchCluster, manager: Proc) -> bool:
+    async with httpx.AsyncClient(headers=c.auth_headers, timeout=5) as h:
+        try:
+            r = await h.get(f"http://127.0.0.1:{manager.port}/leader")
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200 and bool(r.json()["this_replica_leads"])
+
+
+async def moves(
+    bench: Bench,
+    c: BenchCluster,
+    n: int,
+    per: int,
+    slots: int,
+    idle_reads: float,
+    tick: Progress,
+) -> list[Figure]:
+    """The moves at full size, in turn: one service killed, one joining, five killed at once,
+    the leader killed (see the module's docstring)."""
+    figures: list[Figure] = []
+    tail = TickTail(c.workdir / "ticks")
+    db = await c.connect()
+    services = [p for p in c.procs if p.name.startswith("s") and p.alive]
+
+    floor_one = await _floor(bench, c, per)
+    one = await _kill(c, tail, services[:1])
+    figures += _kill_figures(f"fleet, 1 of {len(services)} killed", one, floor_one, None)
+    tick()
+
+    live = services[1:]
+    joiner = await c.start_service(f"s{len(services) + 1}", slots)
+    live.append(joiner)
+    live_ids = [await c.service_id(p) for p in live]
+    at = time.time()
+    began = time.monotonic()
+    share = n / len(live)
+
+    async def fair() -> bool:
+        rows = await db.fetch(
+            "SELECT service_id, count(*) AS k FROM observers WHERE status = 'processing' "
+            "AND service_id = ANY($1::uuid[]) GROUP BY service_id",
+            live_ids,
+        )
+        return len(rows) == len(live) and all(abs(r["k"] - share) <= 0.1 * share for r in rows)
+
+    await wait_for(fair, timeout=300, what="every service within 10 % of its share", every=0.5)
+    took = time.monotonic() - began
+    await quiet(AFTER_MOVE, "an observer would be moved again")
+    handed = await db.fetch(
+        "SELECT count(*) AS k FROM observer_events WHERE event = 'handoff requested' "
+        "AND at > to_timestamp($1) GROUP BY observer_id",
+        at,
+    )
+    twice = sum(1 for r in handed if r["k"] > 1)
+    scenario = f"fleet, a service joins {len(live) - 1}"
+    figures += [
+        Figure(
+            scenario,
+            "time to fair share (±10 %)",
+            round(took, 1),
+            "s",
+            f"< {JOIN_TARGET_S:g}",
+            took < JOIN_TARGET_S,
+            f"{len(handed)} observers moved, about {round(share)} expected",
+        ),
+        Figure(scenario, "observers moved twice", float(twice), "", "0", twice == 0),
+    ]
+    tick()
+
+    k = _many(len(live))
+    floor_many = await _floor(bench, c, k * per)
+    many = await _kill(c, tail, live[:k])
+    last = max(many.resumed)
+    scenario = f"fleet, {k} of {len(live)} killed at once"
+    figures += _kill_figures(
+        scenario,
+        many,
+        floor_many,
+        Figure(
+            scenario,
+            "all running again",
+            round(last, 2),
+            "s",
+            f"≤ {KILL5_TARGET_S:g}",
+            last <= KILL5_TARGET_S,
+        ),
+    )
+    tick()
+    figures += await _leader_kill(c, tail, idle_reads)
+    tick()
+    return figures
+
+
+async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> list[Figure]:
+    """SIGKILL the leading manager; time until the standby leads, what its loops read first, and
+    which observers started again."""
+    db = await c.connect()
+    managers = [p for p in c.procs if p.name == "manager" and p.alive]
+    leading = [p for p in managers if await _leads(c, p)]
+    if len(leading) != 1 or len(managers) != 2:
+        raise RuntimeError(f"{len(leading)} of {len(managers)} managers lead")
+    leader, standby = leading[0], next(p for p in managers if p is not leading[0])
+    epochs = {
+        r[0]: r[1]
+        for r in await db.fetch("SELECT id::text, epoch FROM observers WHERE status = 'processing'")
+    }
+    tail.skip()
+    at = time.time()
+    began = time.monotonic()
+    leader.signal(signal.SIGKILL)
+    await wait_for(lambda: _leads(c, standby), timeout=60, what="the standby leading", every=0.05)
+    took = time.monotonic() - began
+    t0, _, w0, r0 = await c.db_counters()
+    await quiet(LEADER_WINDOW, "the new leader would re-dispatch what runs")
+    t1, _, w1, r1 = await c.db_counters()
+    new = NewCopies(at)
+    new.take(tail.read())
+    restarted = sum(
+        1 for o, copies in new.copies.items() if any(e > epochs.get(o, 0) for e, _ in copies)
+    )
+    events = await _events(c, at, None)
+    redispatched = events.get("redispatched", 0)
+    ttl = float(c.env["ORCH_LEASE_TTL"])
+    scenario = f"fleet, the leader killed at {len(epochs)}"
+    reads = (r1 - r0) / (t1 - t0)
+    return [
+        Figure(
+            scenario,
+            "until the standby's loops run",
+            round(took, 2),
+            "s",
+            f"≤ {ttl + LEADER_MARGIN_S:g}",
+            took <= ttl + LEADER_MARGIN_S,
+            f"lease TTL {ttl:g} s",
+        ),
+        Figure(
+            scenario,
+            f"rows read/s in the new leader's first {LEADER_WINDOW:g} s",
+            round(reads),
+            "1/s",
+            note=f"idle {round(idle_reads)}/s; rows written {round((w1 - w0) / (t1 - t0))}/s",
+        ),
+        Figure(
+            scenario, "observers re-dispatched", float(redispatched), "", "0", redispatched == 0
+        ),
+        Figure(
+            scenario,
+            "observers started again (their logs)",
+            float(restarted),
+            "",
+            "0",
+            restarted == 0,
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -53,10 +53,17 @@ async def consume(url: str, queue_name: str, tick_dir: Path, interval: float) ->
 
 
 async def measure_floor(
-    cluster: LocalCluster, url: str, workdir: Path, count: int, interval: float
+    cluster: LocalCluster,
+    url: str,
+    workdir: Path,
+    count: int,
+    interval: float,
+    *,
+    from_fault: bool = False,
 ) -> list[float]:
     """Seconds of failover gap per message, for ``count`` messages held by one consumer that is
-    SIGKILLed while a second one waits. Both consumers are processes of ``cluster``."""
+    SIGKILLed while a second one waits (from the kill itself with ``from_fault``: see
+    ``failover_gaps``). Both consumers are processes of ``cluster``."""
     queue_name = f"orch-floor-{uuid.uuid4().hex[:8]}"
     ticks = workdir / "floor-ticks"
     ticks.mkdir(parents=True, exist_ok=True)
@@ -76,7 +83,8 @@ async def measure_floor(
             async def held_by_first() -> bool:
                 return len({t.observer for t in read_ticks(ticks) if t.pid == first.pid}) == count
 
-            await wait_for(held_by_first, timeout=60, what="the floor's messages held")
+            patience = max(60.0, count / 200)
+            await wait_for(held_by_first, timeout=patience, what="the floor's messages held")
             second = cluster.spawn("floor-b", args, module="orch_bench.floor")
             await second.wait_log("consuming")
             await quiet(1.0, "let both consumers settle before the kill")
@@ -84,11 +92,11 @@ async def measure_floor(
             first.signal(signal.SIGKILL)
 
             async def all_moved() -> dict[str, float] | None:
-                gaps = failover_gaps(read_ticks(ticks), at, first.pid)
+                gaps = failover_gaps(read_ticks(ticks), at, first.pid, from_fault=from_fault)
                 done = len(gaps) == count and float("inf") not in gaps.values()
                 return gaps if done else None
 
-            gaps = await wait_for(all_moved, timeout=60, what="the floor's messages moved")
+            gaps = await wait_for(all_moved, timeout=patience, what="the floor's messages moved")
             second.signal(signal.SIGKILL)
             return list(gaps.values())
         finally:

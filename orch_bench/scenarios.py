@@ -1092,7 +1092,7 @@ SCENARIOS["observability"] = _observability()
 def _fleet() -> tuple[Callable[..., Any], Callable[[Size], int]]:
     from orch_bench.fleet import fleet
 
-    return fleet, lambda s: 6
+    return fleet, lambda s: 10
 
 
 SCENARIOS["fleet"] = _fleet()

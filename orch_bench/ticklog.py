@@ -28,18 +28,54 @@ class Tick:
         return (self.epoch, self.pid)
 
 
+def _parse(lines: list[str]) -> list[Tick]:
+    ticks: list[Tick] = []
+    for line in lines:
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by SIGKILL
+        ticks.append(Tick(d["o"], d["e"], d["s"], d["p"], d["t"], d["n"]))
+    return ticks
+
+
 def read_ticks(directory: str | Path) -> list[Tick]:
     """Every tick recorded under ``directory``, oldest first."""
     ticks: list[Tick] = []
     for path in sorted(Path(directory).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by SIGKILL
-            ticks.append(Tick(d["o"], d["e"], d["s"], d["p"], d["t"], d["n"]))
+        ticks += _parse(path.read_text().splitlines())
     ticks.sort(key=lambda t: t.at)
     return ticks
+
+
+class TickTail:
+    """The ticks written under ``directory`` since the last ``read`` (or ``skip``): each file
+    is read on from where the last read ended, so a hundred thousand observers' logs are not
+    parsed again on every look."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.offsets: dict[Path, int] = {}
+
+    def _new(self, path: Path) -> bytes:
+        with path.open("rb") as f:
+            f.seek(self.offsets.get(path, 0))
+            data = f.read()
+        whole = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self.offsets[path] = self.offsets.get(path, 0) + whole
+        return data[:whole]
+
+    def read(self) -> list[Tick]:
+        """The new ticks, in no particular order."""
+        ticks: list[Tick] = []
+        for path in sorted(self.directory.glob("*.jsonl")):
+            ticks += _parse(self._new(path).decode().splitlines())
+        return ticks
+
+    def skip(self) -> None:
+        """Pass over everything written so far without parsing it."""
+        for path in self.directory.glob("*.jsonl"):
+            self._new(path)
 
 
 def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
@@ -67,10 +103,13 @@ def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
     return result
 
 
-def failover_gaps(ticks: list[Tick], at: float, pid: int | None = None) -> dict[str, float]:
+def failover_gaps(
+    ticks: list[Tick], at: float, pid: int | None = None, *, from_fault: bool = False
+) -> dict[str, float]:
     """Per observer that ticked before ``at`` (last in process ``pid``, if given): seconds from
-    its last tick before ``at`` to the first tick after ``at`` by another copy (inf when no
-    other copy ever ticked)."""
+    its last tick before ``at`` (from ``at`` itself with ``from_fault``, for ticks too sparse
+    to time a gap by) to the first tick after ``at`` by another copy (inf when no other copy
+    ever ticked)."""
     last_before: dict[str, Tick] = {}
     for t in ticks:
         if t.at <= at:
@@ -81,7 +120,7 @@ def failover_gaps(ticks: list[Tick], at: float, pid: int | None = None) -> dict[
     for t in ticks:
         before = last_before.get(t.observer)
         if before and t.at > at and t.copy != before.copy and gaps[t.observer] == float("inf"):
-            gaps[t.observer] = t.at - before.at
+            gaps[t.observer] = t.at - (at if from_fault else before.at)
     return gaps
 
 
