@@ -63,3 +63,12 @@ def sql_stopped(column: str) -> str:
 def live_service(alias: str) -> str:
     """The service row ``alias`` is alive: not deleted and its lease not expired."""
     return f"(NOT {alias}.is_deleted AND {alias}.lease_expires_at > clock_timestamp())"
+
+
+def held_by(service: str) -> str:
+    """How many observers the service whose id is the SQL ``service`` holds: the sum of its
+    rows in ``observer_counts`` (kept by triggers on ``observers``), read by its holder index."""
+    return (
+        "(SELECT CAST(coalesce(sum(c.n), 0) AS bigint) FROM observer_counts c "
+        f"WHERE c.service_id = {service} AND {sql_in('c.status', HELD)})"
+    )

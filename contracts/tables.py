@@ -10,11 +10,13 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Column,
     DateTime,
     ForeignKey,
     Index,
     Integer,
     MetaData,
+    Table,
     Text,
     func,
     text,
@@ -252,6 +254,21 @@ class ObserverEvent(Base):
     detail: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_observer_events_observer_id", "observer_id", "id"),)
+
+
+#: How many observers there are by status, kind, pool and holder. Its rows are deltas, a key's
+#: count the sum of its rows: triggers on ``observers`` add them (migration 0015), the leader
+#: folds them into one row per key.
+observer_counts = Table(
+    "observer_counts",
+    Base.metadata,
+    Column("status", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("pool", Text, nullable=False),
+    Column("service_id", UUID(as_uuid=True)),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_observer_counts_service_id", "service_id"),
+)
 
 
 class LeaderLease(Base):

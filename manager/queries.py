@@ -8,6 +8,7 @@ from contracts.statuses import (
     LIVE,
     Event,
     ObserverStatus,
+    held_by,
     live_service,
     sql_in,
     sql_stopped,
@@ -93,8 +94,7 @@ SERVICE_COLUMNS = (
     "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, s.pool, "
     "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds) ORDER BY 1) "
     "END AS kinds, "
-    f"(SELECT count(*) FROM observers o WHERE o.service_id = s.id AND {sql_in('o.status', HELD)})"
-    " AS running"
+    f"{held_by('s.id')} AS running"
 )
 
 # ---------------------------------------------------------------------------------- history
@@ -362,8 +362,7 @@ SET_WAITING = (
 # and keeps its lease: not stalled by kind code, and not back from a lost lease within :p seconds
 # (one that cannot keep a lease would take the observer only to lose it again).
 FREE_SLOTS = f"""
-SELECT s.id, s.worker_count - (SELECT count(*) FROM observers o
-                                WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS free
+SELECT s.id, s.worker_count - {held_by("s.id")} AS free
   FROM services s
  WHERE NOT s.is_deleted AND NOT s.draining AND s.stalled_since IS NULL
    AND s.lease_expires_at > clock_timestamp() + make_interval(secs => :m)
@@ -400,12 +399,10 @@ WHERE_MOVED = (
     "FROM observers WHERE id = ANY(:ids)"
 )
 LOADS = f"""
-SELECT s.id, s.pool, s.worker_count, count(o.id) AS running FROM services s
-  LEFT JOIN observers o ON o.service_id = s.id AND {sql_in("o.status", HELD)}
+SELECT s.id, s.pool, s.worker_count, {held_by("s.id")} AS running FROM services s
  WHERE {live_service("s")} AND NOT s.draining
    AND s.created_at < now() - make_interval(secs => :age) AND s.stalled_since IS NULL
    AND (s.rejoined_at IS NULL OR s.rejoined_at < now() - make_interval(secs => :age))
- GROUP BY s.id, s.pool, s.worker_count
 """
 # Of those a move's target runs: of its pool :pool and its kinds :kinds, pinned to no version or
 # to the one it has (:versions, by kind); :kinds NULL: every kind, no pinned version.
@@ -488,13 +485,13 @@ NEWEST_EVENT = "SELECT coalesce(max(id), 0) FROM observer_events"
 
 # ------------------------------------------------------------------------------ metrics
 METRICS_OBSERVERS = (
-    "SELECT status, kind, pool, count(*) AS n FROM observers GROUP BY status, kind, pool"
+    "SELECT status, kind, pool, CAST(sum(n) AS bigint) AS n FROM observer_counts "
+    "GROUP BY status, kind, pool HAVING sum(n) <> 0"
 )
 METRICS_SERVICES = f"""
 SELECT s.id, s.name, s.pool, s.worker_count, s.draining,
        EXTRACT(EPOCH FROM clock_timestamp() - s.last_heartbeat_at)::float8 AS heartbeat_age,
-       (SELECT count(*) FROM observers o
-         WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) AS running
+       {held_by("s.id")} AS running
   FROM services s WHERE {live_service("s")}
 """
 METRICS_OUTBOX = "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM outbox"
@@ -503,21 +500,46 @@ METRICS_OUTBOX = "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::
 POOL_LOADS = f"""
 SELECT s.pool, count(*) AS services,
        coalesce(sum(s.worker_count) FILTER (WHERE NOT s.draining), 0) AS slots,
-       coalesce(sum(h.n), 0) AS running
-  FROM services s CROSS JOIN LATERAL (SELECT count(*) AS n FROM observers o
-                                       WHERE o.service_id = s.id AND {sql_in("o.status", HELD)}) h
- WHERE {live_service("s")} GROUP BY s.pool
+       CAST(coalesce(sum({held_by("s.id")}), 0) AS bigint) AS running
+  FROM services s WHERE {live_service("s")} GROUP BY s.pool
 """
-# Live observers whose service is not live: the few services not live, their observers by index.
+# Live observers whose service is not live (the few services not live).
 HELD_BY_THE_GONE = (
-    "SELECT count(*) FROM services s JOIN observers o ON o.service_id = s.id "
-    f"WHERE NOT {live_service('s')} AND {sql_in('o.status', LIVE)}"
+    "SELECT CAST(coalesce(sum(c.n), 0) AS bigint) FROM services s "
+    f"JOIN observer_counts c ON c.service_id = s.id WHERE NOT {live_service('s')} "
+    f"AND {sql_in('c.status', LIVE)}"
 )
-STATUS_TOTALS = "SELECT o.status, count(*) AS n FROM observers o GROUP BY o.status"
-# Live observers nobody holds, by pool (the partial index of unheld observers).
+# The counts' rows folded into one per key (the triggers add a row or two per change), and
+# keys counting nothing dropped. Keys already folded are left alone: an idle fleet's fold writes
+# nothing, and leaves no dead rows behind for every count's index scan to step over.
+FOLD_COUNTS = """
+WITH loose AS (
+    SELECT status, kind, pool, service_id FROM observer_counts
+     GROUP BY status, kind, pool, service_id HAVING count(*) > 1 OR sum(n) = 0),
+gone AS (
+    DELETE FROM observer_counts c USING loose l
+     WHERE c.status = l.status AND c.kind = l.kind AND c.pool = l.pool
+       AND c.service_id IS NOT DISTINCT FROM l.service_id
+ RETURNING c.status, c.kind, c.pool, c.service_id, c.n),
+folded AS (
+    INSERT INTO observer_counts (status, kind, pool, service_id, n)
+    SELECT status, kind, pool, service_id, sum(n) FROM gone
+     GROUP BY status, kind, pool, service_id HAVING sum(n) <> 0)
+SELECT count(*) FROM gone
+"""
+# After a fold that dropped many rows: their index entries go too, at once rather than at the
+# next autovacuum (up to a minute away), so that no count steps over them meanwhile. A role
+# that does not own the table is warned by the server and nothing happens.
+VACUUM_COUNTS = "VACUUM observer_counts"
+STATUS_TOTALS = (
+    "SELECT c.status, CAST(sum(c.n) AS bigint) AS n FROM observer_counts c GROUP BY c.status "
+    "HAVING sum(c.n) <> 0"
+)
+# Live observers nobody holds, by pool.
 UNHELD_BY_POOL = (
-    "SELECT o.pool, count(*) AS n FROM observers o "
-    f"WHERE o.service_id IS NULL AND {sql_in('o.status', LIVE)} GROUP BY o.pool"
+    "SELECT c.pool, CAST(sum(c.n) AS bigint) AS n FROM observer_counts c "
+    f"WHERE c.service_id IS NULL AND {sql_in('c.status', LIVE)} GROUP BY c.pool "
+    "HAVING sum(c.n) <> 0"
 )
 
 # ------------------------------------------------------------------ console views (api/views.py)

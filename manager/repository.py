@@ -593,6 +593,16 @@ async def held_by_the_gone(tx: Tx) -> int:
     return int(await tx.value(q.HELD_BY_THE_GONE))
 
 
+async def fold_counts(tx: Tx) -> int:
+    """Fold the rows of ``observer_counts`` into one per key; how many rows that dropped."""
+    return int(await tx.value(q.FOLD_COUNTS))
+
+
+async def vacuum_counts(tx: Tx) -> None:
+    """Out of a transaction (``ManagerStore.autocommit``)."""
+    await tx.execute(q.VACUUM_COUNTS)
+
+
 async def status_totals(tx: Tx) -> dict[str, int]:
     """Every observer by status."""
     return {r.status: int(r.n) for r in await tx.rows(q.STATUS_TOTALS)}
@@ -832,7 +842,10 @@ async def view_observers(
     """A page of the console's table (sorted by ``order``, an SQL ORDER BY list), and how many
     observers match ``filters`` in each status."""
     rows = await tx.rows(q.VIEW_OBSERVERS.replace("{order}", order), **filters, **page)
-    totals = {r.status: int(r.n) for r in await tx.rows(q.VIEW_TOTALS, **filters)}
+    if any(v is not None for v in filters.values()):
+        totals = {r.status: int(r.n) for r in await tx.rows(q.VIEW_TOTALS, **filters)}
+    else:
+        totals = await status_totals(tx)  # from the counts, not from every observer
     return rows, totals
 
 

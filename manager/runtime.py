@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 #: Seconds between two reads of the kinds' adverts (a create that names a kind, pool or version
 #: not found reads them again at once: a service that joined a moment ago counts).
 ADVERTS_EVERY = 5.0
+#: How often the leader folds the observer counts' rows into one per key, seconds: between two
+#: folds, a count reads the rows its changes added (two a move).
+FOLD_EVERY = 2.0
+#: A fold that dropped this many rows or more vacuums the counts' table after it.
+VACUUM_AFTER = 1000
 
 
 @dataclass
@@ -151,6 +156,13 @@ class ManagerRuntime:
             if self._adverts_read < since:
                 await self.read_adverts()
 
+    async def fold_counts(self) -> None:
+        async with self.store.transaction() as tx:
+            dropped = await repo.fold_counts(tx)
+        if dropped >= VACUUM_AFTER:
+            async with self.store.autocommit() as tx:
+                await repo.vacuum_counts(tx)
+
     async def read_adverts(self) -> None:
         """What the services advertised of their kinds: for those this manager has no code
         for, of each kind the advert of the newest service that runs it (a live one first),
@@ -231,6 +243,7 @@ class ManagerRuntime:
             max_events=s.max_events_per_observer,
         )
         loops["retention"] = background.every(s.prune_interval, pruner.once, "retention")
+        loops["counts"] = background.every(FOLD_EVERY, self.fold_counts, "counts")
         if s.rebalance:
             rebalancer = Rebalancer(
                 self.store,

@@ -73,6 +73,10 @@ class Tx:
         text, args = self._args(sql, params)
         return await self._conn.fetchval(text, *args)
 
+    async def execute(self, sql: str) -> None:
+        """A statement without parameters, in the simple protocol (``VACUUM``, say)."""
+        await self._conn.execute(sql)
+
     async def values(self, sql: str, **params: Any) -> list[Any]:
         """The first column of every row."""
         return [r[0] for r in await self.rows(sql, **params)]

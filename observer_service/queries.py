@@ -17,6 +17,7 @@ from contracts.statuses import (
     STOPPING,
     Event,
     ObserverStatus,
+    held_by,
     live_service,
     sql_in,
     sql_stopped,
@@ -294,9 +295,9 @@ HELD_COPIES = (
     f"SELECT id, epoch FROM observers WHERE service_id = $1 AND ({sql_in('status', HELD)}) IS TRUE"
 )
 
-HELD_COUNT = (
-    f"SELECT count(*) FROM observers WHERE service_id = $1 AND ({sql_in('status', HELD)}) IS TRUE"
-)
+# How many of them there are, from the counts the triggers keep: the check every
+# ORCH_CHECK_EVERY reads this service's few count rows, not the rows it holds.
+HELD_COUNT = f"SELECT {held_by('$1')}"
 
 # --------------------------------------------------------------------------------- control
 # $1 observer ids, $2 me: what a control message is checked against before it is acted on

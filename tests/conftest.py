@@ -93,12 +93,42 @@ async def template_db(servers: Servers) -> AsyncIterator[str]:
     await _admin(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+#: Keys whose kept count (``observer_counts``) is not the number of observers with that key:
+#: each count as kept that no key of the observers has, and each real one not kept.
+_KEPT = (
+    "SELECT status, kind, pool, service_id, CAST(sum(n) AS bigint) AS n FROM observer_counts "
+    "GROUP BY 1, 2, 3, 4 HAVING sum(n) <> 0"
+)
+_REAL = "SELECT status, kind, pool, service_id, count(*) AS n FROM observers GROUP BY 1, 2, 3, 4"
+COUNTS_WRONG = (
+    f"SELECT 'kept' AS side, * FROM ({_KEPT} EXCEPT {_REAL}) k "
+    f"UNION ALL SELECT 'real' AS side, * FROM ({_REAL} EXCEPT {_KEPT}) r"
+)
+
+async def counts_wrong(dsn: str) -> list[dict[str, object]]:
+    """Where the observer counts the triggers keep disagree with the observers (none, ever);
+    nothing for a database without them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        if await conn.fetchval("SELECT to_regclass('observer_counts')") is None:
+            return []
+        return [dict(r) for r in await conn.fetch(COUNTS_WRONG)]
+    finally:
+        await conn.close()
+
+
 @pytest.fixture
 async def database_url(servers: Servers, template_db: str) -> AsyncIterator[str]:
+    """A database of this test alone. After the test, the counts kept by triggers must still be
+    the observers' (every test that writes observers checks them so)."""
     name = f"orch_t_{RUN}_{next(_counter)}"
     await _admin(servers, f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
     yield servers.database_url(name)
-    await _admin(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    try:
+        wrong = await counts_wrong(servers.asyncpg_dsn(name))
+    finally:
+        await _admin(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert not wrong, f"observer_counts disagrees with observers: {wrong}"
 
 
 @pytest.fixture

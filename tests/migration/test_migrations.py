@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from contracts.settings import asyncpg_dsn
 from contracts.tables import Base
 from migrations import alembic_config
-from tests.conftest import Servers
+from tests.conftest import COUNTS_WRONG, Servers
 
 
 async def _tables(dsn: str) -> set[str]:
@@ -99,5 +99,32 @@ async def test_0007_keys_existing_names_and_keeps_look_alikes_that_lived_before(
             )
         await asyncio.to_thread(command.downgrade, cfg, "0006")
         await asyncio.to_thread(command.upgrade, cfg, "head")
+    finally:
+        await conn.close()
+
+
+async def test_0015_counts_the_observers_there_already_are(database_url: str) -> None:
+    """The counts start from the observers the upgrade finds, and the triggers follow on."""
+    dsn = asyncpg_dsn(database_url)
+    cfg = alembic_config(database_url)
+    await asyncio.to_thread(command.downgrade, cfg, "0014")
+    conn = await asyncpg.connect(dsn)
+    try:
+        insert = (
+            "INSERT INTO observers (id, name, kind, status, dispatch_id) "
+            "VALUES ($1, $2, $3, $4, $1)"
+        )
+        for i, (kind, status) in enumerate(
+            [("ticker", "created"), ("ticker", "created"), ("recorder", "deleted")]
+        ):
+            await conn.execute(insert, uuid.uuid4(), f"o{i}", kind, status)
+        await asyncio.to_thread(command.upgrade, cfg, "head")
+        counts = {
+            (r["kind"], r["status"]): r["n"]
+            for r in await conn.fetch("SELECT kind, status, n FROM observer_counts")
+        }
+        assert counts == {("ticker", "created"): 2, ("recorder", "deleted"): 1}
+        await conn.execute("UPDATE observers SET status = 'deleted' WHERE name = 'o0'")
+        assert not await conn.fetch(COUNTS_WRONG)
     finally:
         await conn.close()
