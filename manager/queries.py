@@ -408,7 +408,9 @@ SELECT s.id, s.pool, s.worker_count, {held_by("s.id")} AS running FROM services 
 # to the one it has (:versions, by kind); :kinds NULL: every kind, no pinned version.
 PICK_TO_MOVE = (
     f"SELECT id FROM observers o WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
-    "AND NOT (id = ANY(:recent)) AND pool = :pool AND CASE WHEN CAST(:kinds AS text[]) IS NULL "
+    "AND NOT (id = ANY(:recent)) "
+    "AND coalesce(started_at, '-infinity') < now() - make_interval(secs => :settled) "
+    "AND pool = :pool AND CASE WHEN CAST(:kinds AS text[]) IS NULL "
     "THEN kind_version IS NULL ELSE EXISTS (SELECT 1 FROM unnest(CAST(:kinds AS text[]), "
     "CAST(:versions AS text[])) AS r(kind, version) WHERE r.kind = o.kind "
     "AND (o.kind_version IS NULL OR o.kind_version = r.version)) END "

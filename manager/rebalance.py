@@ -224,8 +224,15 @@ class Rebalancer:
             for (donor, target), n in Counter(moves).items():
                 # Only observers the target runs: its pool's, of its kinds (it would pass the
                 # others on).
+                # Not one that has just started (moved off a dead service, say): an observer
+                # pays for a move with a gap, and is not made to pay twice in a row.
                 picked = await repo.pick_to_move(
-                    tx, donor, recent=recent, n=n, runs=runs.get(target, repo.Runs())
+                    tx,
+                    donor,
+                    recent=recent,
+                    n=n,
+                    runs=runs.get(target, repo.Runs()),
+                    settled=self.min_age,
                 )
                 recent = [*recent, *picked]
                 handoffs += [(o, donor, target) for o in picked]

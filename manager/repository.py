@@ -690,16 +690,23 @@ async def loads(tx: Tx, min_age: float) -> list[Row]:
 
 
 async def pick_to_move(
-    tx: Tx, donor: uuid.UUID, *, recent: list[uuid.UUID], n: int, runs: Runs
+    tx: Tx,
+    donor: uuid.UUID,
+    *,
+    recent: list[uuid.UUID],
+    n: int,
+    runs: Runs,
+    settled: float = 0.0,
 ) -> list[uuid.UUID]:
-    """Up to ``n`` observers running on ``donor``, none of ``recent``, each one the move's
-    target ``runs`` (its pool, its kinds)."""
+    """Up to ``n`` observers running on ``donor``, none of ``recent`` and none started within
+    ``settled`` seconds, each one the move's target ``runs`` (its pool, its kinds)."""
     kinds = None if runs.kinds is None else sorted(runs.kinds)
     versions = None if runs.kinds is None else [runs.kinds[k] for k in sorted(runs.kinds)]
     return await tx.values(
         q.PICK_TO_MOVE,
         s=donor,
         recent=recent,
+        settled=settled,
         n=n,
         kinds=kinds,
         versions=versions,

@@ -449,7 +449,8 @@ def _kill_figures(scenario: str, m: Moved, floor: float, target: Figure | None) 
             "re-dispatches per moved observer",
             round(per.get("redispatched", 0.0), 3),
             "",
-            note=f"takes per moved observer {per.get('taken', 0.0):.3f}",
+            note="per moved observer: "
+            + ", ".join(f"{e} {k:.3f}" for e, k in sorted(per.items()) if e != "redispatched"),
         ),
         Figure(scenario, "moved observers started twice", float(m.twice), "", "0", m.twice == 0),
     ]

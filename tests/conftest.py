@@ -105,6 +105,7 @@ COUNTS_WRONG = (
     f"UNION ALL SELECT 'real' AS side, * FROM ({_REAL} EXCEPT {_KEPT}) r"
 )
 
+
 async def counts_wrong(dsn: str) -> list[dict[str, object]]:
     """Where the observer counts the triggers keep disagree with the observers (none, ever);
     nothing for a database without them."""

@@ -225,6 +225,31 @@ async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
     assert sorted(str(r["handoff_to"]) for r in recorded) == sorted([str(cut)] * 3 + ["None"] * 3)
 
 
+async def test_rebalance_does_not_move_an_observer_that_has_just_started(
+    db: tuple[asyncpg.Connection, ManagerStore],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """Observers moved off a dead service are the newest on their new holders, and the rebalance
+    picks the newest first: it moved them again a moment later, a second gap in a row. It now
+    picks among those that started before its minimum age."""
+    conn, store = db
+    donor = await service(conn, worker_count=10)
+    target = await service(conn, worker_count=10)
+    for sid in (donor, target):
+        await join_broker(services_connection, prefix, sid)
+    settled = await observers(conn, 3, holder=donor)
+    await conn.execute(
+        "UPDATE observers SET started_at = now() - interval '1 hour' WHERE id = ANY($1)", settled
+    )
+    await observers(conn, 5, holder=donor)  # just started here
+    r = rebalancer(store, publisher, min_age=30.0)
+    assert await r.once() == 3, "of the 4 planned moves, only the 3 settled observers may go"
+    moved = await conn.fetch("SELECT id FROM observers WHERE handoff_to = $1", target)
+    assert {m["id"] for m in moved} == set(settled)
+
+
 async def test_min_age_counts_from_the_control_queue_reappearing(
     db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
