@@ -31,6 +31,7 @@ from contracts.topology import (
     broker_version,
     declare_topology,
     declare_work_queue,
+    finish_anyway,
     publish_outputs,
     service_present,
 )
@@ -207,23 +208,26 @@ class Publisher:
         channel."""
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
-                if pool == DEFAULT_POOL:
-                    raw = await self._raw()
-                    ok = await raw.queue_declare(self.topology.work_queue, passive=True)
-                    return int(ok.message_count or 0)
-                if self._connection is None or not self.connected:
-                    raise BrokerUnavailable("broker connection is down")
-                channel = await self._connection.channel(publisher_confirms=False)
-                try:
-                    queue = await channel.declare_queue(
-                        self.topology.work_queue_of(pool), passive=True
-                    )
-                    return int(queue.declaration_result.message_count or 0)
-                except ChannelNotFoundEntity:
-                    return 0
-                finally:
-                    if not channel.is_closed:
-                        await channel.close()
+                # Left to finish on a timeout: an RPC or a channel's open cancelled midway
+                # desynchronises the connection (``contracts.amqp.finish_anyway``).
+                return await finish_anyway(self._ready(pool))
+
+    async def _ready(self, pool: str) -> int:
+        if pool == DEFAULT_POOL:
+            raw = await self._raw()
+            ok = await raw.queue_declare(self.topology.work_queue, passive=True)
+            return int(ok.message_count or 0)
+        if self._connection is None or not self.connected:
+            raise BrokerUnavailable("broker connection is down")
+        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            queue = await channel.declare_queue(self.topology.work_queue_of(pool), passive=True)
+            return int(queue.declaration_result.message_count or 0)
+        except ChannelNotFoundEntity:
+            return 0
+        finally:
+            if not channel.is_closed:
+                await channel.close()
 
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether a service's broker connection lives (its control queue exists)."""
