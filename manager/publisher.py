@@ -29,6 +29,7 @@ from contracts.routing import Destination, Sender
 from contracts.settings import CommonSettings
 from contracts.topology import (
     broker_version,
+    closable_channel,
     declare_topology,
     declare_work_queue,
     finish_anyway,
@@ -219,7 +220,7 @@ class Publisher:
             return int(ok.message_count or 0)
         if self._connection is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
-        channel = await self._connection.channel(publisher_confirms=False)
+        channel = await closable_channel(self._connection)
         try:
             queue = await channel.declare_queue(self.topology.work_queue_of(pool), passive=True)
             return int(queue.declaration_result.message_count or 0)
