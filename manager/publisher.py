@@ -210,7 +210,7 @@ class Publisher:
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
                 # Left to finish on a timeout: an RPC or a channel's open cancelled midway
-                # desynchronises the connection (``contracts.amqp.finish_anyway``).
+                # desynchronises the connection (``contracts.topology.finish_anyway``).
                 return await finish_anyway(self._ready(pool))
 
     async def _ready(self, pool: str) -> int:

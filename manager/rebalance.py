@@ -223,9 +223,8 @@ class Rebalancer:
             handoffs: list[repo.Handoff] = []
             for (donor, target), n in Counter(moves).items():
                 # Only observers the target runs: its pool's, of its kinds (it would pass the
-                # others on).
-                # Not one that has just started (moved off a dead service, say): an observer
-                # pays for a move with a gap, and is not made to pay twice in a row.
+                # others on); and none that has just started (moved off a dead service, say):
+                # an observer pays for a move with a gap, and is not made to pay twice in a row.
                 picked = await repo.pick_to_move(
                     tx,
                     donor,

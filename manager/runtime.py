@@ -157,10 +157,9 @@ class ManagerRuntime:
                 await self.read_adverts()
 
     async def fold_counts(self) -> None:
-        async with self.store.transaction() as tx:
-            dropped = await repo.fold_counts(tx)
-        if dropped >= VACUUM_AFTER:
-            async with self.store.autocommit() as tx:
+        # One statement (atomic alone), then the vacuum, which no transaction may hold.
+        async with self.store.autocommit() as tx:
+            if await repo.fold_counts(tx) >= VACUUM_AFTER:
                 await repo.vacuum_counts(tx)
 
     async def read_adverts(self) -> None:
