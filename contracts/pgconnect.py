@@ -12,7 +12,9 @@ pools through ``connect=``, SQLAlchemy engines through ``create_engine``). With 
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 from typing import Any
 
 import asyncpg
@@ -21,6 +23,11 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from contracts import database_url as dburl
+
+log = logging.getLogger(__name__)
+#: Seconds a shutdown waits for the connections still in use to come back, before it drops
+#: them (asyncpg's own close waits for ever).
+CLOSE_TIMEOUT = 5.0
 
 #: What makes a host unusable for this connection (but maybe not the next one).
 _NEXT_HOST = (OSError, TimeoutError, asyncpg.PostgresError, TargetServerAttributeNotMatched)
@@ -57,3 +64,18 @@ def create_engine(
     elif connect_args:
         kwargs["connect_args"] = connect_args
     return create_async_engine(canonical, **kwargs)
+
+
+async def close_pool(pool: asyncpg.Pool) -> None:
+    """Close a pool. A connection some task never gives back is waited for ``CLOSE_TIMEOUT``
+    seconds, then dropped: a shutdown must end."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT):
+            await pool.close()
+    except TimeoutError:
+        log.warning(
+            "database connections still in use %.0f s into the shutdown: dropped", CLOSE_TIMEOUT
+        )
+        pool.terminate()
+    except Exception:  # a lost server: nothing to wait for
+        pool.terminate()

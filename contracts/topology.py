@@ -328,10 +328,17 @@ def _refused(what: str, name: str, prefix: str) -> Iterator[None]:
         ) from exc
 
 
-async def delete_topology(amqp_url: str, topology: Topology, pools: Iterable[str] = ()) -> None:
+async def delete_topology(
+    amqp_url: str, topology: Topology, pools: Iterable[str] = (), *, timeout: float = 30.0
+) -> None:
     """Delete the shared queues and exchanges of a prefix, and the work queues of ``pools``
-    (tests and benchmarks clean up with it). Per-service control queues are exclusive and
-    vanish with their connections."""
+    (tests and benchmarks clean up with it), within ``timeout`` seconds (TimeoutError past
+    it). Per-service control queues are exclusive and vanish with their connections."""
+    async with asyncio.timeout(timeout):
+        await _delete_topology(amqp_url, topology, pools)
+
+
+async def _delete_topology(amqp_url: str, topology: Topology, pools: Iterable[str]) -> None:
     from contracts.amqp import connect_first
     from contracts.settings import split_urls
 

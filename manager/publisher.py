@@ -101,6 +101,10 @@ class Publisher:
             except BaseException:
                 await connection.close()
                 raise
+        if self._closing:  # a reconnect that outlived the close
+            with contextlib.suppress(Exception):
+                await connection.close()
+            return
         self.version = version
         self._pools = {DEFAULT_POOL}
         self._connection, self._channel = connection, channel
@@ -243,8 +247,8 @@ class Publisher:
         task = self._reconnecting
         if task is not None and not task.done():  # one that died was told to the owner
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Bounded: a connect caught in its TCP handshake can outlast its cancel.
+            await asyncio.wait({task}, timeout=CLOSE_TIMEOUT)
         if self._connection is not None:
             # Bounded: a close caught in the middle of a reconnect can wait on a connect that
             # never completes (seen once in CI: a manager's shutdown hung for five minutes).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import math
 import time
@@ -30,6 +31,9 @@ from manager.settings import ManagerSettings
 from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
+#: Seconds each step of a shutdown may take: the tasks' end, then the leadership's release
+#: and the outbox's cleanup.
+STOP_TIMEOUT = 5.0
 
 #: Seconds between two reads of the kinds' adverts (a create that names a kind, pool or version
 #: not found reads them again at once: a service that joined a moment ago counts).
@@ -293,14 +297,27 @@ class ManagerRuntime:
         self.fatal.set()
 
     async def stop(self) -> None:
+        """Stop the tasks, give up the leadership, close the connections: each step bounded, a
+        task that ignores its cancel logged with where it waits, and left behind."""
         for task in self._tasks:
             task.remove_done_callback(self._died)
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.settings.background:
-            await self.leadership.release()
-        with contextlib.suppress(Transient):
-            await self.outbox.delete_published()
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT)
+            for task in stuck:
+                where = io.StringIO()
+                task.print_stack(file=where)
+                log.error(
+                    "%s still runs %.0f s after its cancel: left behind\n%s",
+                    task.get_name(),
+                    STOP_TIMEOUT,
+                    where.getvalue(),
+                )
+        with contextlib.suppress(Transient, TimeoutError):
+            async with asyncio.timeout(STOP_TIMEOUT):
+                if self.settings.background:
+                    await self.leadership.release()
+                await self.outbox.delete_published()
         with contextlib.suppress(Transient):
             await self.publisher.close()
         await self.store.close()

@@ -133,10 +133,9 @@ class ManagerStore:
         await self._pool  # min_size 0: opens nothing
 
     async def close(self) -> None:
-        if self._pool is not None:
-            with contextlib.suppress(Exception):
-                await self._pool.close()
-            self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pgconnect.close_pool(pool)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:

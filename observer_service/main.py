@@ -128,7 +128,7 @@ async def serve(
                 max_connections=settings.metrics_max_connections,
             )
         except OSError as exc:
-            await pool.close()
+            await pgconnect.close_pool(pool)
             raise StartupError(
                 f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} "
                 f"(ORCH_METRICS_HOST, ORCH_METRICS_PORT): {exc}"
@@ -139,7 +139,7 @@ async def serve(
     try:
         code = await service.run()
     except DatabaseUnavailable as exc:
-        await pool.close()
+        await pgconnect.close_pool(pool)
         raise StartupError(f"cannot register the service: {exc}") from exc
     if not service.clean:
         logging.shutdown()
@@ -147,5 +147,5 @@ async def serve(
     if guard.abandoned():  # collecting their coroutines would run their cleanup: never
         logging.shutdown()
         os._exit(code)
-    await pool.close()
+    await pgconnect.close_pool(pool)
     return code

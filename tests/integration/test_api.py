@@ -434,3 +434,37 @@ async def test_an_action_names_what_it_acts_on(api: httpx.AsyncClient) -> None:
     )
     assert unknown.status_code == 422
     assert (await api.get("/observers/actions")).status_code == 405
+
+
+async def test_a_connection_never_given_back_does_not_hang_the_managers_shutdown(
+    servers: Servers, database_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shutdown is bounded: a task outside the runtime that holds a pooled connection for
+    ever (asyncpg's close waits for every connection to come back) costs the wait, then the
+    connection is dropped. A CI run once hung five minutes in a manager's shutdown."""
+    import asyncio
+
+    from contracts import pgconnect
+    from manager.runtime import ManagerRuntime
+
+    monkeypatch.setattr(pgconnect, "CLOSE_TIMEOUT", 0.5)
+    runtime = ManagerRuntime(
+        ManagerSettings(
+            database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, auth="disabled"
+        )
+    )
+    await runtime.start()
+    holding = asyncio.Event()
+
+    async def hold() -> None:
+        async with runtime.store.transaction():
+            holding.set()
+            await asyncio.Event().wait()
+
+    holder = asyncio.create_task(hold())
+    try:
+        await asyncio.wait_for(holding.wait(), 10)
+        await asyncio.wait_for(runtime.stop(), 20)
+    finally:
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
