@@ -64,6 +64,11 @@ class BrokerUnavailable(Transient):
     pass
 
 
+class NotLeading(Transient):
+    """A leader's transaction found the lease no longer its own: it wrote nothing (its loops
+    are about to stop)."""
+
+
 class Unroutable(BrokerUnavailable):
     """The broker returned a mandatory publish: the queue it names is gone (for now), or, for
     a pool nobody declared yet, not there yet; ``pool``: whose work queue it was."""

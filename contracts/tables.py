@@ -275,6 +275,9 @@ class LeaderLease(Base):
     """A named lease for electing one manager to run the background loops."""
 
     __tablename__ = "leader_leases"
+    # ``holder`` a key column: a takeover waits for the old holder's fenced transactions
+    # (``FOR KEY SHARE``), a renewal does not (migration 0016).
+    __table_args__ = (Index("ix_leader_leases_name_holder", "name", "holder", unique=True),)
 
     name: Mapped[str] = mapped_column(Text, primary_key=True)
     holder: Mapped[str] = mapped_column(Text, nullable=False)

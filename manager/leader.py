@@ -26,6 +26,8 @@ from manager.store import ManagerStore
 log = logging.getLogger(__name__)
 
 Loop = Callable[[], Coroutine[Any, Any, None]]
+#: The lease the managers stand for.
+LEADER_NAME = "manager"
 
 
 class LoopDied(OrchError):
@@ -44,7 +46,7 @@ class Leadership:
         loops: dict[str, Loop],
         timings: LeaseTimings,
         clock: Clock,
-        name: str = "manager",
+        name: str = LEADER_NAME,
         holder: str | None = None,
     ) -> None:
         self.store = store
@@ -122,6 +124,6 @@ class Leadership:
             log.warning("could not release the leadership: %s", exc)
 
 
-async def current_leader(store: ManagerStore, name: str = "manager") -> dict[str, Any] | None:
+async def current_leader(store: ManagerStore, name: str = LEADER_NAME) -> dict[str, Any] | None:
     async with store.autocommit() as tx:
         return await repo.current_leader(tx, name)

@@ -445,6 +445,15 @@ UPDATE leader_leases SET expires_at = clock_timestamp() + make_interval(secs => 
  WHERE name = :name AND holder = :holder AND expires_at > clock_timestamp()
 RETURNING holder
 """
+# The fence of a leader's transaction: the lease is still ours, read FOR KEY SHARE, which a
+# renewal (a new expiry) does not wait for and a takeover (a new holder: a key column, by its
+# unique index) does. So a takeover waits for the old holder's open transactions, and one the
+# old holder opens after its expiry finds no row.
+LEADER_FENCE = """
+SELECT 1 FROM leader_leases
+ WHERE name = :name AND holder = :holder AND expires_at > clock_timestamp()
+   FOR KEY SHARE
+"""
 LEADER_RELEASE = "DELETE FROM leader_leases WHERE name = :name AND holder = :holder"
 LEADER = (
     "SELECT holder, acquired_at, expires_at, expires_at > clock_timestamp() AS live "

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from contracts.errors import Conflict, NameTaken, NotFound
+from contracts.errors import Conflict, NameTaken, NotFound, NotLeading
 from contracts.kinds import DEFAULT_VERSION
 from contracts.messages import (
     CONTROL_MESSAGE,
@@ -412,6 +412,13 @@ async def leader_claim(tx: Tx, *, renew: bool, name: str, holder: str, ttl: floa
     is still ours; whether we hold it now."""
     sql = q.LEADER_RENEW if renew else q.LEADER_ACQUIRE
     return await tx.row(sql, name=name, holder=holder, ttl=ttl) is not None
+
+
+async def leader_fence(tx: Tx, *, name: str, holder: str) -> None:
+    """Hold the lease for the rest of this transaction (no successor's takeover lands before
+    it ends); raises NotLeading when it is no longer ours."""
+    if await tx.row(q.LEADER_FENCE, name=name, holder=holder) is None:
+        raise NotLeading(f"{holder} no longer holds the {name!r} lease")
 
 
 async def leader_release(tx: Tx, *, name: str, holder: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -21,7 +22,7 @@ from contracts.pools import DEFAULT_POOL
 from manager import background
 from manager import repository as repo
 from manager.intake import GroupCommit
-from manager.leader import Leadership, Loop
+from manager.leader import LEADER_NAME, Leadership, Loop, new_holder_id
 from manager.metrics import ManagerMetrics
 from manager.moves import Mover
 from manager.outbox import Outbox, Pending
@@ -82,12 +83,14 @@ class ManagerRuntime:
         self.outbox = Outbox(self.store, self.publisher)
         #: Single creates of this process, written and published together (``manager.intake``).
         self.creates = GroupCommit(self._create_rows, self.outbox.publish_now)
+        holder = replica or new_holder_id()
         self.leadership = Leadership(
             self.store,
-            loops=self._leader_loops(),
+            loops=self._leader_loops(holder),
             timings=settings.lease_timings,
             clock=Clock(settings.clock_hook),
-            holder=replica,
+            name=LEADER_NAME,
+            holder=holder,
         )
         #: Set when a supervised task died; ``error`` says why.
         self.fatal = asyncio.Event()
@@ -200,15 +203,20 @@ class ManagerRuntime:
         async with self.store.autocommit() as tx:  # one statement: rows, history, outbox
             return await repo.create_observers(tx, new)
 
-    def _leader_loops(self) -> dict[str, Loop]:
+    def _leader_loops(self, holder: str) -> dict[str, Loop]:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
+        # Each transaction of a loop holds the lease while it runs: an old leader that missed
+        # its lease's end (a stall) writes nothing after its successor's term began.
+        store = self.store.fenced(
+            functools.partial(repo.leader_fence, name=LEADER_NAME, holder=holder)
+        )
         sweeper = background.Sweeper(
-            self.store, self.outbox, self.publisher, margin, metrics=self.metrics
+            store, self.outbox, self.publisher, margin, metrics=self.metrics
         )
         audit = background.Audit(
-            self.store,
+            store,
             self.outbox,
             self.publisher,
             grace=s.audit_grace,
@@ -229,7 +237,7 @@ class ManagerRuntime:
             "audit": background.every(s.audit_interval, audit.once, "audit"),
         }
         mover = Mover(
-            self.store,
+            store,
             self.outbox,
             self.publisher,
             margin,
@@ -240,7 +248,7 @@ class ManagerRuntime:
         )
         loops["mover"] = background.every(s.move_interval, mover.once, "mover")
         pruner = background.Pruner(
-            self.store,
+            store,
             keep=s.retention,
             keep_services=s.service_retention,
             max_events=s.max_events_per_observer,
@@ -249,7 +257,7 @@ class ManagerRuntime:
         loops["counts"] = background.every(FOLD_EVERY, self.fold_counts, "counts")
         if s.rebalance:
             rebalancer = Rebalancer(
-                self.store,
+                store,
                 self.outbox,
                 self.publisher,
                 pace=s.rebalance_pace,

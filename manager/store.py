@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -137,6 +137,11 @@ class ManagerStore:
         if pool is not None:
             await pgconnect.close_pool(pool)
 
+    def fenced(self, fence: Callable[[Tx], Awaitable[None]]) -> ManagerStore:
+        """This pool, with every transaction begun by ``fence`` (the leader's loops begin
+        theirs by holding the lease: ``repository.leader_fence``)."""
+        return FencedStore(self, fence)
+
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
         assert self._pool is not None, "the store is not open"
@@ -158,3 +163,23 @@ class ManagerStore:
         with tracing.child("statement", _DB):
             async with self._connection() as conn:
                 yield Tx(conn)
+
+
+class FencedStore(ManagerStore):
+    """A view of a store whose transactions each begin with a fence; its autocommit
+    statements (reads, and writes that are whole in one statement) are not fenced."""
+
+    def __init__(self, store: ManagerStore, fence: Callable[[Tx], Awaitable[None]]) -> None:
+        self._store = store
+        self._fence = fence
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self._store._connection() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Tx]:
+        async with super().transaction() as tx:
+            await self._fence(tx)
+            yield tx
