@@ -139,7 +139,8 @@ class LeaseLost(BaseException):
 
 
 # SQLSTATE classes: https://www.postgresql.org/docs/current/errcodes-appendix.html
-_TRANSIENT_STATES = ("08", "53", "57P", "40001", "40P01", "57014")
+# 25P03: the server ended a session idle in a transaction too long (a leader's fence sets it).
+_TRANSIENT_STATES = ("08", "53", "57P", "40001", "40P01", "57014", "25P03")
 _LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout, NOWAIT
 _INPUT_STATES = ("22", "54")
 

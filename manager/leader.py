@@ -59,7 +59,9 @@ class Leadership:
         self.is_leader = False
 
     async def _claim(self, *, renew: bool) -> bool:
-        async with self.store.transaction() as tx:
+        # One statement, without BEGIN and COMMIT: a takeover's lock is held no longer than
+        # the statement (the loops' fences and the holder's renewal wait for it).
+        async with self.store.autocommit() as tx:
             return await repo.leader_claim(
                 tx, renew=renew, name=self.name, holder=self.holder, ttl=self.timings.ttl
             )
@@ -71,7 +73,7 @@ class Leadership:
             try:
                 won = await asyncio.wait_for(self._claim(renew=False), self.timings.ttl / 2)
             except (Transient, TimeoutError) as exc:
-                log.warning("leader election failed: %s", exc)
+                log.warning("leader election failed: %s", exc or type(exc).__name__)
                 won = False
             if won:
                 self.deadline.renewed(sent)
@@ -107,7 +109,7 @@ class Leadership:
                     self._claim(renew=True), max(0.05, self.deadline.remaining())
                 )
             except (Transient, TimeoutError) as exc:
-                log.warning("leader renewal failed (%s); retrying", exc)
+                log.warning("leader renewal failed (%s); retrying", exc or type(exc).__name__)
                 await asyncio.sleep(backoff.next())
                 continue
             if not ok or not self.deadline.valid():

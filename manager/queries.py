@@ -288,6 +288,7 @@ SESSION_ENDED = (
 # run observers again. (The lock this transaction took when it looked is its own to take again.)
 DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
+    "gone_at = clock_timestamp(), "
     "modified_at = now() WHERE id = ANY(ARRAY(SELECT id FROM services WHERE id = ANY(:ids) "
     "AND NOT is_deleted AND stalled_since IS NULL AND pg_try_advisory_xact_lock(lock_key) "
     "FOR NO KEY UPDATE SKIP LOCKED)) RETURNING id, name"
@@ -298,6 +299,10 @@ DEAD_SERVICES = f"SELECT s.id FROM services s WHERE NOT {live_service('s')}"
 ORPHANS = f"""
 SELECT o.id, o.status FROM observers o
  WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
+   AND (o.queued_epoch = o.epoch AND o.status = {_v(S.PROCESSING)}
+        AND o.service_id = ANY(ARRAY(
+            SELECT s.id FROM services s WHERE s.id = ANY(CAST(:dead AS uuid[]))
+               AND s.gone_at > clock_timestamp() - make_interval(secs => :grace)))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
 """
 # Whether a dead service still holds a live observer: the sweeper's look before anything costly.
@@ -448,9 +453,10 @@ RETURNING holder
 # The fence of a leader's transaction: the lease is still ours, read FOR KEY SHARE, which a
 # renewal (a new expiry) does not wait for and a takeover (a new holder: a key column, by its
 # unique index) does. So a takeover waits for the old holder's open transactions, and one the
-# old holder opens after its expiry finds no row.
+# old holder opens after its expiry finds no row. A holder frozen inside such a transaction
+# holds its successor off no longer than :idle ms: the server ends a session idle in it so long.
 LEADER_FENCE = """
-SELECT 1 FROM leader_leases
+SELECT set_config('idle_in_transaction_session_timeout', :idle, true) FROM leader_leases
  WHERE name = :name AND holder = :holder AND expires_at > clock_timestamp()
    FOR KEY SHARE
 """

@@ -414,10 +414,12 @@ async def leader_claim(tx: Tx, *, renew: bool, name: str, holder: str, ttl: floa
     return await tx.row(sql, name=name, holder=holder, ttl=ttl) is not None
 
 
-async def leader_fence(tx: Tx, *, name: str, holder: str) -> None:
+async def leader_fence(tx: Tx, *, name: str, holder: str, idle: float) -> None:
     """Hold the lease for the rest of this transaction (no successor's takeover lands before
-    it ends); raises NotLeading when it is no longer ours."""
-    if await tx.row(q.LEADER_FENCE, name=name, holder=holder) is None:
+    it ends, nor ``idle`` seconds after this process stops sending anything in it); raises
+    NotLeading when it is no longer ours."""
+    ms = str(max(1, round(idle * 1000)))
+    if await tx.row(q.LEADER_FENCE, name=name, holder=holder, idle=ms) is None:
         raise NotLeading(f"{holder} no longer holds the {name!r} lease")
 
 
@@ -468,10 +470,12 @@ async def declare_gone(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
     return await tx.rows(q.DECLARE_GONE, ids=ids) if ids else []
 
 
-async def orphans(tx: Tx) -> list[Row]:
-    """Observers held by a dead service: their id and status, locked."""
+async def orphans(tx: Tx, grace: float = 0.0) -> list[Row]:
+    """Observers held by a dead service: their id and status, locked; but not those running
+    that came by the work queue to a service proven gone less than ``grace`` seconds ago (the
+    broker requeued their deliveries)."""
     dead = await tx.values(q.DEAD_SERVICES)
-    return await tx.rows(q.ORPHANS, dead=dead) if dead else []
+    return await tx.rows(q.ORPHANS, dead=dead, grace=grace) if dead else []
 
 
 async def any_orphan(tx: Tx) -> bool:

@@ -207,13 +207,22 @@ class ManagerRuntime:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
+        patience = max(s.lease_ttl, s.audit_grace)
         # Each transaction of a loop holds the lease while it runs: an old leader that missed
         # its lease's end (a stall) writes nothing after its successor's term began.
         store = self.store.fenced(
-            functools.partial(repo.leader_fence, name=LEADER_NAME, holder=holder)
+            functools.partial(
+                repo.leader_fence, name=LEADER_NAME, holder=holder, idle=s.lease_ttl / 2
+            )
         )
         sweeper = background.Sweeper(
-            store, self.outbox, self.publisher, margin, metrics=self.metrics
+            store,
+            self.outbox,
+            self.publisher,
+            margin,
+            metrics=self.metrics,
+            # As long as the audit waits before it sends anew a start nobody took.
+            requeue_grace=patience,
         )
         audit = background.Audit(
             store,
@@ -222,7 +231,7 @@ class ManagerRuntime:
             grace=s.audit_grace,
             margin=margin,
             metrics=self.metrics,
-            patience=max(s.lease_ttl, s.audit_grace),
+            patience=patience,
         )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(

@@ -8,7 +8,9 @@ What it measures, in one run:
   as services do (``intake_floor``, ``hold``);
 - bulk intake from ``10%`` to all of the observers, through ``POST /observers/batch``, as a
   rate, as a ratio to that floor, and as CPU per observer by role;
-- idle rows read per second at 10 % and at 100 % of the observers (the same services);
+- idle rows read per second, and idle CPU by role, at 10 % and at 100 % of the observers (the
+  same services), each once the rebalance's moves after the bulk are over; and CPU per
+  observer in the bulk less that idle burn;
 - the p99 and response size of the API's list and lookup, the console's views, ``/services``,
   ``/pools`` and ``/metrics`` at 100 %;
 - the memory of the manager and of each service, and a service's memory per observer
@@ -52,6 +54,7 @@ from typing import Any
 import aio_pika
 import httpx
 
+from contracts.statuses import Event
 from orch.cluster import Proc, quiet, wait_for
 from orch_bench.floor import measure_floor
 from orch_bench.harness import Bench, BenchCluster, Figure, cpu_by_role, percentile, rss_bytes
@@ -73,6 +76,8 @@ LEADER_WINDOW = 15.0
 IDLE_WINDOW = 31.0
 #: For the database's statistics to catch up before a window, seconds.
 SETTLE = 11.0
+#: Seconds an idle window waits at most for the moves after a bulk to end.
+MOVES_PATIENCE = 180.0
 #: Requests per read measured.
 READS = 60
 #: Targets (issue: a hundred thousand observers on twenty processes).
@@ -184,8 +189,27 @@ class Idle:
         return sum(self.cpu.values())
 
 
+async def _moves_over(c: BenchCluster) -> None:
+    """Until no observer was taken, handed off or re-dispatched for ``SETTLE`` seconds (the
+    rebalance spreads the bulk's observers in rounds for a while after it): an idle window
+    measures an idle cluster, not the rebalance's last rounds. At most ``MOVES_PATIENCE``."""
+    db = await c.connect()
+
+    async def over() -> bool:
+        since = await db.fetchval(
+            "SELECT EXTRACT(EPOCH FROM clock_timestamp() - max(at)) FROM observer_events "
+            "WHERE event = ANY($1::text[])",
+            [Event.TAKEN.value, Event.HANDOFF_REQUESTED.value, Event.REDISPATCHED.value],
+        )
+        return since is None or since > SETTLE
+
+    with contextlib.suppress(TimeoutError):  # a rebalance that never settles: measured anyway
+        await wait_for(over, timeout=MOVES_PATIENCE, what="the moves' end", every=1.0)
+
+
 async def _idle(c: BenchCluster) -> Idle:
-    """One idle window (after ANALYZE and a settle)."""
+    """One idle window (once the moves are over, after ANALYZE and a settle)."""
+    await _moves_over(c)
     await (await c.connect()).execute("ANALYZE observers")
     await quiet(SETTLE, "let the database's counters catch up")
     t0, _, _, r0 = await c.db_counters()

@@ -35,6 +35,7 @@ BROKER = "tests/acceptance/test_broker.py"
 OUTPUTS_CORE = "tests/unit/test_outputs_core.py"
 CONTRACT = "tests/integration/test_store_contract.py"
 OUTPUTS = "tests/acceptance/test_outputs.py"
+LEADER = "tests/integration/test_leader_fence.py"
 
 
 @dataclass(frozen=True)
@@ -306,8 +307,8 @@ MUTANTS = [
     Mutant(
         "take: a recorded handoff survives the take",
         "observer_service/queries.py",
-        '"handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now()",',
-        '"committed_at = NULL, waiting = NULL, modified_at = now()",',
+        '"handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "',
+        '"committed_at = NULL, waiting = NULL, modified_at = now(), "',
         (
             "tests/integration/test_store_contract.py::"
             "test_a_take_and_a_release_clear_a_recorded_handoff[postgresql]",
@@ -341,6 +342,15 @@ MUTANTS = [
         "        self.last_seq = first - 1",
         (
             f"{OUTPUTS_CORE}::test_records_get_seqs_from_the_last_committed_and_reach_the_broker_in_order",
+        ),
+    ),
+    Mutant(
+        "leader fence: the lease read without a lock (a takeover does not wait)",
+        "manager/queries.py",
+        "expires_at > clock_timestamp()\n   FOR KEY SHARE",
+        "expires_at > clock_timestamp()",
+        (
+            f"{LEADER}::test_an_old_leader_that_missed_its_lease_end_writes_nothing_in_its_successors_term",
         ),
     ),
 ]

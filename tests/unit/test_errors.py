@@ -60,6 +60,7 @@ def test_name_taken_is_known_by_the_constraint_name_alone() -> None:
         (asyncpg.exceptions.CannotConnectNowError("starting up"), DatabaseUnavailable),
         (asyncpg.exceptions.TooManyConnectionsError("too many"), DatabaseUnavailable),
         (asyncpg.exceptions.ConnectionDoesNotExistError("closed"), DatabaseUnavailable),
+        (asyncpg.exceptions.IdleInTransactionSessionTimeoutError("idle"), DatabaseUnavailable),
         (ConnectionRefusedError(111, "refused"), DatabaseUnavailable),
         (TimeoutError(), DatabaseUnavailable),
     ],
