@@ -386,8 +386,12 @@ class Pruner:
     keep_services: float
     max_events: int
     batch: int = 1000
-    #: History rows up to this id have been looked at (0: look at all once).
-    seen_events: int = 0
+    #: History rows up to this id have been looked at (None: none yet, by this process).
+    seen_events: int | None = None
+    #: A first pass (a new leader's) looks at this many of the newest history rows, not at
+    #: all of them: at 100,000 observers, a new leader read every history row in its first
+    #: seconds. An observer whose history outgrew the cap before is trimmed at its next event.
+    first_look: int = 10_000
 
     async def once(self) -> repo.Pruned:
         async with self.store.transaction() as tx:
@@ -398,6 +402,7 @@ class Pruner:
                 max_events=self.max_events,
                 batch=self.batch,
                 seen_events=self.seen_events,
+                first_look=self.first_look,
             )
         self.seen_events = pruned.newest_event
         if pruned.observers or pruned.services or pruned.trimmed:

@@ -835,14 +835,24 @@ class Pruned:
 
 
 async def prune(
-    tx: Tx, *, keep: float, keep_services: float, max_events: int, batch: int, seen_events: int
+    tx: Tx,
+    *,
+    keep: float,
+    keep_services: float,
+    max_events: int,
+    batch: int,
+    seen_events: int | None,
+    first_look: int,
 ) -> Pruned:
     """Deleted observers older than ``keep`` seconds, dead services older than
     ``keep_services``, and history beyond ``max_events`` per observer among those written
-    since history row ``seen_events``; at most ``batch`` of each."""
+    since history row ``seen_events`` (None: among the newest ``first_look``); at most
+    ``batch`` of each."""
     observers = await tx.rows(q.PRUNE_OBSERVERS, keep=keep, n=batch)
     services = await tx.rows(q.PRUNE_SERVICES, keep=keep_services, n=batch)
     newest: int = await tx.value(q.NEWEST_EVENT)
+    if seen_events is None:
+        seen_events = max(0, newest - first_look)
     heavy = (
         await tx.rows(q.HEAVY_HISTORIES, after=seen_events, newest=newest, cap=max_events)
         if newest > seen_events  # an idle cluster writes no history

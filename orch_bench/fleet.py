@@ -650,8 +650,9 @@ async def _join(c: BenchCluster, n: int, live: list[Proc]) -> list[Figure]:
 
 
 async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> list[Figure]:
-    """SIGKILL the leading manager; time until the standby leads, what its loops read first, and
-    which observers started again."""
+    """SIGKILL the leading manager, once the moves of the steps before are over; time until the
+    standby leads, what its loops read first, and which observers started again."""
+    await _moves_over(c)
     db = await c.connect()
     managers = [p for p in c.procs if p.name == "manager" and p.alive]
     leading = [p for p in managers if await _leads(c, p)]
@@ -708,6 +709,8 @@ async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> li
             "",
             "0",
             restarted == 0,
+            "history since the kill: "
+            + (", ".join(f"{e} {k}" for e, k in sorted(events.items())) or "none"),
         ),
     ]
 

@@ -4,6 +4,7 @@ services go; a live observer is never touched, whatever its age; histories are c
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 
 import asyncpg
 
@@ -29,6 +30,16 @@ async def _observer(conn: asyncpg.Connection, status: str, *, old: bool) -> uuid
         "INSERT INTO observer_events (observer_id, event) VALUES ($1, 'created')", oid
     )
     return oid
+
+
+async def _taken(conn: asyncpg.Connection, oid: uuid.UUID, details: Iterable[int]) -> None:
+    """History rows "taken" of one observer, their detail each number in turn."""
+    for i in details:
+        await conn.execute(
+            "INSERT INTO observer_events (observer_id, event, detail) VALUES ($1, 'taken', $2)",
+            oid,
+            str(i),
+        )
 
 
 async def _service(conn: asyncpg.Connection, *, deleted: bool, old: bool) -> uuid.UUID:
@@ -81,12 +92,7 @@ async def test_histories_are_capped_to_the_newest(
 ) -> None:
     conn, store = db
     oid = await _observer(conn, "processing", old=False)
-    for i in range(25):
-        await conn.execute(
-            "INSERT INTO observer_events (observer_id, event, detail) VALUES ($1, 'taken', $2)",
-            oid,
-            str(i),
-        )
+    await _taken(conn, oid, range(25))
     pruner = Pruner(store, keep=7 * 86_400, keep_services=86_400, max_events=10)
     await pruner.once()
     rows = await conn.fetch(
@@ -94,3 +100,21 @@ async def test_histories_are_capped_to_the_newest(
     )
     assert [r["detail"] for r in rows] == [str(i) for i in range(15, 25)]
     assert (await pruner.once()).trimmed == 0, "nothing new to look at"
+
+
+async def test_a_first_pass_looks_at_the_newest_history_only(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """A new leader does not read every history row: an observer whose history outgrew the cap
+    before its window is trimmed at its next event."""
+    conn, store = db
+    early = await _observer(conn, "processing", old=False)
+    await _taken(conn, early, range(25))
+    for _ in range(30):
+        await _observer(conn, "processing", old=False)  # one history row each, after
+    pruner = Pruner(store, keep=7 * 86_400, keep_services=86_400, max_events=10, first_look=20)
+    assert (await pruner.once()).trimmed == 0, "the early history is out of the first look"
+    await _taken(conn, early, [25])
+    assert (await pruner.once()).trimmed == 1
+    n = await conn.fetchval("SELECT count(*) FROM observer_events WHERE observer_id = $1", early)
+    assert n == 10
