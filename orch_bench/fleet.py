@@ -649,6 +649,15 @@ async def _join(c: BenchCluster, n: int, live: list[Proc]) -> list[Figure]:
     ]
 
 
+async def _table_reads(c: BenchCluster) -> dict[str, int]:
+    """Rows read so far (by sequential scan and by index) of each of the project's tables; the
+    database's own total counts the system catalogs too."""
+    rows = await (await c.connect()).fetch(
+        "SELECT relname, seq_tup_read + COALESCE(idx_tup_fetch, 0) AS n FROM pg_stat_user_tables"
+    )
+    return {r["relname"]: int(r["n"]) for r in rows}
+
+
 async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> list[Figure]:
     """SIGKILL the leading manager, once the moves of the steps before are over; time until the
     standby leads, what its loops read first, and which observers started again."""
@@ -670,8 +679,13 @@ async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> li
     await wait_for(lambda: _leads(c, standby), timeout=60, what="the standby leading", every=0.05)
     took = time.monotonic() - began
     t0, _, w0, r0 = await c.db_counters()
+    tables0 = await _table_reads(c)
     await quiet(LEADER_WINDOW, "the new leader would re-dispatch what runs")
     t1, _, w1, r1 = await c.db_counters()
+    tables1 = await _table_reads(c)
+    by_table = sorted(
+        ((t, (n - tables0.get(t, 0)) / (t1 - t0)) for t, n in tables1.items()), key=lambda x: -x[1]
+    )
     new = NewCopies(at)
     new.take(tail.read())
     restarted = sum(
@@ -697,7 +711,9 @@ async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> li
             f"rows read/s in the new leader's first {LEADER_WINDOW:g} s",
             round(reads),
             "1/s",
-            note=f"idle {round(idle_reads)}/s; rows written {round((w1 - w0) / (t1 - t0))}/s",
+            note=f"idle {round(idle_reads)}/s; rows written {round((w1 - w0) / (t1 - t0))}/s; "
+            "of the project's tables, /s: "
+            + ", ".join(f"{t} {round(v)}" for t, v in by_table if v >= 1),
         ),
         Figure(
             scenario, "observers re-dispatched", float(redispatched), "", "0", redispatched == 0
