@@ -4,7 +4,8 @@ service of the same pool.
 
 Stability rules: targets are whole numbers that add up to what runs (no service is asked for a
 fraction), ties keep observers where they are, a round waits while the previous round's moves
-are between holders (at most ``landing`` seconds), an observer that reached its target is not
+are between holders (at most ``landing`` seconds) and while a dead service's observers are (a
+recovery), an observer that reached its target is not
 moved again within the cooldown, and a service must have lived ``min_age`` seconds before it
 receives work (a flapping service receives none). Only services whose control queue exists take
 part: a lease does not say that a handoff reaches its holder, nor a directed start its target.
@@ -209,6 +210,12 @@ class Rebalancer:
                 await repo.clear_handoffs(tx, self.ledger.forgotten)
             if in_motion:
                 return 0  # the previous round is still landing
+            if await repo.any_orphan(tx):
+                # A dead service's observers are still moving (the broker's requeue, the
+                # sweeper's re-dispatch): loads are half-way, and the observers moved first are
+                # the ones a round would pick. Five services killed at once: 864 of 25,000
+                # moved observers were moved again by rounds during the recovery.
+                return 0
             loads = [
                 Load(r.id, r.worker_count, r.running, r.pool)
                 for r in await repo.loads(tx, self.min_age)

@@ -251,6 +251,29 @@ async def test_rebalance_does_not_move_an_observer_that_has_just_started(
     assert {m["id"] for m in moved} == set(settled)
 
 
+async def test_rebalance_waits_while_a_dead_services_observers_move(
+    db: tuple[asyncpg.Connection, ManagerStore],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """Loads half-way through a recovery are not a fleet to even out: a round then moved the
+    observers just moved off the dead services a second time."""
+    conn, store = db
+    donor = await service(conn, worker_count=10)
+    target = await service(conn, worker_count=10)
+    dead = await service(conn, worker_count=10)
+    for sid in (donor, target):
+        await join_broker(services_connection, prefix, sid)
+    await observers(conn, 6, holder=donor)
+    orphan = await observers(conn, 1, holder=dead)
+    await conn.execute("UPDATE services SET is_deleted = true WHERE id = $1", dead)
+    r = rebalancer(store, publisher)
+    assert await r.once() == 0, "a round ran while a dead service's observer was still to move"
+    await conn.execute("UPDATE observers SET service_id = $1 WHERE id = ANY($2)", target, orphan)
+    assert await r.once() > 0, "the recovery over, the round runs"
+
+
 async def test_min_age_counts_from_the_control_queue_reappearing(
     db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
