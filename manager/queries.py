@@ -305,11 +305,15 @@ SELECT o.id, o.status FROM observers o
                AND s.gone_at > clock_timestamp() - make_interval(secs => :grace)))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
 """
-# Whether a dead service still holds a live observer: the sweeper's look before anything costly.
-ANY_ORPHAN = (
-    "SELECT EXISTS (SELECT 1 FROM observers o WHERE o.service_id = ANY(CAST(:dead AS uuid[])) "
-    f"AND {sql_in('o.status', HELD)})"
-)
+# Whether a dead service still holds a live observer: the sweeper's look before anything
+# costly, four times a second, from the counts the triggers keep. On the observers, the generic
+# plan of this EXISTS was a sequential scan of every row (it expects an early match): once any
+# dead service's row was kept, 420,000 rows read a second at 100,000 observers.
+ANY_ORPHAN = f"""
+SELECT EXISTS (SELECT 1 FROM observer_counts c
+                WHERE c.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("c.status", HELD)}
+                GROUP BY c.service_id HAVING sum(c.n) > 0)
+"""
 # New dispatch ids (old start messages become stale), nobody holding them.
 REDISPATCH = (
     "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, waiting = NULL, "

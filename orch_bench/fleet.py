@@ -650,12 +650,16 @@ async def _join(c: BenchCluster, n: int, live: list[Proc]) -> list[Figure]:
 
 
 async def _table_reads(c: BenchCluster) -> dict[str, int]:
-    """Rows read so far (by sequential scan and by index) of each of the project's tables; the
-    database's own total counts the system catalogs too."""
+    """Rows read so far of each of the project's tables, by sequential scan (``<table> seq``)
+    and by index (``<table> idx``); the database's own total counts the system catalogs too."""
     rows = await (await c.connect()).fetch(
-        "SELECT relname, seq_tup_read + COALESCE(idx_tup_fetch, 0) AS n FROM pg_stat_user_tables"
+        "SELECT relname, seq_tup_read, COALESCE(idx_tup_fetch, 0) AS idx FROM pg_stat_user_tables"
     )
-    return {r["relname"]: int(r["n"]) for r in rows}
+    out: dict[str, int] = {}
+    for r in rows:
+        out[f"{r['relname']} seq"] = int(r["seq_tup_read"])
+        out[f"{r['relname']} idx"] = int(r["idx"])
+    return out
 
 
 async def _leader_kill(c: BenchCluster, tail: TickTail, idle_reads: float) -> list[Figure]:

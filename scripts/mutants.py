@@ -351,6 +351,7 @@ MUTANTS = [
         "expires_at > clock_timestamp()",
         (
             f"{LEADER}::test_an_old_leader_that_missed_its_lease_end_writes_nothing_in_its_successors_term",
+            f"{LEADER}::test_a_takeover_waits_for_the_old_holders_open_transaction",
         ),
     ),
 ]

@@ -19,7 +19,7 @@ from manager import repository as repo
 from manager.leader import LEADER_NAME, Leadership
 from manager.settings import ManagerSettings
 from manager.store import ManagerStore
-from orch.cluster import wait_for
+from orch.cluster import quiet, wait_for
 from tests.conftest import Servers
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.3, margin=0.2)
@@ -156,3 +156,22 @@ async def test_a_leader_frozen_inside_a_transaction_holds_its_successor_off_brie
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_takeover_waits_for_the_old_holders_open_transaction(store: ManagerStore) -> None:
+    """A transaction of the old leader begun before its lease's end still writes; the
+    successor's claim lands only after it has ended (a renewal never waits for one)."""
+    old = Leadership(store, loops={}, timings=TIMINGS, clock=Clock(), holder="old")
+    assert await old._claim(renew=False)
+    fenced = store.fenced(
+        functools.partial(repo.leader_fence, name=LEADER_NAME, holder="old", idle=30.0)
+    )
+    new = Leadership(store, loops={}, timings=TIMINGS, clock=Clock(), holder="new")
+    async with fenced.transaction() as tx:
+        assert await old._claim(renew=True), "a renewal does not wait for its own fences"
+        await asyncio.sleep(TIMINGS.ttl + 0.1)  # the lease ends with this transaction open
+        claim = asyncio.create_task(new._claim(renew=False))
+        await quiet(0.5, "a claim that does not wait for the open transaction lands")
+        assert not claim.done(), "the successor's term began under an open write of the old"
+        await tx.rows("INSERT INTO leader_writes (holder) VALUES ('old')")
+    assert await asyncio.wait_for(claim, 10), "the claim lands once the transaction ended"
