@@ -221,8 +221,6 @@ class ManagerRuntime:
             self.publisher,
             margin,
             metrics=self.metrics,
-            # As long as the audit waits before it sends anew a start nobody took.
-            requeue_grace=patience,
         )
         audit = background.Audit(
             store,
