@@ -207,7 +207,6 @@ class ManagerRuntime:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
-        patience = max(s.lease_ttl, s.audit_grace)
         # Each transaction of a loop holds the lease while it runs: an old leader that missed
         # its lease's end (a stall) writes nothing after its successor's term began.
         store = self.store.fenced(
@@ -216,11 +215,7 @@ class ManagerRuntime:
             )
         )
         sweeper = background.Sweeper(
-            store,
-            self.outbox,
-            self.publisher,
-            margin,
-            metrics=self.metrics,
+            store, self.outbox, self.publisher, margin, metrics=self.metrics
         )
         audit = background.Audit(
             store,
@@ -229,7 +224,7 @@ class ManagerRuntime:
             grace=s.audit_grace,
             margin=margin,
             metrics=self.metrics,
-            patience=patience,
+            patience=max(s.lease_ttl, s.audit_grace),
         )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(
