@@ -71,6 +71,9 @@ class Service(Base):
     #: When the service last came back after losing its lease: for a while after, the leader
     #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
     rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: When the leader's sweeper proved its process gone (its lease session ended and its
+    #: broker connection closed): the broker had requeued its deliveries by then.
+    gone_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: The kinds it runs, as it advertised them when it joined: {name: {"description",
     #: "params_schema", "secret_params", "restart_policy"}}. None: a service of an earlier
     #: release (every kind).
@@ -141,6 +144,11 @@ class Observer(Base):
     #: When it was asked to move to another pool or version, until the leader finds it on a
     #: service that can run it there (``manager/moves.py``).
     moved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The epoch of the take whose copy came by a work-queue delivery, held unacked while it
+    #: runs (the broker requeues it when the holder's connection closes); the current copy
+    #: came so when it equals ``epoch`` (a directed start leaves it NULL). The sweeper leaves
+    #: such observers of a gone holder to the requeue a while.
+    queued_epoch: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint(

@@ -181,7 +181,11 @@ class Sweeper:
     """Services whose lease expired are dead; so are those whose process is provably gone (its
     lease session ended and its broker connection closed, seen in two sweeps in a row), which
     lets observers that came by directed start (no broker delivery to be requeued) move fast
-    too. Their processing observers are re-dispatched, their on_deleting ones deleted."""
+    too. Their processing observers are re-dispatched, their on_deleting ones deleted; but of a
+    service proven gone, those that came by the work queue (``observers.queued_epoch``) are left to
+    the broker, which requeued their deliveries when the connection closed, for
+    ``requeue_grace`` seconds: re-dispatching them too made each a stale message to drop and a
+    second start to send (at fleet size, half the observers a crash moved)."""
 
     store: ManagerStore
     box: Outbox
@@ -189,6 +193,9 @@ class Sweeper:
     #: Directed starts go only to services whose lease outlives this many seconds.
     margin: float
     metrics: ManagerMetrics
+    #: Seconds the observers of a service proven gone that came by the work queue are left to
+    #: the broker's requeue before they are re-dispatched too.
+    requeue_grace: float = 5.0
     #: Services seen gone in the last sweep (id -> when, monotonic).
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
 
@@ -214,7 +221,7 @@ class Sweeper:
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
                 self.metrics.swept.labels("process_gone").inc()
-            orphans = await repo.orphans(tx)
+            orphans = await repo.orphans(tx, grace=self.requeue_grace)
             await repo.complete_stops(
                 tx, [o.id for o in orphans if o.status in STOPPING], "holder gone"
             )

@@ -288,6 +288,7 @@ SESSION_ENDED = (
 # run observers again. (The lock this transaction took when it looked is its own to take again.)
 DECLARE_GONE = (
     "UPDATE services SET is_deleted = true, lease_expires_at = clock_timestamp(), "
+    "gone_at = clock_timestamp(), "
     "modified_at = now() WHERE id = ANY(ARRAY(SELECT id FROM services WHERE id = ANY(:ids) "
     "AND NOT is_deleted AND stalled_since IS NULL AND pg_try_advisory_xact_lock(lock_key) "
     "FOR NO KEY UPDATE SKIP LOCKED)) RETURNING id, name"
@@ -298,6 +299,10 @@ DEAD_SERVICES = f"SELECT s.id FROM services s WHERE NOT {live_service('s')}"
 ORPHANS = f"""
 SELECT o.id, o.status FROM observers o
  WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
+   AND (o.queued_epoch = o.epoch AND o.status = {_v(S.PROCESSING)}
+        AND o.service_id = ANY(ARRAY(
+            SELECT s.id FROM services s WHERE s.id = ANY(CAST(:dead AS uuid[]))
+               AND s.gone_at > clock_timestamp() - make_interval(secs => :grace)))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
 """
 # Whether a dead service still holds a live observer: the sweeper's look before anything

@@ -470,10 +470,12 @@ async def declare_gone(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
     return await tx.rows(q.DECLARE_GONE, ids=ids) if ids else []
 
 
-async def orphans(tx: Tx) -> list[Row]:
-    """Observers held by a dead service: their id and status, locked."""
+async def orphans(tx: Tx, grace: float = 0.0) -> list[Row]:
+    """Observers held by a dead service: their id and status, locked; but not those running
+    that came by the work queue to a service proven gone less than ``grace`` seconds ago (the
+    broker requeued their deliveries)."""
     dead = await tx.values(q.DEAD_SERVICES)
-    return await tx.rows(q.ORPHANS, dead=dead) if dead else []
+    return await tx.rows(q.ORPHANS, dead=dead, grace=grace) if dead else []
 
 
 async def any_orphan(tx: Tx) -> bool:

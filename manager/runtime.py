@@ -207,6 +207,7 @@ class ManagerRuntime:
         s = self.settings
         # Directed starts go only to services whose lease outlives a renewal period.
         margin = s.lease_ttl / 2
+        patience = max(s.lease_ttl, s.audit_grace)
         # Each transaction of a loop holds the lease while it runs: an old leader that missed
         # its lease's end (a stall) writes nothing after its successor's term began.
         store = self.store.fenced(
@@ -215,7 +216,13 @@ class ManagerRuntime:
             )
         )
         sweeper = background.Sweeper(
-            store, self.outbox, self.publisher, margin, metrics=self.metrics
+            store,
+            self.outbox,
+            self.publisher,
+            margin,
+            metrics=self.metrics,
+            # As long as the audit waits before it sends anew a start nobody took.
+            requeue_grace=patience,
         )
         audit = background.Audit(
             store,
@@ -224,7 +231,7 @@ class ManagerRuntime:
             grace=s.audit_grace,
             margin=margin,
             metrics=self.metrics,
-            patience=max(s.lease_ttl, s.audit_grace),
+            patience=patience,
         )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(

@@ -29,7 +29,13 @@ def run_migrations_offline() -> None:
 
 
 def _run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=target_metadata)
+    # A transaction per revision, so that an upgrade under a running cluster never holds one
+    # revision's locks while it waits for the next one's: holding the lock a trigger took on a
+    # table while asking for the lock an added column needs deadlocked with the running
+    # services' writes to that table.
+    context.configure(
+        connection=connection, target_metadata=target_metadata, transaction_per_migration=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 

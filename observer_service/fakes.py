@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,9 @@ class Row:
     last_error: str | None = None
     #: The move the leader recorded (``observers.handoff_to``): cleared by every take.
     handoff_to: uuid.UUID | None = None
+    #: The epoch of the take whose copy came by a work-queue delivery
+    #: (``observers.queued_epoch``).
+    queued_epoch: int | None = None
     events: list[str] = field(default_factory=list)
     output_seq: int = 0
     name: str = "fake"
@@ -200,7 +203,9 @@ class InMemoryStore:
                 return None
         return row
 
-    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+    async def compare_and_set(
+        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+    ) -> Written:
         self._up("compare_and_set")
         epochs: dict[uuid.UUID, int] = {}
         locked: set[uuid.UUID] = set()
@@ -216,6 +221,7 @@ class InMemoryStore:
                 row.status, row.service_id = ObserverStatus.PROCESSING, self.me
                 row.epoch += 1
                 row.handoff_to = row.waiting = None
+                row.queued_epoch = row.epoch if row.id in queued else None
                 row.events.append("taken")
                 resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:

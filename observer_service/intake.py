@@ -181,6 +181,7 @@ class Intake:
                 redelivered=isinstance(origin, Queued) and origin.delivery.redelivered,
                 running_here=existing is not None,
                 room=await slot.take(wait=False),
+                queued=isinstance(origin, Queued) and origin.live,
             )
             taken = await self._take(request, origin, slot)
             if taken is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -51,6 +51,8 @@ class StartRequest:
     running_here: bool
     #: A slot is held for it: a take may run it. Without one, TAKE is answered NO_ROOM.
     room: bool = True
+    #: It came by a work-queue delivery (held unacked while the copy runs), not directed.
+    queued: bool = False
 
     @property
     def observer_id(self) -> uuid.UUID:
@@ -197,7 +199,9 @@ class TakeRows(Protocol):
         """Each existing observer and its holder, by id; a free holder lock is tried here."""
         ...
 
-    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+    async def compare_and_set(
+        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+    ) -> Written:
         """Write ``decision`` (one of ``take.WRITES``) to every row still as seen; a take from a
         live holder also needs the holder to still name the lock key seen."""
         ...

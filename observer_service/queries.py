@@ -111,9 +111,10 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
 """
 
 # $1 ids, $2 me, $3 what was seen of each row: {"<id>": {"epoch", "dispatch_id", "status",
-# "holder", "detail", "holder_key", "pool", "kind_version"}}, holder_key being the live holder's
-# lock key found free (null unless taking from a live holder); pool and version too, since a
-# move changes them without a new dispatch (a take decided before the move does not land).
+# "holder", "detail", "holder_key", "pool", "kind_version", "queued"}}, holder_key being the
+# live holder's lock key found free (null unless taking from a live holder); pool and version
+# too, since a move changes them without a new dispatch (a take decided before the move does not
+# land); queued (a take's alone): the start came by a work-queue delivery, not directed.
 # Looked up per row by key, like the batch writes below, so that the plan reads the batch's
 # rows by primary key and never joins. The compare-and-set stands in for a row lock (the epoch
 # is the row's version). A take from a live holder also holds only while the holder's row names
@@ -142,7 +143,8 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
-    "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now()",
+    "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "
+    f"queued_epoch = CASE WHEN ({_AS_SEEN} ->> 'queued')::boolean THEN o.epoch + 1 END",
     f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
     events=(event(Event.TAKEN), "u.detail"),
 )

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,7 +54,9 @@ class PgStore:
             rows = await self.pool.fetch(q.FACTS, list(observer_ids), self.me)
         return {row["id"]: _seen(row) for row in rows}
 
-    async def compare_and_set(self, decision: Decision, rows: Sequence[Seen]) -> Written:
+    async def compare_and_set(
+        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+    ) -> Written:
         """One statement for the batch (``queries.TAKE`` or ``COMPLETE_STOP``), which skips a
         locked row: the new epoch of every row written, and every row found as seen."""
         sql = _CAS[decision]
@@ -75,6 +77,7 @@ class PgStore:
                 "holder_key": key(r),
                 "pool": r.pool,
                 "kind_version": r.kind_version,
+                "queued": r.observer_id in queued,
             }
             for r in rows
         }

@@ -66,7 +66,11 @@ async def take_many(
             batch = writes[decision]
             if not batch:
                 continue
-            written = await rows.compare_and_set(decision, [row for _, _, row in batch])
+            written = await rows.compare_and_set(
+                decision,
+                [row for _, _, row in batch],
+                queued={req.observer_id for _, req, _ in batch if req.queued},
+            )
             for i, req, row in batch:
                 epoch = written.epochs.get(row.observer_id)
                 if epoch is not None:

@@ -307,8 +307,8 @@ MUTANTS = [
     Mutant(
         "take: a recorded handoff survives the take",
         "observer_service/queries.py",
-        '"handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now()",',
-        '"committed_at = NULL, waiting = NULL, modified_at = now()",',
+        '"handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "',
+        '"committed_at = NULL, waiting = NULL, modified_at = now(), "',
         (
             "tests/integration/test_store_contract.py::"
             "test_a_take_and_a_release_clear_a_recorded_handoff[postgresql]",

@@ -382,6 +382,42 @@ async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster)
     assert_no_overlap(cluster.tick_dir)
 
 
+async def test_a_crash_leaves_work_queue_starts_to_the_brokers_requeue(cluster: Cluster) -> None:
+    """Observers that came by the work queue are moved by the broker's requeue alone when
+    their service is SIGKILLed: the sweeper, which proves the process gone within a second,
+    re-dispatches none of them (it did: each was then a stale message to drop and a second
+    start to send; at fleet size, half of what a crash moved)."""
+    await cluster.start_manager(lease_ttl=10)  # the requeue's grace: 10 s
+    a = await cluster.start_service("a", worker_count=20, lease_ttl=3)
+    ids = await cluster.create_recorders(10, interval=0.05)
+    await cluster.wait_all_running(ids, timeout=20)
+    a_id = await cluster.service_id(a)
+    killed = time.time()
+    a.signal(signal.SIGKILL)
+
+    async def declared_gone() -> bool:
+        rows = await cluster.q("SELECT is_deleted FROM services WHERE id = $1", a_id)
+        return bool(rows[0]["is_deleted"])
+
+    await wait_for(declared_gone, timeout=10, what="the sweeper proving the service gone")
+    await quiet(1, "the sweeper would re-dispatch what the requeue carries")
+    b = await cluster.start_service("b", worker_count=20, lease_ttl=3)
+    b_id = await cluster.service_id(b)
+    await cluster.wait_all_running(ids, timeout=15, on={b_id}, fresh_after=killed)
+    events = {
+        r["event"]: r["k"]
+        for r in await cluster.q(
+            "SELECT event, count(*) AS k FROM observer_events WHERE observer_id = ANY($1) "
+            "AND at > to_timestamp($2) GROUP BY event",
+            ids,
+            killed,
+        )
+    }
+    assert events.get("redispatched", 0) == 0, events
+    assert events.get("taken") == len(ids), events
+    assert_no_overlap(cluster.tick_dir)
+
+
 # ------------------------------------------------------------ a row locked from outside
 async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their_failover(
     cluster: Cluster,

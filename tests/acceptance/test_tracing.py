@@ -206,9 +206,10 @@ async def test_a_start_a_delete_and_a_redispatch_are_each_one_trace_across_proce
     await cluster.wait_status(oid, "deleted")
 
     # A re-dispatch by the sweeper is a trace of its own, which the new holder's take joins.
+    # The holder freezes (a killed one's start would come back by the broker's requeue, in the
+    # create's trace): its lease runs out with its connection still open.
     moved = (await cluster.create("moved", "ticker", interval=0.1))["id"]
     await _exported(got, "start", moved)
-    first.signal(signal.SIGKILL)
     await cluster.start_service("svc-b", worker_count=5)
 
     async def retaken() -> list[Span]:
@@ -218,7 +219,8 @@ async def test_a_start_a_delete_and_a_redispatch_are_each_one_trace_across_proce
             if s.attributes["orch.epoch"] != 1
         ]
 
-    again = (await wait_for(retaken, timeout=60, what="the moved observer started again"))[0]
+    async with cluster.frozen(first, before_waking=lambda: first.signal(signal.SIGKILL)):
+        again = (await wait_for(retaken, timeout=60, what="the moved observer started again"))[0]
     redispatch = _parent(got, _parent(got, _parent(got, again)))
     assert redispatch.name == "sweeper re-dispatch"
     assert redispatch.parent_id == ""  # a root

@@ -17,6 +17,7 @@ from manager.background import Sweeper
 from manager.metrics import ManagerMetrics
 from manager.store import ManagerStore
 from observer_service import queries as service_queries
+from orch.cluster import wait_for
 
 
 class _Broker:
@@ -101,6 +102,51 @@ async def test_a_service_gone_twice_in_a_row_is_declared_gone(
     await sweeper.once()
     assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
     assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) is None
+
+
+async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched_at_once(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """Its connection closed, so the broker requeued the deliveries of the observers that came
+    by the work queue: those wait for the requeue (``requeue_grace``), then are re-dispatched
+    too; the one that came directed is re-dispatched at once."""
+    conn, store = db
+    sid, directed = await _held_by_a_live_service(conn)
+    queued = uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch, "
+        "queued_epoch) VALUES ($1, $2, 'ticker', 'processing', $3, $4, 1, 1)",
+        queued,
+        f"o-{queued}",
+        uuid.uuid4(),
+        sid,
+    )
+    sweeper = Sweeper(
+        store,
+        _Box(),  # type: ignore[arg-type]
+        _Broker(),  # type: ignore[arg-type]
+        margin=1.0,
+        metrics=ManagerMetrics(),
+        requeue_grace=0.5,
+    )
+
+    async def holder(oid: uuid.UUID) -> uuid.UUID | None:
+        held: uuid.UUID | None = await conn.fetchval(
+            "SELECT service_id FROM observers WHERE id = $1", oid
+        )
+        return held
+
+    await sweeper.once()
+    await sweeper.once()
+    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    assert await holder(directed) is None, "the directed one waits for nothing"
+    assert await holder(queued) == sid, "re-dispatched while the requeue carries it"
+
+    async def redispatched() -> bool:
+        await sweeper.once()
+        return await holder(queued) is None
+
+    await wait_for(redispatched, timeout=5, what="the requeue's grace to end")
 
 
 async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
