@@ -184,8 +184,11 @@ class Sweeper:
     too. Their processing observers are re-dispatched, their on_deleting ones deleted; but of a
     service proven gone, those that came by the work queue (``observers.queued_epoch``) are left to
     the broker, which requeued their deliveries when the connection closed, for
-    ``requeue_grace`` seconds: re-dispatching them too made each a stale message to drop and a
-    second start to send (at fleet size, half the observers a crash moved)."""
+    ``requeue_grace`` seconds, and after that for as long as their pool takes something every
+    ``requeue_grace`` seconds (the services are working through the requeue), up to
+    ``requeue_patience``: re-dispatching them too made each a stale message to drop and a
+    second start to send (at fleet size, half the observers a crash moved; with a fixed grace,
+    a quarter of those five crashes moved, which the services took 5 to 26 s to work through)."""
 
     store: ManagerStore
     box: Outbox
@@ -196,6 +199,8 @@ class Sweeper:
     #: Seconds the observers of a service proven gone that came by the work queue are left to
     #: the broker's requeue before they are re-dispatched too.
     requeue_grace: float = 5.0
+    #: The longest they are left to the requeue while their pool takes.
+    requeue_patience: float = 60.0
     #: Services seen gone in the last sweep (id -> when, monotonic).
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
 
@@ -221,7 +226,9 @@ class Sweeper:
                     "service %s (%s) is gone (session and connection): marked deleted", d.id, d.name
                 )
                 self.metrics.swept.labels("process_gone").inc()
-            orphans = await repo.orphans(tx, grace=self.requeue_grace)
+            orphans = await repo.orphans(
+                tx, grace=self.requeue_grace, patience=self.requeue_patience
+            )
             await repo.complete_stops(
                 tx, [o.id for o in orphans if o.status in STOPPING], "holder gone"
             )

@@ -296,14 +296,40 @@ DECLARE_GONE = (
 # Dead services (the orphans' holders); then what they hold, by the service_id index. A sweep
 # reads what dead services still hold, not every observer.
 DEAD_SERVICES = f"SELECT s.id FROM services s WHERE NOT {live_service('s')}"
+
+
+def _gone_within(secs: str) -> str:
+    """The services among :dead proven gone less than ``secs`` seconds ago."""
+    return (
+        "SELECT s.id FROM services s WHERE s.id = ANY(CAST(:dead AS uuid[])) "
+        f"AND s.gone_at > clock_timestamp() - make_interval(secs => {secs})"
+    )
+
+
+# Not those that came by the work queue to a service proven gone less than :grace seconds
+# ago, or less than :patience seconds ago while their pool still takes (:taking): the broker
+# requeued their deliveries, and the services are working through them.
 ORPHANS = f"""
 SELECT o.id, o.status FROM observers o
  WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
    AND (o.queued_epoch = o.epoch AND o.status = {_v(S.PROCESSING)}
-        AND o.service_id = ANY(ARRAY(
-            SELECT s.id FROM services s WHERE s.id = ANY(CAST(:dead AS uuid[]))
-               AND s.gone_at > clock_timestamp() - make_interval(secs => :grace)))) IS NOT TRUE
+        AND (o.service_id = ANY(ARRAY({_gone_within(":grace")}))
+             OR (o.pool = ANY(:taking)
+                 AND o.service_id = ANY(ARRAY({_gone_within(":patience")}))))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
+"""
+# The pools of the services among :dead proven gone less than :patience seconds ago.
+GONE_POOLS = (
+    "SELECT DISTINCT pool FROM services WHERE id = ANY(CAST(:dead AS uuid[])) "
+    "AND gone_at > clock_timestamp() - make_interval(secs => :patience)"
+)
+# Of the pools :pools, those where something was taken in the last :g seconds (by the
+# started_at index, newest first, as IDLE_POOLS).
+TAKING_POOLS = """
+SELECT p.pool FROM unnest(CAST(:pools AS text[])) AS p(pool)
+ WHERE (SELECT o.started_at FROM observers o
+         WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool
+         ORDER BY o.started_at DESC LIMIT 1) IS NOT NULL
 """
 # Whether a dead service still holds a live observer: the sweeper's look before anything
 # costly, four times a second, from the counts the triggers keep. On the observers, the generic
@@ -413,8 +439,10 @@ SELECT s.id, s.pool, s.worker_count, {held_by("s.id")} AS running FROM services 
    AND s.created_at < now() - make_interval(secs => :age) AND s.stalled_since IS NULL
    AND (s.rejoined_at IS NULL OR s.rejoined_at < now() - make_interval(secs => :age))
 """
-# Of those a move's target runs: of its pool :pool and its kinds :kinds, pinned to no version or
-# to the one it has (:versions, by kind); :kinds NULL: every kind, no pinned version.
+# Of those a move's target runs: of its pool :pool and its kinds :kinds, pinned to no version
+# or to the one it has (:versions, by kind); :kinds NULL: every kind, no pinned version. The
+# longest running first: a move costs its observer a gap, paid by the one that went longest
+# without one (not by one a crash or the previous leader just moved).
 PICK_TO_MOVE = (
     f"SELECT id FROM observers o WHERE service_id = :s AND status = {_v(S.PROCESSING)} "
     "AND NOT (id = ANY(:recent)) "
@@ -423,7 +451,7 @@ PICK_TO_MOVE = (
     "THEN kind_version IS NULL ELSE EXISTS (SELECT 1 FROM unnest(CAST(:kinds AS text[]), "
     "CAST(:versions AS text[])) AS r(kind, version) WHERE r.kind = o.kind "
     "AND (o.kind_version IS NULL OR o.kind_version = r.version)) END "
-    "ORDER BY started_at DESC LIMIT :n"
+    "ORDER BY started_at LIMIT :n"
 )
 # The moves decided, recorded on the rows in the transaction that writes their handoff
 # messages: only a row still running on its donor is marked (and only those are sent).

@@ -470,12 +470,17 @@ async def declare_gone(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
     return await tx.rows(q.DECLARE_GONE, ids=ids) if ids else []
 
 
-async def orphans(tx: Tx, grace: float = 0.0) -> list[Row]:
+async def orphans(tx: Tx, grace: float = 0.0, patience: float = 0.0) -> list[Row]:
     """Observers held by a dead service: their id and status, locked; but not those running
-    that came by the work queue to a service proven gone less than ``grace`` seconds ago (the
-    broker requeued their deliveries)."""
+    that came by the work queue to a service proven gone (the broker requeued their
+    deliveries) less than ``grace`` seconds ago, or less than ``patience`` seconds ago while
+    their pool took something in the last ``grace`` seconds."""
     dead = await tx.values(q.DEAD_SERVICES)
-    return await tx.rows(q.ORPHANS, dead=dead, grace=grace) if dead else []
+    if not dead:
+        return []
+    pools = await tx.values(q.GONE_POOLS, dead=dead, patience=patience) if patience else []
+    taking = await tx.values(q.TAKING_POOLS, pools=pools, g=grace) if pools else []
+    return await tx.rows(q.ORPHANS, dead=dead, grace=grace, patience=patience, taking=taking)
 
 
 async def any_orphan(tx: Tx) -> bool:

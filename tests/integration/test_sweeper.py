@@ -149,6 +149,62 @@ async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched
     await wait_for(redispatched, timeout=5, what="the requeue's grace to end")
 
 
+async def test_queued_observers_wait_while_their_pool_works_through_the_requeue(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """Past the grace, a gone service's queued observer is still left to the requeue while its
+    pool takes something every grace (five crashes' requeue took the services 26 s to work
+    through; re-dispatching what was not taken after a fixed 5 s re-sent a quarter of it);
+    once nothing was taken for a grace, it is re-dispatched."""
+    conn, store = db
+    sid, _ = await _held_by_a_live_service(conn)
+    queued, busy = uuid.uuid4(), uuid.uuid4()
+    for oid, holder_id, queued_epoch in ((queued, sid, 1), (busy, None, None)):
+        await conn.execute(
+            "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch, "
+            "queued_epoch, started_at) VALUES ($1, $2, 'ticker', 'processing', $3, $4, 1, $5, "
+            "now())",
+            oid,
+            f"o-{oid}",
+            uuid.uuid4(),
+            holder_id,
+            queued_epoch,
+        )
+    grace = 0.5
+    sweeper = Sweeper(
+        store,
+        _Box(),  # type: ignore[arg-type]
+        _Broker(),  # type: ignore[arg-type]
+        margin=1.0,
+        metrics=ManagerMetrics(),
+        requeue_grace=grace,
+        requeue_patience=30.0,
+    )
+
+    async def holder() -> uuid.UUID | None:
+        held: uuid.UUID | None = await conn.fetchval(
+            "SELECT service_id FROM observers WHERE id = $1", queued
+        )
+        return held
+
+    await sweeper.once()
+    await sweeper.once()
+    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    # Four graces of the pool taking something (another observer started) a few times each.
+    until = asyncio.get_running_loop().time() + 4 * grace
+    while asyncio.get_running_loop().time() < until:
+        await conn.execute("UPDATE observers SET started_at = now() WHERE id = $1", busy)
+        await sweeper.once()
+        assert await holder() == sid, "re-dispatched while its pool works through the requeue"
+        await asyncio.sleep(grace / 5)
+
+    async def redispatched() -> bool:
+        await sweeper.once()
+        return await holder() is None
+
+    await wait_for(redispatched, timeout=5, what="a grace without a take")
+
+
 async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
     db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
