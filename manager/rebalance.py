@@ -3,7 +3,9 @@ weighted by worker_count. Run by the leader; each move is one graceful handoff t
 service of the same pool.
 
 Stability rules: targets are whole numbers that add up to what runs (no service is asked for a
-fraction), ties keep observers where they are, a round waits while the previous round's moves
+fraction), ties keep observers where they are, a fleet where every service is within
+``tolerance`` of its share is left alone (a rebalance begins once one is outside, and then goes
+on to the exact shares), a round waits while the previous round's moves
 are between holders (at most ``landing`` seconds) and while a dead service's observers are (a
 recovery), an observer that reached its target is not
 moved again within the cooldown, and a service must have lived ``min_age`` seconds before it
@@ -89,6 +91,29 @@ def plan_pools(loads: list[Load], *, pace: float) -> list[tuple[uuid.UUID, uuid.
         budget = max(1, math.ceil(sum(x.running for x in group) * pace))
         moves += plan_moves(group, max_moves=budget)
     return moves
+
+
+def balanced(loads: list[Load], tolerance: float) -> bool:
+    """Whether every service of every pool runs its share give or take ``tolerance`` of it
+    (rounded down: a share under ``1 / tolerance`` is met exactly)."""
+    for pool in {x.pool for x in loads}:
+        group = [x for x in loads if x.pool == pool]
+        goal = targets(group)
+        if any(abs(x.running - goal[x.service_id]) > goal[x.service_id] * tolerance for x in group):
+            return False
+    return True
+
+
+def plan_round(
+    loads: list[Load], *, pace: float, tolerance: float, evening: bool
+) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """A round's moves. A fleet where every service runs within ``tolerance`` of its share is
+    left as it is (each move costs its observer a gap), unless a rebalance is under way
+    (``evening``: the last round planned moves): one that began, because a service was outside
+    that band, goes on to the exact shares."""
+    if not evening and balanced(loads, tolerance):
+        return []
+    return plan_pools(loads, pace=pace)
 
 
 @dataclass(frozen=True)
@@ -187,12 +212,17 @@ class Rebalancer:
     #: A move whose observer is not on its target after this many seconds is forgotten.
     landing: float
     metrics: ManagerMetrics
+    #: Nothing moves while every service runs within this fraction of its share (a
+    #: rebalance under way goes on to the exact shares).
+    tolerance: float = 0.0
     ledger: Ledger = field(init=False)
     sightings: Sightings = field(init=False)
     #: Targets that could take none of what their donors run (they lack its kinds), and until
     #: when (monotonic) rounds are planned without them: a round all for such a target would
     #: move nothing, and the others would never be evened out.
     fruitless: dict[uuid.UUID, float] = field(default_factory=dict)
+    #: The last round planned moves: a rebalance is under way.
+    evening: bool = False
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.cooldown, self.landing)
@@ -224,7 +254,10 @@ class Rebalancer:
             loads = self.sightings.steady(loads, present, now)
             self.fruitless = {sid: t for sid, t in self.fruitless.items() if t > now}
             loads = [x for x in loads if x.service_id not in self.fruitless]
-            moves = plan_pools(loads, pace=self.pace)
+            moves = plan_round(
+                loads, pace=self.pace, tolerance=self.tolerance, evening=self.evening
+            )
+            self.evening = bool(moves)
             recent = self.ledger.recent()
             runs = await repo.kinds_run(tx, [x.service_id for x in loads])
             handoffs: list[repo.Handoff] = []

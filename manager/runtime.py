@@ -276,6 +276,7 @@ class ManagerRuntime:
                 # or an audit): a move not landed by then will not land as asked.
                 landing=2 * s.lease_ttl,
                 metrics=self.metrics,
+                tolerance=s.rebalance_tolerance,
             )
             loops["rebalance"] = background.every(
                 s.rebalance_interval, rebalancer.once, "rebalance"

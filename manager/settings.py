@@ -71,6 +71,9 @@ class ManagerSettings(CommonSettings):
     rebalance_interval: float = Field(default=1.0, gt=0)
     #: Fraction of the running observers in motion at once (at least one).
     rebalance_pace: float = Field(default=0.1, gt=0, le=1)
+    #: Nothing moves while every service runs within this fraction of its fair share (a
+    #: rebalance that began, with a service outside it, goes on to the exact shares).
+    rebalance_tolerance: float = Field(default=0.05, ge=0, lt=1)
     #: A service receives moved observers only once it has lived this long, seconds.
     rebalance_min_age: float = Field(default=10.0, ge=0)
     #: An observer moved by a rebalance is not moved again within this many seconds.
