@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from contracts import aio
 from contracts.errors import LeaseLost
 from contracts.logs import observer_log
 
@@ -45,7 +46,7 @@ class ObserverContext:
         #: The state saved by the last accepted checkpoint (of any epoch), or None.
         self.last_checkpoint = last_checkpoint
         #: Set when this observer is asked to stop; the task is also cancelled.
-        self.stopping = asyncio.Event()
+        self.stopping = aio.Event()
         #: Every line names this observer and this copy.
         self.logger = logger or observer_log(
             f"observer.{kind}", observer_id=observer_id, name=name, kind=kind, epoch=epoch

@@ -339,6 +339,9 @@ class Intake:
                 policy = spec.policy(taken.restart_policy)
                 if spec.params_model is not None:
                     params = spec.params_model.model_validate(taken.params)
+                    # The copy keeps its params as the model alone, not also as the row's
+                    # JSON (a dict and its keys, 450 bytes a running observer).
+                    taken = replace(taken, params={})
             except ValidationError as exc:
                 error = mask(f"invalid params or restart policy: {exc}", secrets=secrets)
         if spec is None or policy is None or error is not None:

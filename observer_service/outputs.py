@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from contracts import aio
 from contracts.backoff import Backoff
 from contracts.errors import BrokerUnavailable, Transient
 from contracts.outputs import MAX_RECORD_BYTES, Committed
@@ -77,7 +78,7 @@ class CopyOutputs:
         #: Records committed and not yet confirmed by the broker.
         self.unconfirmed = 0
         self._lock = asyncio.Lock()
-        self._room = asyncio.Event()
+        self._room = aio.Event()
         self._room.set()
         #: Seconds a stop of this copy waited on its commit write, as yet; and since when
         #: (the event loop's clock) one waits now. ``orch verify`` counts that wait as the
@@ -86,7 +87,7 @@ class CopyOutputs:
         self._stop_waits_since: float | None = None
         #: Set while records are staged: a copy that emits nothing costs its commit loop no
         #: wake-ups (a thousand copies polling every 5 ms kept a core busy).
-        self._pending = asyncio.Event()
+        self._pending = aio.Event()
 
     @property
     def staged(self) -> int:

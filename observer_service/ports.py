@@ -59,7 +59,7 @@ class StartRequest:
         return self.start.observer_id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Taken:
     observer_id: uuid.UUID
     name: str

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from contracts import aio
 from contracts.errors import Fenced, LeaseLost, split_error, stored_error
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.masking import mask
@@ -63,7 +64,7 @@ class Runner:
     handoff_to: uuid.UUID | None = None
     #: It blocked the event loop past the lease: fail it, whatever else stopped it.
     blame: str | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: aio.Event = field(default_factory=aio.Event)
     #: Verify mode: the stop asked for is recorded.
     witness: Witness | None = None
     #: Another service took it: its code never runs again (``guard``: abandoned).
