@@ -51,7 +51,7 @@ class NoProgress(Exception):
     """A copy committed nothing (no checkpoint, no record) for its ``progress_timeout``."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Runner:
     taken: Taken
     spec: KindSpec

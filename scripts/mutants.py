@@ -36,6 +36,7 @@ OUTPUTS_CORE = "tests/unit/test_outputs_core.py"
 CONTRACT = "tests/integration/test_store_contract.py"
 OUTPUTS = "tests/acceptance/test_outputs.py"
 LEADER = "tests/integration/test_leader_fence.py"
+PLACEMENT = "tests/integration/test_leader_placement.py"
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,30 @@ MUTANTS = [
             f"{LEADER}::test_an_old_leader_that_missed_its_lease_end_writes_nothing_in_its_successors_term",
             f"{LEADER}::test_a_takeover_waits_for_the_old_holders_open_transaction",
         ),
+    ),
+    Mutant(
+        "sweeper: a gone service's queued observers left to the requeue for the grace alone",
+        "manager/background.py",
+        "tx, grace=self.requeue_grace, patience=self.requeue_patience",
+        "tx, grace=self.requeue_grace",
+        (
+            "tests/integration/test_sweeper.py::"
+            "test_queued_observers_wait_while_their_pool_works_through_the_requeue",
+        ),
+    ),
+    Mutant(
+        "rebalance: the newest observers moved first",
+        "manager/queries.py",
+        '"ORDER BY started_at LIMIT :n"',
+        '"ORDER BY started_at DESC LIMIT :n"',
+        (f"{PLACEMENT}::test_rebalance_moves_the_observers_longest_without_a_move",),
+    ),
+    Mutant(
+        "rebalance: a fleet within the tolerance evened out all the same",
+        "manager/rebalance.py",
+        "if not evening and balanced(loads, tolerance):",
+        "if False:",
+        (f"{PLACEMENT}::test_a_new_leader_leaves_a_fleet_within_the_tolerance_alone",),
     ),
 ]
 
