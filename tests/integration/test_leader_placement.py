@@ -228,6 +228,24 @@ async def test_rebalance_moves_nothing_to_a_service_without_a_control_queue(
     assert sorted(str(r["handoff_to"]) for r in recorded) == sorted([str(cut)] * 3 + ["None"] * 3)
 
 
+async def _donor_and_target(
+    conn: asyncpg.Connection, services_connection: AbstractConnection, prefix: str
+) -> tuple[uuid.UUID, uuid.UUID]:
+    """Two services of 10 workers, both on the broker."""
+    pair = (await service(conn, worker_count=10), await service(conn, worker_count=10))
+    for sid in pair:
+        await join_broker(services_connection, prefix, sid)
+    return pair
+
+
+async def _started(conn: asyncpg.Connection, ids: list[uuid.UUID], ago: str) -> None:
+    await conn.execute(
+        "UPDATE observers SET started_at = now() - CAST($2 AS interval) WHERE id = ANY($1)",
+        ids,
+        ago,
+    )
+
+
 async def test_rebalance_does_not_move_an_observer_that_has_just_started(
     db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
@@ -238,14 +256,9 @@ async def test_rebalance_does_not_move_an_observer_that_has_just_started(
     picks the newest first: it moved them again a moment later, a second gap in a row. It now
     picks among those that started before its minimum age."""
     conn, store = db
-    donor = await service(conn, worker_count=10)
-    target = await service(conn, worker_count=10)
-    for sid in (donor, target):
-        await join_broker(services_connection, prefix, sid)
+    donor, target = await _donor_and_target(conn, services_connection, prefix)
     settled = await observers(conn, 3, holder=donor)
-    await conn.execute(
-        "UPDATE observers SET started_at = now() - interval '1 hour' WHERE id = ANY($1)", settled
-    )
+    await _started(conn, settled, "1 hour")
     await observers(conn, 5, holder=donor)  # just started here
     r = rebalancer(store, publisher, min_age=30.0)
     assert await r.once() == 3, "of the 4 planned moves, only the 3 settled observers may go"
@@ -264,19 +277,11 @@ async def test_rebalance_moves_the_observers_longest_without_a_move(
     crashes' recovery moved 1,057 of the 25,000 just-moved observers a second time, and a new
     leader (its predecessor's cooldown forgotten) would pick what its predecessor moved."""
     conn, store = db
-    donor = await service(conn, worker_count=10)
-    target = await service(conn, worker_count=10)
-    for sid in (donor, target):
-        await join_broker(services_connection, prefix, sid)
+    donor, target = await _donor_and_target(conn, services_connection, prefix)
     old = await observers(conn, 2, holder=donor)
-    await conn.execute(
-        "UPDATE observers SET started_at = now() - interval '1 day' WHERE id = ANY($1)", old
-    )
+    await _started(conn, old, "1 day")
     moved_lately = await observers(conn, 4, holder=donor)
-    await conn.execute(
-        "UPDATE observers SET started_at = now() - interval '1 minute' WHERE id = ANY($1)",
-        moved_lately,
-    )
+    await _started(conn, moved_lately, "1 minute")
     r = rebalancer(store, publisher, min_age=30.0)
     assert await r.once() == 3, "3 moves planned, each finds a settled observer"
     moved = {
@@ -362,10 +367,7 @@ async def test_rounds_go_on_after_moves_that_never_landed(
     """The donor released the moved observers but their starts never reached the target (lost
     with a control queue that went away): the next round waits for them, not forever."""
     conn, store = db
-    donor = await service(conn, worker_count=10)
-    target = await service(conn, worker_count=10)
-    for sid in (donor, target):
-        await join_broker(services_connection, prefix, sid)
+    donor, _ = await _donor_and_target(conn, services_connection, prefix)
     await observers(conn, 6, holder=donor)
     r = rebalancer(store, publisher, landing=0.5)
     assert await r.once() == 3

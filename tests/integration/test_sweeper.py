@@ -104,6 +104,33 @@ async def test_a_service_gone_twice_in_a_row_is_declared_gone(
     assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) is None
 
 
+def _requeue_sweeper(store: ManagerStore, *, grace: float, patience: float = 60.0) -> Sweeper:
+    return Sweeper(
+        store,
+        _Box(),  # type: ignore[arg-type]
+        _Broker(),  # type: ignore[arg-type]
+        margin=1.0,
+        metrics=ManagerMetrics(),
+        requeue_grace=grace,
+        requeue_patience=patience,
+    )
+
+
+async def _gone(conn: asyncpg.Connection, sweeper: Sweeper, sid: uuid.UUID) -> Sweeper:
+    """Two sweeps: the service (off the broker, its lock free) is proven gone."""
+    await sweeper.once()
+    await sweeper.once()
+    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    return sweeper
+
+
+async def _holder(conn: asyncpg.Connection, oid: uuid.UUID) -> uuid.UUID | None:
+    held: uuid.UUID | None = await conn.fetchval(
+        "SELECT service_id FROM observers WHERE id = $1", oid
+    )
+    return held
+
+
 async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched_at_once(
     db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
@@ -121,30 +148,13 @@ async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched
         uuid.uuid4(),
         sid,
     )
-    sweeper = Sweeper(
-        store,
-        _Box(),  # type: ignore[arg-type]
-        _Broker(),  # type: ignore[arg-type]
-        margin=1.0,
-        metrics=ManagerMetrics(),
-        requeue_grace=0.5,
-    )
-
-    async def holder(oid: uuid.UUID) -> uuid.UUID | None:
-        held: uuid.UUID | None = await conn.fetchval(
-            "SELECT service_id FROM observers WHERE id = $1", oid
-        )
-        return held
-
-    await sweeper.once()
-    await sweeper.once()
-    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
-    assert await holder(directed) is None, "the directed one waits for nothing"
-    assert await holder(queued) == sid, "re-dispatched while the requeue carries it"
+    sweeper = await _gone(conn, _requeue_sweeper(store, grace=0.5), sid)
+    assert await _holder(conn, directed) is None, "the directed one waits for nothing"
+    assert await _holder(conn, queued) == sid, "re-dispatched while the requeue carries it"
 
     async def redispatched() -> bool:
         await sweeper.once()
-        return await holder(queued) is None
+        return await _holder(conn, queued) is None
 
     await wait_for(redispatched, timeout=5, what="the requeue's grace to end")
 
@@ -171,36 +181,18 @@ async def test_queued_observers_wait_while_their_pool_works_through_the_requeue(
             queued_epoch,
         )
     grace = 0.5
-    sweeper = Sweeper(
-        store,
-        _Box(),  # type: ignore[arg-type]
-        _Broker(),  # type: ignore[arg-type]
-        margin=1.0,
-        metrics=ManagerMetrics(),
-        requeue_grace=grace,
-        requeue_patience=30.0,
-    )
-
-    async def holder() -> uuid.UUID | None:
-        held: uuid.UUID | None = await conn.fetchval(
-            "SELECT service_id FROM observers WHERE id = $1", queued
-        )
-        return held
-
-    await sweeper.once()
-    await sweeper.once()
-    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    sweeper = await _gone(conn, _requeue_sweeper(store, grace=grace, patience=30.0), sid)
     # Four graces of the pool taking something (another observer started) a few times each.
     until = asyncio.get_running_loop().time() + 4 * grace
     while asyncio.get_running_loop().time() < until:
         await conn.execute("UPDATE observers SET started_at = now() WHERE id = $1", busy)
         await sweeper.once()
-        assert await holder() == sid, "re-dispatched while its pool works through the requeue"
+        assert await _holder(conn, queued) == sid, "re-dispatched while its pool takes"
         await asyncio.sleep(grace / 5)
 
     async def redispatched() -> bool:
         await sweeper.once()
-        return await holder() is None
+        return await _holder(conn, queued) is None
 
     await wait_for(redispatched, timeout=5, what="a grace without a take")
 
