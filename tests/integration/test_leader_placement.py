@@ -11,6 +11,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import aio_pika
 import asyncpg
@@ -238,9 +239,9 @@ async def _donor_and_target(
     return pair
 
 
-async def _started(conn: asyncpg.Connection, ids: list[uuid.UUID], ago: str) -> None:
+async def _started(conn: asyncpg.Connection, ids: list[uuid.UUID], ago: timedelta) -> None:
     await conn.execute(
-        "UPDATE observers SET started_at = now() - CAST($2 AS interval) WHERE id = ANY($1)",
+        "UPDATE observers SET started_at = now() - $2::interval WHERE id = ANY($1)",
         ids,
         ago,
     )
@@ -258,7 +259,7 @@ async def test_rebalance_does_not_move_an_observer_that_has_just_started(
     conn, store = db
     donor, target = await _donor_and_target(conn, services_connection, prefix)
     settled = await observers(conn, 3, holder=donor)
-    await _started(conn, settled, "1 hour")
+    await _started(conn, settled, timedelta(hours=1))
     await observers(conn, 5, holder=donor)  # just started here
     r = rebalancer(store, publisher, min_age=30.0)
     assert await r.once() == 3, "of the 4 planned moves, only the 3 settled observers may go"
@@ -279,9 +280,9 @@ async def test_rebalance_moves_the_observers_longest_without_a_move(
     conn, store = db
     donor, target = await _donor_and_target(conn, services_connection, prefix)
     old = await observers(conn, 2, holder=donor)
-    await _started(conn, old, "1 day")
+    await _started(conn, old, timedelta(days=1))
     moved_lately = await observers(conn, 4, holder=donor)
-    await _started(conn, moved_lately, "1 minute")
+    await _started(conn, moved_lately, timedelta(minutes=1))
     r = rebalancer(store, publisher, min_age=30.0)
     assert await r.once() == 3, "3 moves planned, each finds a settled observer"
     moved = {
