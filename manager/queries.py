@@ -318,19 +318,6 @@ SELECT o.id, o.status FROM observers o
                  AND o.service_id = ANY(ARRAY({_gone_within(":patience")}))))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
 """
-# The pools of the services among :dead proven gone less than :patience seconds ago.
-GONE_POOLS = (
-    "SELECT DISTINCT pool FROM services WHERE id = ANY(CAST(:dead AS uuid[])) "
-    "AND gone_at > clock_timestamp() - make_interval(secs => :patience)"
-)
-# Of the pools :pools, those where something was taken in the last :g seconds (by the
-# started_at index, newest first, as IDLE_POOLS).
-TAKING_POOLS = """
-SELECT p.pool FROM unnest(CAST(:pools AS text[])) AS p(pool)
- WHERE (SELECT o.started_at FROM observers o
-         WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool
-         ORDER BY o.started_at DESC LIMIT 1) IS NOT NULL
-"""
 # Whether a dead service still holds a live observer: the sweeper's look before anything
 # costly, four times a second, from the counts the triggers keep. On the observers, the generic
 # plan of this EXISTS was a sequential scan of every row (it expects an early match): once any
@@ -404,6 +391,17 @@ SELECT s.id, s.worker_count - {held_by("s.id")} AS free
    AND (s.rejoined_at IS NULL OR s.rejoined_at < clock_timestamp() - make_interval(secs => :p))
 """
 
+
+def _last_take(pool: str) -> str:
+    """When something of ``pool`` was last taken within :g seconds (NULL: nothing), by the
+    started_at index, newest first."""
+    return (
+        "(SELECT o.started_at FROM observers o "
+        "WHERE o.started_at > now() - make_interval(secs => :g) "
+        f"AND o.pool = {pool} ORDER BY o.started_at DESC LIMIT 1)"
+    )
+
+
 # ------------------------------------------------------------------------ leader: the audit
 # The pools of live services, and the default pool, where nothing was taken in the last :g
 # seconds: per pool, its newest take of those seconds by the index on started_at. (A scalar
@@ -412,9 +410,15 @@ SELECT s.id, s.worker_count - {held_by("s.id")} AS free
 IDLE_POOLS = f"""
 SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
                     UNION SELECT 'default') AS p(pool)
- WHERE (SELECT o.started_at FROM observers o
-         WHERE o.started_at > now() - make_interval(secs => :g) AND o.pool = p.pool
-         ORDER BY o.started_at DESC LIMIT 1) IS NULL
+ WHERE {_last_take("p.pool")} IS NULL
+"""
+# The pools of the services among :dead proven gone less than :patience seconds ago where
+# something was taken in the last :g seconds.
+TAKING_POOLS = f"""
+SELECT p.pool FROM (SELECT DISTINCT pool FROM services WHERE id = ANY(CAST(:dead AS uuid[]))
+                       AND gone_at > clock_timestamp() - make_interval(secs => :patience))
+       AS p(pool)
+ WHERE {_last_take("p.pool")} IS NOT NULL
 """
 # Of the pools :pools.
 UNHELD_STUCK = f"""

@@ -82,12 +82,16 @@ def plan_moves(loads: list[Load], *, max_moves: int) -> list[tuple[uuid.UUID, uu
     return moves
 
 
+def _by_pool(loads: list[Load]) -> list[list[Load]]:
+    """The loads of each pool, pools in name order."""
+    return [[x for x in loads if x.pool == pool] for pool in sorted({x.pool for x in loads})]
+
+
 def plan_pools(loads: list[Load], *, pace: float) -> list[tuple[uuid.UUID, uuid.UUID]]:
     """(from, to) moves within each pool (a service runs only its pool's observers), at most
     ``pace`` of what runs in the pool at once (one at least)."""
     moves: list[tuple[uuid.UUID, uuid.UUID]] = []
-    for pool in sorted({x.pool for x in loads}):
-        group = [x for x in loads if x.pool == pool]
+    for group in _by_pool(loads):
         budget = max(1, math.ceil(sum(x.running for x in group) * pace))
         moves += plan_moves(group, max_moves=budget)
     return moves
@@ -96,8 +100,7 @@ def plan_pools(loads: list[Load], *, pace: float) -> list[tuple[uuid.UUID, uuid.
 def balanced(loads: list[Load], tolerance: float) -> bool:
     """Whether every service of every pool runs its share give or take ``tolerance`` of it
     (rounded down: a share under ``1 / tolerance`` is met exactly)."""
-    for pool in {x.pool for x in loads}:
-        group = [x for x in loads if x.pool == pool]
+    for group in _by_pool(loads):
         goal = targets(group)
         if any(abs(x.running - goal[x.service_id]) > goal[x.service_id] * tolerance for x in group):
             return False

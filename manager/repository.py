@@ -478,8 +478,9 @@ async def orphans(tx: Tx, grace: float = 0.0, patience: float = 0.0) -> list[Row
     dead = await tx.values(q.DEAD_SERVICES)
     if not dead:
         return []
-    pools = await tx.values(q.GONE_POOLS, dead=dead, patience=patience) if patience else []
-    taking = await tx.values(q.TAKING_POOLS, pools=pools, g=grace) if pools else []
+    taking = (
+        await tx.values(q.TAKING_POOLS, dead=dead, patience=patience, g=grace) if patience else []
+    )
     return await tx.rows(q.ORPHANS, dead=dead, grace=grace, patience=patience, taking=taking)
 
 

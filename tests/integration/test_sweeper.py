@@ -131,6 +131,18 @@ async def _holder(conn: asyncpg.Connection, oid: uuid.UUID) -> uuid.UUID | None:
     return held
 
 
+async def _redispatched(
+    conn: asyncpg.Connection, sweeper: Sweeper, oid: uuid.UUID, what: str
+) -> None:
+    """Sweep until ``oid`` is re-dispatched (nobody holds it), at most 5 s."""
+
+    async def done() -> bool:
+        await sweeper.once()
+        return await _holder(conn, oid) is None
+
+    await wait_for(done, timeout=5, what=what)
+
+
 async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched_at_once(
     db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
@@ -152,11 +164,7 @@ async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched
     assert await _holder(conn, directed) is None, "the directed one waits for nothing"
     assert await _holder(conn, queued) == sid, "re-dispatched while the requeue carries it"
 
-    async def redispatched() -> bool:
-        await sweeper.once()
-        return await _holder(conn, queued) is None
-
-    await wait_for(redispatched, timeout=5, what="the requeue's grace to end")
+    await _redispatched(conn, sweeper, queued, "the requeue's grace to end")
 
 
 async def test_queued_observers_wait_while_their_pool_works_through_the_requeue(
@@ -190,11 +198,7 @@ async def test_queued_observers_wait_while_their_pool_works_through_the_requeue(
         assert await _holder(conn, queued) == sid, "re-dispatched while its pool takes"
         await asyncio.sleep(grace / 5)
 
-    async def redispatched() -> bool:
-        await sweeper.once()
-        return await _holder(conn, queued) is None
-
-    await wait_for(redispatched, timeout=5, what="a grace without a take")
+    await _redispatched(conn, sweeper, queued, "a grace without a take")
 
 
 async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
