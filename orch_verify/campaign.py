@@ -47,6 +47,7 @@ Faults (``FAULTS``, with their default weights):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import subprocess
@@ -67,6 +68,7 @@ from contracts.clock import set_suspend_lag
 from contracts.settings import asyncpg_dsn
 from contracts.topology import Topology
 from orch.cluster import Proc, wait_for
+from orch_verify.availability import Fault
 from orch_verify.cluster import FaultCluster
 from orch_verify.proxy import Proxy
 
@@ -291,6 +293,11 @@ class Campaign:
     api_patience: float = 30.0
     #: Creates and deletes the managers did not accept (each a finding, like an exit).
     api_failures: list[str] = field(default_factory=list)
+    #: Every fault applied, with its span and target, for the availability judge.
+    faults: list[Fault] = field(default_factory=list)
+    #: Observer -> wall time its create was answered; its delete was answered.
+    created_at: dict[uuid.UUID, float] = field(default_factory=dict)
+    deleted_at: dict[uuid.UUID, float] = field(default_factory=dict)
     _created: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -312,6 +319,21 @@ class Campaign:
         self.exits: list[str] = []
         #: The processes' clock hooks (made by ``start``).
         self._hooks: tempfile.TemporaryDirectory[str] | None = None
+
+    def fault_began(
+        self,
+        name: str,
+        *,
+        length: float = 0.0,
+        pid: int | None = None,
+        observer: str | None = None,
+    ) -> Fault:
+        """Record a fault beginning now, lasting ``length`` unless its follow-up says when it
+        ended (``Fault.end``)."""
+        now = time.time()
+        fault = Fault(name, now, now + length, pid, observer)
+        self.faults.append(fault)
+        return fault
 
     def note(self, what: str, *, skipped: str | None = None) -> None:
         """Print and keep ``what``, at its offset from the schedule's start (as planned)."""
@@ -384,6 +406,7 @@ class Campaign:
             return
         oid = uuid.UUID(r.json()["id"])
         self.live[oid] = self.kinds[oid] = spec.kind
+        self.created_at[oid] = time.time()
 
     async def _delete(self, oid: uuid.UUID) -> None:
         r = await self._call("DELETE", f"/observers/{oid}")
@@ -392,6 +415,7 @@ class Campaign:
             return
         self.live.pop(oid)
         self.deleted[oid] = int(r.json()["epoch"])
+        self.deleted_at[oid] = time.time()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Answer | None:
         """One call to a live manager, tried again (on another, maybe) while the answer is a 5xx
@@ -470,16 +494,18 @@ class Campaign:
                 return
             self.note(p.describe())
             self.broker_down = True
+            fault = self.fault_began("broker_restart", length=p.length)
             await asyncio.to_thread(rabbitmqctl, "stop_app")
-            self._later(self._restart_broker(p.length))
+            self._later(self._restart_broker(p.length, fault))
         elif p.fault == "alarm":
             if self.broker_down or self.watermark is not None:
                 self.note(p.describe(), skipped="the broker is down or alarmed already")
                 return
             self.note(p.describe())
             self.watermark = await asyncio.to_thread(rabbitmqctl, "eval", WATERMARK)
+            fault = self.fault_began("alarm", length=p.length)
             await asyncio.to_thread(rabbitmqctl, "set_vm_memory_high_watermark", "0.000001")
-            self._later(self._end_alarm(p.length))
+            self._later(self._end_alarm(p.length, fault))
         elif p.fault == "queue_deleted":
             if self.broker_down:
                 self.note(p.describe(), skipped="the broker is down")
@@ -489,6 +515,7 @@ class Campaign:
             except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
                 self.note(p.describe(), skipped=f"the broker did not answer: {exc!r:.100}")
                 return
+            self.fault_began("queue_deleted")
             self.note(p.describe())
         else:
             slot = self.slots[p.slot]
@@ -510,9 +537,12 @@ class Campaign:
                 self.note(what, skipped="no lease session found")
                 return
             self.note(what)
+            self.fault_began("lease_kill", pid=proc.pid)
             await self.cluster.q("SELECT pg_terminate_backend($1)", backend)
             return
         self.note(what)
+        lasting = p.fault in ("db_blip", "isolate", "drain")
+        fault = self.fault_began(p.fault, pid=proc.pid, length=p.length if lasting else 0.0)
         if p.fault in ("kill", "crash_blip"):
             self._end(proc, signal.SIGKILL)
             self._later(self._refill(slot))
@@ -524,7 +554,7 @@ class Campaign:
         elif p.fault in ("freeze", "suspend"):
             proc.signal(signal.SIGSTOP)
             slot.busy = "frozen"
-            self._later(self._thaw(slot, p.length, time.time(), suspend=p.fault == "suspend"))
+            self._later(self._thaw(slot, p.length, fault, suspend=p.fault == "suspend"))
         elif p.fault == "drain":
             sid = await self.cluster.service_id(proc)
             async with await self._api() as api:
@@ -539,19 +569,19 @@ class Campaign:
             mq.reset()
         elif p.fault == "amqp_partition":
             mq.cut()
-            self._later(self._heal_link(mq, p.length))
+            self._later(self._heal_link(mq, p.length, fault))
         elif p.fault == "db_partition":
             db.cut()
-            self._later(self._heal_link(db, p.length))
+            self._later(self._heal_link(db, p.length, fault))
         elif p.fault == "isolate":
             self._later(db.blip(p.length))
             self._later(mq.blip(p.length))
         elif p.fault == "slow_link":
             db.slow(*SLOW_CHUNK)
-            self._later(self._heal_slow(db, p.length))
+            self._later(self._heal_slow(db, p.length, fault))
         elif p.fault == "row_lock":
             sid = await self.cluster.service_id(proc)
-            self._later(self._lock_a_row(sid, p.length))
+            self._later(self._lock_a_row(sid, p.length, fault))
         else:
             raise AssertionError(f"unknown fault {p.fault}")
 
@@ -562,15 +592,17 @@ class Campaign:
             await asyncio.to_thread(proc.popen.wait)
         await self._fill(slot)
 
-    async def _thaw(self, slot: Slot, after: float, since: float, *, suspend: bool) -> None:
+    async def _thaw(self, slot: Slot, after: float, fault: Fault, *, suspend: bool) -> None:
         await asyncio.sleep(after)
+        since = fault.start
         if slot.proc is not None:
             if suspend and slot.hook is not None:
                 # Written while the process is stopped: it wakes with the lag already there.
                 slot.lag += time.time() - since
                 set_suspend_lag(slot.hook, slot.lag)
             slot.proc.signal(signal.SIGCONT)
-            self.paused.setdefault(slot.proc.pid, []).append((since, time.time()))
+            fault.end = time.time()
+            self.paused.setdefault(slot.proc.pid, []).append((since, fault.end))
         slot.busy = None
 
     async def _retire(self, slot: Slot, after: float) -> None:
@@ -580,23 +612,30 @@ class Campaign:
             self._end(slot.proc, signal.SIGTERM)
         await self._refill(slot)
 
-    async def _heal_link(self, proxy: Proxy, after: float) -> None:
+    async def _heal_link(self, proxy: Proxy, after: float, fault: Fault | None = None) -> None:
         await asyncio.sleep(after)
         proxy.heal()
+        if fault is not None:
+            fault.end = time.time()
 
-    async def _heal_slow(self, proxy: Proxy, after: float) -> None:
+    async def _heal_slow(self, proxy: Proxy, after: float, fault: Fault | None = None) -> None:
         await asyncio.sleep(after)
         proxy.slow(0.0, 0.0)
+        if fault is not None:
+            fault.end = time.time()
 
-    async def _lock_a_row(self, service_id: uuid.UUID, seconds: float) -> None:
+    async def _lock_a_row(self, service_id: uuid.UUID, seconds: float, fault: Fault) -> None:
         """Hold one of the service's observer rows locked, on a connection of its own."""
         conn = await asyncpg.connect(asyncpg_dsn(self.cluster.env["ORCH_DATABASE_URL"]))
         try:
             async with conn.transaction():
-                await conn.fetchval(ROW_LOCK, service_id)
+                locked = await conn.fetchval(ROW_LOCK, service_id)
+                fault.observer = None if locked is None else str(locked)
+                fault.start = time.time()
                 await asyncio.sleep(seconds)
         finally:
             await conn.close()
+            fault.end = time.time()
 
     async def _blip_next(self, dead: Slot) -> None:
         """The crash's follow-up: the next slot's database link reset, refused 0.5 s and slow."""
@@ -608,9 +647,10 @@ class Campaign:
             self.note("crash_blip: no other service to blip", skipped="no other service up")
             return
         self.note(f"crash_blip: blip {other.name} (pid {other.proc.pid})")
+        fault = self.fault_began("db_blip", pid=other.proc.pid, length=3.5)
         other.db.slow(0.15, 0.15)
         await other.db.blip(0.5)
-        await self._heal_slow(other.db, 3.0)
+        await self._heal_slow(other.db, 3.0, fault)
 
     async def _delete_work_queue(self) -> None:
         connection = await aio_pika.connect(self.cluster.env["ORCH_AMQP_URL"])
@@ -618,9 +658,10 @@ class Campaign:
             channel = await connection.channel()
             await channel.queue_delete(Topology(self.cluster.env["ORCH_PREFIX"]).work_queue)
 
-    async def _end_alarm(self, after: float) -> None:
+    async def _end_alarm(self, after: float, fault: Fault) -> None:
         await asyncio.sleep(after)
         await self.end_alarm()
+        fault.end = time.time()
 
     async def end_alarm(self) -> None:
         """Put the broker's memory watermark back if this run raised an alarm (also when the
@@ -637,9 +678,10 @@ class Campaign:
         self.watermark = None
         self.note("broker alarm cleared")
 
-    async def _restart_broker(self, after: float) -> None:
+    async def _restart_broker(self, after: float, fault: Fault) -> None:
         await asyncio.sleep(after)
         await self.start_broker()
+        fault.end = time.time()
 
     async def start_broker(self) -> None:
         """Start the broker if this run stopped it (also when the run fails)."""
@@ -665,10 +707,30 @@ class Campaign:
             if leads.get("this_replica_leads"):
                 self.note(f"leader: SIGKILL the leading manager (pid {m.pid})")
                 self._end(m, signal.SIGKILL)
+                fault = self.fault_began("leader")
                 self.managers.remove(m)
                 self._later(self._new_manager())
+                self._later(self._led_again(fault))
                 return
         self.note("leader", skipped="no manager leads now")
+
+    async def _led_again(self, fault: Fault) -> None:
+        """The leader fault ends when another manager leads."""
+
+        async def leads() -> bool:
+            for m in [m for m in self.managers if m.alive]:
+                async with httpx.AsyncClient(timeout=2, headers=self.cluster.auth_headers) as c:
+                    try:
+                        answer = (await c.get(f"http://127.0.0.1:{m.port}/leader")).json()
+                    except (httpx.HTTPError, ValueError):
+                        continue
+                if answer.get("this_replica_leads"):
+                    return True
+            return False
+
+        with contextlib.suppress(TimeoutError):
+            await wait_for(leads, timeout=60, what="a manager leading again", every=0.1)
+        fault.end = time.time()
 
     async def _new_manager(self) -> None:
         for attempt in range(1, 4):

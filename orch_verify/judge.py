@@ -28,6 +28,7 @@ from typing import Any
 
 from contracts.errors import Transient
 from contracts.witness import Record, across_freeze
+from orch_verify.availability import Availability, downtime_line
 from orch_verify.outputs import OutputFindings
 
 
@@ -173,6 +174,11 @@ class Verdict:
     alive: set[int] = field(default_factory=set)
     #: Deleted observer -> its epoch when its delete was accepted.
     deleted: dict[str, int] = field(default_factory=dict)
+    #: The second half of the promise: gaps with no copy running, late stops after a delete
+    #: (``orch_verify/availability.py``).
+    availability: Availability = field(default_factory=Availability)
+    #: Wall time the lines count their seconds from (the campaign's start).
+    zero: float = 0.0
 
     def runs_at_end(self, c: Copy) -> bool:
         """The copy had not ended and its process was alive when the run was judged."""
@@ -195,6 +201,7 @@ class Verdict:
             or self.ran_after_delete
             or self.own_error_restarts
             or self.broken
+            or not self.availability.held
         )
 
     @property
@@ -232,8 +239,11 @@ class Verdict:
         out += [f"STEP ACROSS A FREEZE {s}" for s in self.late_steps]
         out += [f"LOST {self.kind_of(o)} {o}: live, not running at the end" for o in self.lost]
         out += [f"RAN AFTER DELETE {self.kind_of(oid)} {oid}" for oid in self.ran_after_delete]
+        out += self.availability.lines(self.zero)
         out += [f"RESTART ON THE ORCHESTRATOR'S ERROR {e}" for e in self.own_error_restarts]
         out += self.outputs.lines(self.observer_kinds)
+        if self.availability.downtime:
+            out.append(downtime_line(self.availability))
         if self.outputs.received:
             repeats = sum(self.outputs.repeats.values())
             out.append(
@@ -258,7 +268,13 @@ class Verdict:
                 )
             if k.failed:
                 out.append(f"FAILED {kind}: {k.failed} observer(s) failed on their own errors")
-        shown = {o.observer for o in self.overlaps} | set(self.lost) | set(self.ran_after_delete)
+        shown = (
+            {o.observer for o in self.overlaps}
+            | set(self.lost)
+            | set(self.ran_after_delete)
+            | {g.observer for g in self.availability.unavailable}
+            | {s.observer for s in self.availability.late_stops}
+        )
         for oid in sorted(shown):
             if history := self.history.get(oid):
                 out.append(f"history of {self.kind_of(oid)} {oid}:")
@@ -275,6 +291,11 @@ class Verdict:
                 (len(self.lost), "observer(s) lost"),
                 (len(self.ran_after_delete), "deleted observer(s) ran"),
                 (len(self.own_error_restarts), "restart(s) spent on its own errors"),
+                (
+                    len({g.observer for g in self.availability.unavailable}),
+                    "observer(s) unrun longer than the faults explain",
+                ),
+                (len(self.availability.late_stops), "deleted observer(s) stopped late"),
             )
             if n
         ]
@@ -318,6 +339,7 @@ class Verdict:
             "ran_after_delete": [
                 {"observer": o, "kind": self.kind_of(o)} for o in self.ran_after_delete
             ],
+            "availability": self.availability.as_dict(self.zero),
             "failed": self.failed,
             "own_error_restarts": self.own_error_restarts,
             "witness_broken": self.broken,

@@ -30,12 +30,23 @@ def _growth_cell(memory: Growth | None) -> str:
     return f"{memory.rate / 1024:.1f} ({memory.grown / 1024:+.0f} KiB in {memory.span:.0f}s)"
 
 
+def _downtime_cell(v: Verdict, kind: str) -> str:
+    """Seconds its observers sat unrun (all gaps), as a share of their lives; and of those, the
+    seconds no fault explains."""
+    d = v.availability.downtime.get(kind)
+    if d is None or d.live <= 0:
+        return "-"
+    cell = f"{d.unrun:.1f} ({100 * d.fraction:.2f} %)"
+    return cell + (f", {d.unexplained:.1f} unexplained" if d.unexplained else "")
+
+
 def table(v: Verdict) -> Table:
     t = Table(title="per kind", title_justify="left")
     for col in (
         "kind",
         "observers",
         "failed",
+        "downtime s",
         "stop after cancel s (p50/p99/max)",
         "ignored cancel",
         "stalls (longest s)",
@@ -46,10 +57,14 @@ def table(v: Verdict) -> Table:
         growth = _growth_cell(k.memory)
         if k.grows:
             growth = f"[red]{growth}[/red]"
+        downtime = _downtime_cell(v, kind)
+        if "unexplained" in downtime:
+            downtime = f"[red]{downtime}[/red]"
         t.add_row(
             kind,
             str(k.observers),
             str(k.failed),
+            downtime,
             _stop_cell(v, kind),
             f"[red]{len(k.ignored)}[/red]" if k.ignored else "0",
             f"{k.stalls} ({k.longest_stall:.2f})" if k.stalls else "0",
@@ -68,6 +83,11 @@ def _findings(v: Verdict) -> dict[str, list[str]]:
         found[oid].append("LOST")
     for oid in v.ran_after_delete:
         found[oid].append("RAN AFTER DELETE")
+    for oid in {s.observer for s in v.availability.late_stops}:
+        if "RAN AFTER DELETE" not in found[oid]:
+            found[oid].append("RAN AFTER DELETE")
+    for oid in {g.observer for g in v.availability.unavailable}:
+        found[oid].append("UNAVAILABLE")
     return found
 
 
@@ -160,6 +180,18 @@ def timeline(v: Verdict, campaign: Campaign) -> str:
                 f'font-weight="bold" class="after-delete">!<title>RAN AFTER DELETE: a copy '
                 f"ran after the delete was accepted (at epoch {epoch})</title></text>"
             )
+    for g in v.availability.unavailable:
+        i = observers.index(g.observer)
+        a, b = x(g.start), max(x(g.end), x(g.start) + 3)
+        tip = html.escape(
+            f"UNAVAILABLE: no copy ran from {g.start - zero:.2f}s to {g.end - zero:.2f}s, "
+            f"{g.beyond:.2f}s past what the faults explain"
+        )
+        svg.append(
+            f'<rect class="unavailable" x="{a:.1f}" y="{24 + i * row}" width="{b - a:.1f}" '
+            f'height="{row - 1}" fill="#f8d0d0" stroke="#d00" stroke-dasharray="3,2">'
+            f"<title>{tip}</title></rect>"
+        )
     for ov in v.overlaps:
         i = observers.index(ov.observer)
         a, b = x(ov.b.first), max(x(min(ov.a.last, ov.b.last)), x(ov.b.first) + 3)
@@ -233,6 +265,7 @@ def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
                 kind,
                 k.observers,
                 k.failed,
+                _downtime_cell(v, kind),
                 _stop_cell(v, kind),
                 len(k.ignored),
                 f"{k.stalls} ({k.longest_stall:.2f}s)" if k.stalls else 0,
@@ -293,11 +326,13 @@ td:first-child, th:first-child {{ text-align: left; }}
 <p>One row per observer (those with findings first, in red), one bar per copy from its first
 witness record to its last, coloured by the process that ran it; arrow: running at the end; red
 cross: LOST, where its last copy's records end; red outline: two copies at once, or a copy that
-ran after its observer's delete; dashed lines: faults (hover for each).</p>
+ran after its observer's delete; pink with a dashed outline: UNAVAILABLE, no copy ran for longer
+than the faults explain; dashed lines: faults (hover for each).</p>
 <p>{legend}</p>
 <div class="scroll">{svg}</div>
 <h2>Per kind</h2>
-<table><tr><th>kind</th><th>observers</th><th>failed</th><th>stop after cancel s (p50/p99/max)</th>
+<table><tr><th>kind</th><th>observers</th><th>failed</th><th>downtime s</th>
+<th>stop after cancel s (p50/p99/max)</th>
 <th>ignored cancel</th><th>stalls (longest)</th><th>memory KiB/observer/min (grown)</th></tr>
 {rows}</table>
 <h2>Outputs</h2>

@@ -21,10 +21,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from contracts import witness
+from contracts.kinds import load_kinds
 from contracts.settings import CommonSettings
 from contracts.topology import Topology
 from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
+from orch_verify.availability import Availability, Lives, judge_availability
 from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import Verdict, copies_of, judge, running_at_end
@@ -236,11 +238,18 @@ async def _settle_and_judge(
         shutdown_timeout=options.shutdown_timeout,
         paused=campaign.paused,
     )
+    verdict.availability = await _availability(cluster, campaign, records, options)
+    verdict.zero = campaign.wall0 + campaign.began
     campaign.check_exits()
     verdict.names = dict(campaign.processes)
     verdict.exits = list(campaign.exits)
     verdict.api_failures = list(campaign.api_failures)
-    for observer in {o.observer for o in verdict.overlaps}:
+    judged = (
+        {o.observer for o in verdict.overlaps}
+        | {g.observer for g in verdict.availability.unavailable}
+        | {s.observer for s in verdict.availability.late_stops}
+    )
+    for observer in judged:
         rows = await cluster.q(
             "SELECT extract(epoch FROM e.at) AS at, e.event, e.epoch, s.name, e.detail "
             "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
@@ -256,6 +265,44 @@ async def _settle_and_judge(
         f"{p.name} (pid {p.pid})" for p in cluster.procs if witness.BROKEN in p.tail(100_000)
     ]
     return verdict, records
+
+
+async def _availability(
+    cluster: FaultCluster, campaign: Campaign, records: list[witness.Record], options: Options
+) -> Availability:
+    """The second half of the promise (``orch_verify/availability.py``): when each observer sat
+    unrun, against the faults applied and its own restarts."""
+    end = time.time()
+    events = await cluster.q(
+        "SELECT observer_id, event, extract(epoch FROM at) AS at FROM observer_events "
+        "WHERE event IN ('restarted', 'failed') ORDER BY at"
+    )
+    restarts: dict[str, list[float]] = {}
+    failed: dict[str, float] = {}
+    for e in events:
+        oid = str(e["observer_id"])
+        if e["event"] == "failed":
+            failed.setdefault(oid, float(e["at"]))
+        restarts.setdefault(oid, []).append(float(e["at"]))
+    specs = load_kinds(options.kind_modules)
+    ttl = float(cluster.env.get("ORCH_LEASE_TTL", "5"))
+    renew = float(cluster.env.get("ORCH_RENEW_INTERVAL", str(ttl / 5)))
+    lives = Lives(
+        created={str(o): t for o, t in campaign.created_at.items()},
+        deleted={str(o): t for o, t in campaign.deleted_at.items()},
+        failed=failed,
+        restarts=restarts,
+        policies={name: spec.restart_policy for name, spec in specs.items()},
+    )
+    return judge_availability(
+        records,
+        kinds={str(o): k for o, k in campaign.kinds.items()},
+        lives=lives,
+        faults=campaign.faults,
+        ttl=ttl,
+        renew_interval=renew,
+        end=end,
+    )
 
 
 def digest(schedule: list[Planned]) -> str:

@@ -1,0 +1,463 @@
+"""The second half of the promise, judged from the witness: every live observer always has a copy
+running, but for the moments a fault explains.
+
+An observer's *evidence* is every record of its copies that shows its code ran (``run``, ``fx``,
+``stall``). Between two pieces of evidence, and from its create to the first, no copy was seen
+running; less the observer's own *cadence* (how long its code normally waits between two
+resumptions: the 90th percentile of the intervals inside its copies), that is time it sat unrun.
+Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around it:
+
+- a fault that does not take the observer's holder (a broker restart or alarm, a leader kill, a
+  queue deleted, a link reset or blip, a drain or SIGTERM, which hand over gracefully) explains
+  nothing: the gap may be ``TOLERANCE`` at most;
+- a fault that takes its holder (kill, freeze, suspend, isolation, a database partition, the
+  lease session ended, a stall of its event loop; a slow link, which may cost the lease at any
+  moment of it) explains a gap until ``lease TTL + 2 s`` after the fault began (after it ended,
+  for a slow link), on the process that held the observer before the gap or ran it after;
+- while such a recovery is under way, a fault that blocks every service's recovery (the broker
+  stopped, the leader gone) extends it to ``lease TTL + 2 s`` after that fault ended;
+- a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
+- its own restart back-off, its delete and its failure are not gaps; a row of its locked from
+  outside explains its own wait until the lock ends.
+
+Anything beyond is ``UNAVAILABLE``. The mirror for deletes: once a delete was answered, every
+copy of the observer is asked to stop within ``TOLERANCE`` plus one lease renewal (the renewal
+backs up a lost cancel), later only while a fault kept the cancel from its holder.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+from contracts.kinds import RestartPolicy
+from contracts.witness import Record
+
+#: Seconds of unrun time no fault needs to explain (a move, a take, a busy core).
+TOLERANCE = 1.0
+#: Seconds after the bound of its lease TTL that a takeover may take (sweep, dispatch, take).
+RECOVERY = 2.0
+
+#: Faults that take the holder from the moment they begin (recovery counts from the start).
+TAKE_AT_START = frozenset(
+    {"kill", "crash_blip", "freeze", "suspend", "isolate", "db_partition", "lease_kill", "stall"}
+)
+#: Faults that may cost the holder its lease at any moment until they end.
+TAKE_AT_END = frozenset({"slow_link"})
+#: Faults that block every service's recovery until they end.
+BLOCK_RECOVERY = frozenset({"broker_restart", "leader"})
+#: Faults that block every publish, and so a new observer's first start, until they end.
+BLOCK_PUBLISH = frozenset({"broker_restart", "alarm", "leader"})
+#: Faults on a holder's links that can keep a cancel from it until they end.
+CUT_CANCEL = frozenset(
+    {
+        "freeze",
+        "suspend",
+        "isolate",
+        "db_partition",
+        "db_blip",
+        "lease_kill",
+        "slow_link",
+        "amqp_partition",
+        "broker_close",
+        "stall",
+        "broker_restart",
+        "queue_deleted",
+    }
+)
+#: Evidence that a copy's code ran.
+EVIDENCE = frozenset({"run", "fx", "stall"})
+
+
+@dataclass
+class Fault:
+    """A fault as applied: what, from when to when (wall time), on which service process (None:
+    the whole cluster), and for a row lock, which observer's row."""
+
+    name: str
+    start: float
+    end: float
+    pid: int | None = None
+    observer: str | None = None
+
+    def describe(self, zero: float) -> str:
+        where = f" on pid {self.pid}" if self.pid is not None else ""
+        span = f" to {self.end - zero:.2f}s" if self.end - self.start >= 0.05 else ""
+        return f"{self.name}{where} at {self.start - zero:.2f}s{span}"
+
+
+@dataclass(frozen=True)
+class Lives:
+    """When each observer lived, as the campaign saw its API answers and the history."""
+
+    #: Observer -> wall time its create was answered.
+    created: dict[str, float]
+    #: Observer -> wall time its delete was answered.
+    deleted: dict[str, float] = field(default_factory=dict)
+    #: Observer -> when it was marked failed (its own errors: not a gap from then on).
+    failed: dict[str, float] = field(default_factory=dict)
+    #: Observer -> when each restart of its copy was recorded, oldest first.
+    restarts: dict[str, list[float]] = field(default_factory=dict)
+    #: Kind -> its restart policy (how long each back-off may be).
+    policies: dict[str, RestartPolicy] = field(default_factory=dict)
+
+
+@dataclass
+class Gap:
+    """A stretch in which no copy of a live observer was seen running, beyond its cadence."""
+
+    observer: str
+    kind: str
+    start: float
+    end: float
+    #: Seconds unrun: the stretch less the observer's cadence.
+    unrun: float
+    #: Until when the faults around it explain it (wall time).
+    explained_until: float
+    #: The processes that ran it before and after (None: none).
+    before: int | None
+    after: int | None
+    #: The faults that explain it, and the others around it.
+    faults: list[Fault]
+
+    @property
+    def explained(self) -> bool:
+        return self.end <= self.explained_until
+
+    @property
+    def beyond(self) -> float:
+        """Seconds past what the faults explain."""
+        return max(0.0, self.end - self.explained_until)
+
+
+@dataclass
+class LateStop:
+    """A copy of a deleted observer asked to stop later than the delete allows."""
+
+    observer: str
+    kind: str
+    epoch: int
+    pid: int
+    #: Seconds from the delete's answer to the copy's stop (or its last step).
+    after: float
+    allowed: float
+
+
+@dataclass
+class KindDowntime:
+    observers: int = 0
+    #: Seconds its observers lived, and sat unrun (beyond their cadence), all gaps counted.
+    live: float = 0.0
+    unrun: float = 0.0
+    #: Of those, seconds no fault explains.
+    unexplained: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        return self.unrun / self.live if self.live > 0 else 0.0
+
+
+@dataclass
+class Availability:
+    #: Every gap longer than ``TOLERANCE``, explained or not.
+    gaps: list[Gap] = field(default_factory=list)
+    late_stops: list[LateStop] = field(default_factory=list)
+    downtime: dict[str, KindDowntime] = field(default_factory=dict)
+
+    @property
+    def unavailable(self) -> list[Gap]:
+        """Gaps no fault explains, longest past its explanation first."""
+        return sorted((g for g in self.gaps if not g.explained), key=lambda g: -g.beyond)
+
+    @property
+    def held(self) -> bool:
+        return not self.unavailable and not self.late_stops
+
+    def as_dict(self, zero: float) -> dict[str, Any]:
+        return {
+            "held": self.held,
+            "unavailable": [
+                {
+                    "observer": g.observer,
+                    "kind": g.kind,
+                    "from": round(g.start - zero, 3),
+                    "to": round(g.end - zero, 3),
+                    "unrun_seconds": round(g.unrun, 3),
+                    "beyond_seconds": round(g.beyond, 3),
+                    "faults": [f.describe(zero) for f in g.faults],
+                }
+                for g in self.unavailable
+            ],
+            "late_stops": [
+                {
+                    "observer": s.observer,
+                    "kind": s.kind,
+                    "epoch": s.epoch,
+                    "pid": s.pid,
+                    "after_seconds": round(s.after, 3),
+                    "allowed_seconds": round(s.allowed, 3),
+                }
+                for s in self.late_stops
+            ],
+            "gaps_over_tolerance": len(self.gaps),
+            "longest_gap_seconds": round(max((g.unrun for g in self.gaps), default=0.0), 3),
+            "downtime": {
+                kind: {
+                    "observers": d.observers,
+                    "live_seconds": round(d.live, 1),
+                    "unrun_seconds": round(d.unrun, 3),
+                    "unexplained_seconds": round(d.unexplained, 3),
+                }
+                for kind, d in sorted(self.downtime.items())
+            },
+        }
+
+    def lines(self, zero: float) -> list[str]:
+        out = []
+        for g in self.unavailable:
+            since = "its create" if g.before is None else f"pid {g.before}'s last step"
+            faults = "; ".join(f.describe(zero) for f in g.faults) or "no fault"
+            out.append(
+                f"UNAVAILABLE {g.kind} {g.observer}: no copy ran for {g.unrun:.2f}s, from "
+                f"{since} at {g.start - zero:.2f}s to {g.end - zero:.2f}s"
+                f"{f' (pid {g.after})' if g.after is not None else ' (none since)'}, "
+                f"{g.beyond:.2f}s past what the faults explain (around it: {faults})"
+            )
+        for s in self.late_stops:
+            out.append(
+                f"RAN AFTER DELETE {s.kind} {s.observer}: epoch {s.epoch} in process {s.pid} was "
+                f"stopped {s.after:.2f}s after its delete was answered (allowed {s.allowed:.2f}s)"
+            )
+        return out
+
+
+def judge_availability(
+    records: Sequence[Record],
+    *,
+    kinds: dict[str, str],
+    lives: Lives,
+    faults: Sequence[Fault],
+    ttl: float,
+    renew_interval: float,
+    end: float,
+) -> Availability:
+    """Gaps and late stops of every observer in ``kinds`` (observer -> kind), judged at ``end``
+    (wall time) against ``faults``; a stall of a process's event loop in ``records`` counts as
+    a fault on that process."""
+    faults = [*faults, *_stalls(records)]
+    evidence: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        if r.observer is not None and r.r in EVIDENCE:
+            evidence[r.observer].append(r)
+    out = Availability()
+    judge_ = _Judge(faults, ttl, renew_interval)
+    for observer, kind in kinds.items():
+        points = sorted(evidence.get(observer, []), key=lambda r: r.at)
+        downtime = out.downtime.setdefault(kind, KindDowntime())
+        downtime.observers += 1
+        born = lives.created.get(observer)
+        if born is None:
+            continue  # created outside the campaign: nothing to measure from
+        last = min(end, lives.deleted.get(observer, end), lives.failed.get(observer, end))
+        downtime.live += max(0.0, last - born)
+        policy = lives.policies.get(kind, RestartPolicy())
+        restarts = lives.restarts.get(observer, [])
+        for gap in judge_.gaps(observer, kind, points, born, last, restarts, policy):
+            downtime.unrun += gap.unrun
+            if gap.unrun > TOLERANCE:
+                out.gaps.append(gap)
+                if not gap.explained:
+                    downtime.unexplained += gap.beyond
+        if (deleted := lives.deleted.get(observer)) is not None:
+            out.late_stops += judge_.late_stops(observer, kind, records, deleted)
+    return out
+
+
+def _stalls(records: Iterable[Record]) -> list[Fault]:
+    """A step that held a process's event loop: a freeze of that process (``stall`` records are
+    stamped when the step ended)."""
+    return [
+        Fault("stall", r.at - float(r.detail.get("d", 0.0)), r.at, r.pid)
+        for r in records
+        if r.r == "stall"
+    ]
+
+
+def cadence(points: Sequence[Record]) -> float:
+    """How long the observer's code normally waits between two resumptions: the 90th percentile
+    of the intervals inside its copies (0: too few to tell)."""
+    by_copy: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for r in points:
+        by_copy[r.copy].append(r.at)
+    steps = sorted(b - a for ats in by_copy.values() for a, b in pairwise(ats))
+    if len(steps) < 3:
+        return 0.0
+    return steps[min(len(steps) - 1, round(0.9 * (len(steps) - 1)))]
+
+
+class _Judge:
+    def __init__(self, faults: Sequence[Fault], ttl: float, renew_interval: float) -> None:
+        self.faults = sorted(faults, key=lambda f: f.start)
+        self.ttl = ttl
+        self.renew_interval = renew_interval
+
+    def gaps(
+        self,
+        observer: str,
+        kind: str,
+        points: Sequence[Record],
+        born: float,
+        last: float,
+        restarts: Sequence[float],
+        policy: RestartPolicy,
+    ) -> list[Gap]:
+        """Every stretch of the observer's life from ``born`` to ``last`` without evidence,
+        with what explains it."""
+        step = cadence(points)
+        out: list[Gap] = []
+        before: Record | None = None
+        for r in [*points, None]:
+            start = born if before is None else before.at
+            stop = last if r is None else min(r.at, last)
+            if stop > start:
+                unrun = stop - start - (0.0 if before is None else step)
+                if unrun > 0:
+                    gap = Gap(
+                        observer,
+                        kind,
+                        start,
+                        stop,
+                        unrun,
+                        start,
+                        None if before is None else before.pid,
+                        None if r is None else r.pid,
+                        [],
+                    )
+                    self._explain(gap, step, restarts, policy)
+                    out.append(gap)
+            if r is not None and r.at >= last:
+                break
+            before = r
+        return out
+
+    def _explain(
+        self, gap: Gap, step: float, restarts: Sequence[float], policy: RestartPolicy
+    ) -> None:
+        """Until when the faults (and the observer's own restarts) explain ``gap``."""
+        until = gap.start + (0.0 if gap.before is None else step) + TOLERANCE
+        for n, at in enumerate(restarts, 1):  # its own error, then its back-off: no gap
+            if gap.start - TOLERANCE <= at <= gap.end:
+                backoff = policy.nominal_delay(n) + policy.base_delay
+                until = max(until, at + backoff + TOLERANCE)
+        initial = gap.before is None
+        pids = {p for p in (gap.before, gap.after) if p is not None}
+        used: list[Fault] = []
+        taken = False
+        changed = True
+        while changed:
+            changed = False
+            for f in self.faults:
+                if f in used or f.start > until or f.end + self.ttl + RECOVERY < gap.start:
+                    continue
+                bound = self._bound(f, gap, pids, initial=initial, taken=taken)
+                if bound is None:
+                    continue
+                used.append(f)
+                taken = taken or f.name in TAKE_AT_START | TAKE_AT_END
+                if bound > until:
+                    until, changed = bound, True
+        gap.explained_until = until
+        gap.faults = used + [
+            f
+            for f in self.faults
+            if f not in used and gap.start - 5 <= f.start <= gap.end and f.name != "churn"
+        ]
+
+    def _bound(
+        self, f: Fault, gap: Gap, pids: set[int], *, initial: bool, taken: bool
+    ) -> float | None:
+        """Until when ``f`` explains ``gap`` (None: it does not)."""
+        recovered = self.ttl + RECOVERY
+        holder = initial or f.pid in pids
+        if f.name in TAKE_AT_START and holder:
+            return f.start + recovered
+        if f.name in TAKE_AT_END and holder:
+            return f.end + recovered
+        if f.name in BLOCK_RECOVERY and taken:
+            return f.end + recovered
+        if f.name in BLOCK_PUBLISH and initial:
+            return f.end + recovered
+        if f.name == "row_lock" and f.observer == gap.observer:
+            return f.end + TOLERANCE
+        return None
+
+    def late_stops(
+        self, observer: str, kind: str, records: Sequence[Record], deleted: float
+    ) -> list[LateStop]:
+        """Copies of a deleted observer that ran past the delete's answer and were asked to stop
+        (or stopped, or ran their last step) later than a fault on their holder explains."""
+        first: dict[tuple[str, int, int], float] = {}
+        last: dict[tuple[str, int, int], float] = {}
+        stopped: dict[tuple[str, int, int], float] = {}
+        for r in records:
+            if r.observer != observer:
+                continue
+            if r.r in EVIDENCE:
+                first.setdefault(r.copy, r.at)
+                last[r.copy] = r.at
+            elif r.r in ("stop", "end") and r.copy not in stopped:
+                stopped[r.copy] = r.at
+        out = []
+        for copy, at in last.items():
+            if at <= deleted + TOLERANCE:
+                continue
+            _, epoch, pid = copy
+            stop = stopped.get(copy, at)
+            allowed = self._cancel_reaches(pid, deleted)
+            if stop > allowed:
+                out.append(LateStop(observer, kind, epoch, pid, stop - deleted, allowed - deleted))
+        return out
+
+    def _cancel_reaches(self, pid: int, deleted: float) -> float:
+        """Until when a cancel answered at ``deleted`` may take to reach the copy on ``pid``: a
+        renewal at most, or a renewal after a fault that cut the holder off ends (a holder cut
+        off longer than its lease fences itself)."""
+        renewal = self.renew_interval + TOLERANCE
+        until = deleted + renewal
+        changed = True
+        used: list[Fault] = []
+        while changed:
+            changed = False
+            for f in self.faults:
+                if f in used or f.name not in CUT_CANCEL or f.start > until:
+                    continue
+                if f.pid not in (None, pid) or f.end < deleted - self.ttl:
+                    continue
+                used.append(f)
+                bound = min(f.end, f.start + self.ttl) + renewal
+                if f.name in ("freeze", "suspend", "stall"):
+                    bound = f.end + renewal  # it cannot run meanwhile, and wakes to a renewal
+                if bound > until:
+                    until, changed = bound, True
+        return until
+
+
+def downtime_line(a: Availability) -> str:
+    """One line: unrun time per kind, as a share of the time its observers lived."""
+    parts = [
+        f"{kind} {d.unrun:.1f}s of {d.live:.0f}s ({100 * d.fraction:.2f} %"
+        + (f", {d.unexplained:.1f}s unexplained" if d.unexplained else "")
+        + ")"
+        for kind, d in sorted(a.downtime.items())
+        if d.live > 0
+    ]
+    longest = max((g.unrun for g in a.gaps), default=0.0)
+    median = statistics.median([g.unrun for g in a.gaps]) if a.gaps else 0.0
+    return (
+        f"downtime (no copy running, beyond each observer's cadence): {', '.join(parts) or '-'}; "
+        f"{len(a.gaps)} gap(s) over {TOLERANCE:.0f}s, median {median:.2f}s, longest {longest:.2f}s"
+    )

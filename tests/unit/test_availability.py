@@ -1,0 +1,154 @@
+"""The availability judge (``orch_verify/availability.py``): gaps with no copy running, what
+explains them, and deleted observers stopped late; from hand-made witness records."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from contracts.kinds import RestartPolicy
+from contracts.witness import Record
+from orch_verify.availability import (
+    TOLERANCE,
+    Availability,
+    Fault,
+    Lives,
+    cadence,
+    downtime_line,
+    judge_availability,
+)
+
+OID = "11111111-1111-1111-1111-111111111111"
+TTL = 5.0
+
+
+def ticks(pid: int, epoch: int, start: float, stop: float, every: float = 0.1) -> list[Record]:
+    """A copy resuming every ``every`` seconds from ``start`` to ``stop``."""
+    n = round((stop - start) / every)
+    return [Record("run", OID, epoch, "svc", pid, start + i * every, {}) for i in range(n + 1)]
+
+
+def judged(records: list[Record], faults: Sequence[Fault] = (), **lives: Any) -> Availability:
+    end = lives.pop("end", max(r.at for r in records) + 0.05)
+    return judge_availability(
+        records,
+        kinds={OID: "k"},
+        lives=Lives(created={OID: lives.pop("created", 0.0)}, **lives),
+        faults=list(faults),
+        ttl=TTL,
+        renew_interval=1.0,
+        end=end,
+    )
+
+
+def test_a_copy_that_runs_all_along_has_no_gap_and_its_cadence_is_not_one() -> None:
+    slow = ticks(10, 1, 0.1, 30.0, every=3.0)
+    assert cadence(slow) == pytest.approx(3.0)
+    a = judged(slow)
+    assert a.gaps == []
+    assert a.held
+    assert a.downtime["k"].unrun < 0.2
+
+
+def test_a_move_within_the_tolerance_is_no_finding_and_a_longer_one_unexplained_is() -> None:
+    quick = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 5.6, 10.0)]
+    assert judged(quick).held
+    slow = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 8.0, 10.0)]
+    a = judged(slow)
+    (gap,) = a.unavailable
+    assert (gap.before, gap.after) == (10, 20)
+    assert gap.unrun == pytest.approx(2.9, abs=0.01)
+    assert gap.beyond == pytest.approx(8.0 - (5.0 + 0.1 + TOLERANCE), abs=0.01)
+    assert not a.held
+    assert a.lines(0.0)[0].startswith("UNAVAILABLE k " + OID + ": no copy ran for 2.90s")
+
+
+def test_a_kill_of_the_holder_explains_a_gap_up_to_the_lease_ttl_and_two_seconds() -> None:
+    kill = Fault("kill", 5.05, 5.05, pid=10)
+    within = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 11.5, 14.0)]
+    assert judged(within, [kill]).held
+    beyond = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 13.0, 14.0)]
+    (gap,) = judged(beyond, [kill]).unavailable
+    assert gap.explained_until == pytest.approx(5.05 + TTL + 2)
+    assert gap.faults == [kill]
+    # A kill of another service explains nothing of this observer's gap.
+    other = Fault("kill", 5.05, 5.05, pid=30)
+    assert not judged(within, [other]).held
+
+
+@pytest.mark.parametrize("name", ["alarm", "broker_restart", "leader", "queue_deleted"])
+def test_a_fault_that_does_not_take_the_holder_explains_no_gap(name: str) -> None:
+    """The copy runs on through it (the lease, not the broker, proves it the only one)."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(10, 1, 8.0, 10.0)]
+    assert not judged(records, [Fault(name, 4.0, 20.0)]).held
+
+
+def test_a_blocking_fault_extends_a_recovery_under_way_until_it_ends() -> None:
+    """A holder killed while the broker is stopped: its observers come back once the broker is
+    back, within the lease TTL and two seconds of that."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 20.0, 21.0)]
+    kill = Fault("kill", 5.05, 5.05, pid=10)
+    broker = Fault("broker_restart", 4.0, 15.0)
+    assert judged(records, [kill, broker]).held
+    assert not judged(records, [kill]).held
+    # An alarm blocks publishers, not deliveries: failover must run through it.
+    assert not judged(records, [kill, Fault("alarm", 4.0, 15.0)]).held
+
+
+def test_a_slow_link_may_cost_the_lease_until_it_ends() -> None:
+    records = [*ticks(10, 1, 0.1, 12.0), *ticks(20, 2, 17.0, 18.0)]
+    assert judged(records, [Fault("slow_link", 2.0, 13.0, pid=10)]).held
+    assert not judged(records, [Fault("db_blip", 2.0, 13.0, pid=10)]).held
+
+
+def test_a_stall_of_the_event_loop_is_a_freeze_of_its_process() -> None:
+    stall = Record("stall", "22222222-2222-2222-2222-222222222222", 1, "svc", 10, 9.0, {"d": 4.0})
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 10.0, 11.0), stall]
+    a = judged(records)
+    assert a.held, a.lines(0.0)
+
+
+def test_its_own_restart_back_off_is_not_a_gap() -> None:
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(10, 1, 9.0, 10.0)]
+    policy = RestartPolicy(base_delay=1.0, max_delay=60.0)
+    # The third restart waits 4 s (plus a jitter of up to the base delay).
+    own = judged(records, restarts={OID: [1.0, 2.0, 5.0]}, policies={"k": policy})
+    assert own.held, own.lines(0.0)
+    assert not judged(records).held
+
+
+def test_a_create_is_running_within_the_tolerance_unless_every_publish_is_blocked() -> None:
+    late = ticks(10, 1, 3.0, 5.0)
+    (gap,) = judged(late, created=0.5).unavailable
+    assert gap.before is None
+    assert judged(late, [Fault("alarm", 0.0, 1.5)], created=0.5).held
+
+
+def test_a_delete_ends_the_observers_life_and_its_copies_must_stop_in_time() -> None:
+    deleted = 5.0
+    stopped = [*ticks(10, 1, 0.1, 5.2), Record("stop", OID, 1, "svc", 10, 5.05, {})]
+    a = judged(stopped, deleted={OID: deleted}, end=30.0)
+    assert a.held, "no gap after its delete, and its copy was asked to stop at once"
+    # A copy that ran on, with no stop asked, for 7 s after the delete was answered.
+    late = [*ticks(10, 1, 0.1, 12.0), Record("stop", OID, 1, "svc", 10, 12.0, {})]
+    (s,) = judged(late, deleted={OID: deleted}, end=30.0).late_stops
+    assert (s.epoch, s.pid) == (1, 10)
+    assert s.after == pytest.approx(7.0)
+    assert s.allowed == pytest.approx(1.0 + TOLERANCE)
+    # The same, frozen meanwhile: it could hear of the delete only once resumed.
+    freeze = Fault("freeze", 4.0, 11.5, pid=10)
+    assert judged(late, [freeze], deleted={OID: deleted}, end=30.0).held
+    # A kind that goes on for a while once asked to stop is the kind's (its stop time).
+    polite = [*ticks(10, 1, 0.1, 8.0), Record("stop", OID, 1, "svc", 10, 5.1, {})]
+    assert judged(polite, deleted={OID: deleted}, end=30.0).held
+
+
+def test_downtime_is_told_per_kind() -> None:
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 8.0, 10.0)]
+    line = downtime_line(judged(records, [Fault("kill", 5.05, 5.05, pid=10)]))
+    assert line.startswith(
+        "downtime (no copy running, beyond each observer's cadence): k 3.0s of 10s"
+    )
+    assert "1 gap(s) over 1s" in line
