@@ -239,6 +239,9 @@ class OutboxMessage(Base):
 
     __table_args__ = (
         Index("ix_outbox_created_at", "created_at"),
+        # A service's directed starts, read by its lease renewal when the broker did not
+        # deliver them (a broker alarm).
+        Index("ix_outbox_service", "service_id", postgresql_where=text("route = 'service'")),
         CheckConstraint(
             "route IN (" + ", ".join(f"'{r.value}'" for r in Route) + ")", name="route_valid"
         ),

@@ -132,6 +132,19 @@ async def closable_channel(connection: AbstractConnection) -> AbstractChannel:
     raise BrokerUnavailable("no free channel number for a probe")
 
 
+def publishing_blocked(connection: AbstractConnection | None) -> bool:
+    """Whether the broker told this connection it blocks it (``connection.blocked``: a memory
+    or disk alarm, after the connection published). A blocked connection sends nothing at all
+    until the alarm ends, so a publish or a question on it would only wait. aiormq keeps the
+    state in its connection's ``connection.unblocked`` event, which it exposes nowhere else;
+    where that is not found, the answer is False (the calls' own timeouts still bound them)."""
+    transport = getattr(connection, "transport", None)
+    unblocked = getattr(
+        getattr(transport, "connection", None), "_Connection__connection_unblocked", None
+    )
+    return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
+
+
 def broker_version(connection: AbstractConnection) -> tuple[int, ...]:
     """The broker's version from the connection's server properties, (0,) when unknown."""
     transport = getattr(connection, "transport", None)

@@ -86,17 +86,21 @@ async def reachable_slots(
 
 
 def place(
-    free: dict[uuid.UUID, int], needs: Sequence[repo.Needs], runs: dict[uuid.UUID, repo.Runs]
+    free: dict[uuid.UUID, int],
+    needs: Sequence[repo.Needs],
+    runs: dict[uuid.UUID, repo.Runs],
+    prefer: Collection[uuid.UUID] | None = None,
 ) -> list[uuid.UUID | None]:
     """Targets for observers with these ``needs``: of the services in ``free`` that can run
-    one (``runs``: its pool, its kinds), the one with the most free slots first; None (the
-    pool's work queue) once none of them has room."""
+    one (``runs``: its pool, its kinds), those in ``prefer`` first (found on the broker: the
+    start reaches them at once), then the one with the most free slots; None (the pool's work
+    queue) once none of them has room."""
     slots = dict(free)
     out: list[uuid.UUID | None] = []
     for need in needs:
-        able = [sid for sid in slots if runs.get(sid, repo.Runs()).can(need)]
-        best = max(able, key=lambda k: slots[k], default=None)
-        if best is None or slots[best] <= 0:
+        able = [sid for sid in slots if slots[sid] > 0 and runs.get(sid, repo.Runs()).can(need)]
+        best = max(able, key=lambda k: (prefer is None or k in prefer, slots[k]), default=None)
+        if best is None:
             out.append(None)
             continue
         slots[best] -= 1
@@ -115,21 +119,23 @@ async def redispatch(
     placed_only: bool = False,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
-    live service of its pool with room that runs its kind, chosen here from the leases, the
-    control queues and the kinds advertised, not by the broker (``present``: the services found
-    on the broker just before this transaction); to its pool's work queue when none has room.
-    ``placed_only``: those that no such service has room for are left as they are."""
+    live service of its pool with room that runs its kind, chosen here from the leases and the
+    kinds advertised, not by the broker; those on the broker first (``present``: found there
+    just before this transaction), since one cut off from it reads its directed starts from the
+    database at its next lease renewal (so does any service while a broker alarm blocks the
+    publish); to its pool's work queue when none has room. ``placed_only``: those that no such
+    service has room for are left as they are."""
     if not ids:
         return []
     # A trace of its own (a root): the starts it sends are taken in it.
     with tracing.span(
         f"{by} re-dispatch", attributes=lambda: {"orch.reason": why, "orch.observers": len(ids)}
     ):
-        free = await reachable_slots(tx, present, margin)
+        free = await repo.free_slots(tx, margin)
         needs = await repo.needs_of(tx, ids)
         runs = await repo.kinds_run(tx, list(free))
         wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
-        targets = dict(zip(ids, place(free, wanted, runs), strict=True))
+        targets = dict(zip(ids, place(free, wanted, runs, prefer=present), strict=True))
         if placed_only:
             ids = [i for i in ids if targets[i] is not None]
         starts = await repo.new_dispatches(tx, ids, why)
@@ -184,11 +190,14 @@ class Sweeper:
     too. Their processing observers are re-dispatched, their on_deleting ones deleted; but of a
     service proven gone, those that came by the work queue (``observers.queued_epoch``) are left to
     the broker, which requeued their deliveries when the connection closed, for
-    ``requeue_grace`` seconds, and after that for as long as their pool takes something every
-    ``requeue_grace`` seconds (the services are working through the requeue), up to
-    ``requeue_patience``: re-dispatching them too made each a stale message to drop and a
-    second start to send (at fleet size, half the observers a crash moved; with a fixed grace,
-    a quarter of those five crashes moved, which the services took 5 to 26 s to work through)."""
+    ``requeue_grace`` seconds, and after that for as long as some of that service's observers
+    were taken in the last ``requeue_grace`` seconds (the services are working through its
+    requeue), up to ``requeue_patience``: re-dispatching them too made each a stale message to
+    drop and a second start to send (at fleet size, half the observers a crash moved; with a
+    fixed grace, a quarter of those five crashes moved, which the services took 5 to 26 s to
+    work through). A requeue that stopped progressing is stuck (its deliveries went to a
+    consumer that does not take them: a frozen service) and waits no longer, whatever else its
+    pool takes."""
 
     store: ManagerStore
     box: Outbox
@@ -203,6 +212,8 @@ class Sweeper:
     requeue_patience: float = 60.0
     #: Services seen gone in the last sweep (id -> when, monotonic).
     suspects: dict[uuid.UUID, float] = field(default_factory=dict)
+    #: Dead services holding observers: how many, and when that last fell (monotonic).
+    requeues: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
 
     async def once(self) -> int:
         # Three short transactions around the broker probes: a probe may wait for its timeout
@@ -227,7 +238,10 @@ class Sweeper:
                 )
                 self.metrics.swept.labels("process_gone").inc()
             orphans = await repo.orphans(
-                tx, grace=self.requeue_grace, patience=self.requeue_patience
+                tx,
+                grace=self.requeue_grace,
+                patience=self.requeue_patience,
+                progressing=self._progressing(await repo.held_by_dead(tx)),
             )
             await repo.complete_stops(
                 tx, [o.id for o in orphans if o.status in STOPPING], "holder gone"
@@ -239,7 +253,7 @@ class Sweeper:
         if moving:
             log.warning("re-dispatching %d observers of dead services", len(moving))
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
-        await self.box.publish_now(pending)
+        self.box.publish_soon(pending)
         return len(orphans) + await self._place_waiting(present)
 
     async def _place_waiting(self, present: Collection[uuid.UUID]) -> int:
@@ -250,7 +264,7 @@ class Sweeper:
         async with self.store.transaction() as tx:
             if not await repo.any_waiting(tx):
                 return 0
-            free = await reachable_slots(tx, present, self.margin)
+            free = await repo.free_slots(tx, self.margin)
             ids = await repo.waiting(tx, (await repo.kinds_run(tx, list(free))).values())
             pending = await redispatch(
                 tx,
@@ -265,8 +279,18 @@ class Sweeper:
         if pending:
             log.info("sending %d waiting observers to services that run their kind", len(pending))
             self.metrics.redispatches.labels("kind_found").inc(len(pending))
-        await self.box.publish_now(pending)
+        self.box.publish_soon(pending)
         return len(pending)
+
+    def _progressing(self, held: dict[uuid.UUID, int]) -> list[uuid.UUID]:
+        """The dead services whose observers were taken in the last ``requeue_grace`` seconds
+        (one first seen counts from then)."""
+        now = time.monotonic()
+        before, self.requeues = self.requeues, {}
+        for sid, n in held.items():
+            count, since = before.get(sid, (n + 1, now))
+            self.requeues[sid] = (n, now if n < count else since)
+        return [s for s, (_, since) in self.requeues.items() if now - since < self.requeue_grace]
 
     def _gone(
         self, ended: list[uuid.UUID], probed: dict[uuid.UUID, bool | None]
@@ -371,7 +395,7 @@ class Audit:
         if ids:
             log.warning("audit re-dispatched %d observers whose start message was stuck", len(ids))
             self.metrics.redispatches.labels("stuck").inc(len(ids))
-        await self.box.publish_now(pending)
+        self.box.publish_soon(pending)
         return len(ids)
 
     def _forget(self, now: float) -> None:

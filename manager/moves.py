@@ -98,5 +98,5 @@ class Mover:
         if pending:
             log.info("moving %d observers to where they now belong", len(pending))
             self.metrics.moves.labels("move").inc(len(pending))
-        await self.box.publish_now(pending)
+        self.box.publish_soon(pending)
         return len(pending)

@@ -30,6 +30,7 @@ class Outbox:
         self.publisher = publisher
         self._published: list[int] = []  # confirmed, to be deleted by delete_published
         self._in_flight: set[int] = set()  # being published here, not yet confirmed
+        self._soon: set[asyncio.Task[None]] = set()  # publish_soon's
 
     async def _publish(self, rows: Sequence[Pending]) -> list[int]:
         results = await asyncio.gather(*map(self._deliver, rows), return_exceptions=True)
@@ -70,6 +71,28 @@ class Outbox:
             self._published.extend(done)  # the list as it is now: a cleanup may have replaced it
         finally:
             self._in_flight -= ids
+
+    def publish_soon(self, rows: Sequence[Pending]) -> None:
+        """``publish_now`` in a task of its own: a leader loop goes on with its next round while
+        the broker confirms (a confirm held by an alarm would hold the loop; whatever is not
+        confirmed stays for the relay, and the services read their directed starts from the
+        outbox meanwhile)."""
+        if not rows:
+            return
+        task = asyncio.get_running_loop().create_task(self.publish_now(rows), name="publish")
+        self._soon.add(task)
+        task.add_done_callback(self._published_soon)
+
+    def _published_soon(self, task: asyncio.Task[None]) -> None:
+        self._soon.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("publishing outbox records failed (the relay retries them): %r", exc)
+
+    async def stop(self) -> None:
+        """Cancel the publishes still under way (their records stay for the relay)."""
+        for task in list(self._soon):
+            task.cancel()
+        await asyncio.gather(*self._soon, return_exceptions=True)
 
     async def delete_published(self) -> int:
         """Delete confirmed rows; they stay in the relay's skip list until the delete commits."""

@@ -9,7 +9,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 
-import aiormq.abc
+import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 
@@ -34,6 +34,7 @@ from contracts.topology import (
     declare_work_queue,
     finish_anyway,
     publish_outputs,
+    publishing_blocked,
     service_present,
 )
 
@@ -45,7 +46,14 @@ CLOSE_TIMEOUT = 5.0
 class Publisher:
     """One connection to one node of the broker (``ORCH_AMQP_URL`` may list several); when it
     is lost, the publisher connects again, to the next node that answers, until closed. Until
-    then every call raises BrokerUnavailable: the outbox keeps what was not confirmed."""
+    then every call raises BrokerUnavailable: the outbox keeps what was not confirmed.
+
+    The leader's questions (is a service's control queue there, how many starts are ready) go
+    on a *lookout* connection of their own, which publishes nothing: a broker alarm blocks a
+    connection once it publishes, and a blocked connection sends nothing at all, so on the
+    publishing connection they would wait for the alarm's end. While the broker blocks the
+    publishing connection, a publish fails at once (the outbox keeps it; the services read
+    their directed starts from the outbox meanwhile)."""
 
     def __init__(
         self,
@@ -61,6 +69,7 @@ class Publisher:
         self._died = died
         self.topology = settings.topology
         self._connection: AbstractConnection | None = None
+        self._lookout: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._sender: Sender | None = None
         self._reconnecting: asyncio.Task[None] | None = None
@@ -88,6 +97,7 @@ class Publisher:
                 timeout=10,
                 client_properties={"connection_name": f"{self.topology.prefix} manager"},
             )
+            lookout: AbstractConnection | None = None
             try:
                 version = broker_version(connection)
                 channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
@@ -98,19 +108,30 @@ class Publisher:
                     queue_type=self.settings.queue_type,
                     consumer_timeout_ms=self.settings.consumer_timeout_ms,
                 )
+                lookout = await aio_pika.connect(
+                    self._url,
+                    timeout=10,
+                    client_properties={
+                        "connection_name": f"{self.topology.prefix} manager lookout"
+                    },
+                )
             except BaseException:
-                await connection.close()
+                for c in (connection, lookout):
+                    if c is not None:
+                        with contextlib.suppress(Exception):
+                            await c.close()
                 raise
         if self._closing:  # a reconnect that outlived the close
-            with contextlib.suppress(Exception):
-                await connection.close()
+            for c in (connection, lookout):
+                with contextlib.suppress(Exception):
+                    await c.close()
             return
         self.version = version
         self._pools = {DEFAULT_POOL}
-        self._connection, self._channel = connection, channel
+        self._connection, self._channel, self._lookout = connection, channel, lookout
         self._sender = Sender(channel, self.topology)
-        connection.close_callbacks.add(self._lost)
-        channel.close_callbacks.add(self._lost)
+        for closing in (connection, channel, lookout):
+            closing.close_callbacks.add(self._lost)
 
     def _lost(self, _sender: object = None, exc: BaseException | None = None) -> None:
         """The connection or its channel closed: connect again (once at a time)."""
@@ -130,10 +151,10 @@ class Publisher:
             self._died(task)
 
     async def _reconnect(self) -> None:
-        old = self._connection
-        if old is not None and not old.is_closed:
-            with contextlib.suppress(Exception):
-                await old.close()  # a channel closed alone: start afresh
+        for old in (self._connection, self._lookout):
+            if old is not None and not old.is_closed:
+                with contextlib.suppress(Exception):
+                    await old.close()  # a channel or one connection closed alone: afresh
         backoff = Backoff(0.1, 2.0)
         while not self._closing:
             try:
@@ -155,6 +176,7 @@ class Publisher:
         that has vanished goes to the work queue instead. Raises BrokerUnavailable."""
         if self._sender is None:
             raise BrokerUnavailable("publisher not started")
+        self._unblocked()
         if to.pool not in self._pools:  # a pool's first start: its queue may not exist yet
             await self._declare(to.pool, unless_done=True)
         try:
@@ -170,7 +192,17 @@ class Publisher:
         channel = self._channel
         if channel is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
+        self._unblocked()
         await publish_outputs(channel, self.topology, commits)
+
+    @property
+    def blocked(self) -> bool:
+        """The broker blocks this publisher's connection now (a memory or disk alarm)."""
+        return publishing_blocked(self._connection)
+
+    def _unblocked(self) -> None:
+        if self.blocked:
+            raise BrokerUnavailable("the broker blocks publishers (a memory or disk alarm)")
 
     async def _declare(self, pool: str = DEFAULT_POOL, *, unless_done: bool = False) -> None:
         """Declare the topology again on the open channel (for another pool: that pool's work
@@ -200,13 +232,6 @@ class Publisher:
             except (StartupError, BrokerRefused) as exc:
                 log.error("the work queue of pool %r cannot be declared: %s", pool, exc)
 
-    async def _raw(self) -> aiormq.abc.AbstractChannel:
-        # Straight to the AMQP channel: aio-pika's declare_queue may hand back a queue object
-        # it cached, with the message count of its first declaration.
-        if self._channel is None or not self.connected:
-            raise BrokerUnavailable("broker connection is down")
-        return await self._channel.get_underlay_channel()
-
     async def work_queue_ready(self, pool: str = DEFAULT_POOL) -> int:
         """Messages ready (not delivered) in a pool's work queue. Another pool's is asked on a
         channel of its own: a queue nobody declared yet (0) must not close the publishing
@@ -218,13 +243,8 @@ class Publisher:
                 return await finish_anyway(self._ready(pool))
 
     async def _ready(self, pool: str) -> int:
-        if pool == DEFAULT_POOL:
-            raw = await self._raw()
-            ok = await raw.queue_declare(self.topology.work_queue, passive=True)
-            return int(ok.message_count or 0)
-        if self._connection is None or not self.connected:
-            raise BrokerUnavailable("broker connection is down")
-        channel = await closable_channel(self._connection)
+        # A channel of its own: a queue nobody declared yet (0) must not close another one.
+        channel = await closable_channel(self._looking())
         try:
             queue = await channel.declare_queue(self.topology.work_queue_of(pool), passive=True)
             return int(queue.declaration_result.message_count or 0)
@@ -234,13 +254,19 @@ class Publisher:
             if not channel.is_closed:
                 await channel.close()
 
+    def _looking(self) -> AbstractConnection:
+        """The lookout connection, for questions."""
+        lookout = self._lookout
+        if lookout is None or lookout.is_closed or not self.connected:
+            raise BrokerUnavailable("broker connection is down")
+        return lookout
+
     async def service_present(self, service_id: uuid.UUID) -> bool:
         """Whether a service's broker connection lives (its control queue exists)."""
-        if self._connection is None or not self.connected:
-            raise BrokerUnavailable("broker connection is down")
+        lookout = self._looking()
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
-                return await service_present(self._connection, self.topology, service_id)
+                return await service_present(lookout, self.topology, service_id)
 
     async def close(self) -> None:
         self._closing = True
@@ -249,6 +275,10 @@ class Publisher:
             task.cancel()
             # Bounded: a connect caught in its TCP handshake can outlast its cancel.
             await asyncio.wait({task}, timeout=CLOSE_TIMEOUT)
+        if self._lookout is not None:
+            with contextlib.suppress(BrokerUnavailable), broker_errors():
+                async with asyncio.timeout(CLOSE_TIMEOUT):
+                    await self._lookout.close()
         if self._connection is not None:
             # Bounded: a close caught in the middle of a reconnect can wait on a connect that
             # never completes (seen once in CI: a manager's shutdown hung for five minutes).

@@ -228,11 +228,14 @@ FIRST_MOVING = (
     "SELECT o.id FROM observers o WHERE o.moved_at IS NOT NULL ORDER BY o.moved_at LIMIT 1"
 )
 MOVED = "UPDATE observers SET moved_at = NULL WHERE id = ANY(:ids) AND moved_at IS NOT NULL"
-LOCK_WITH_HOLDER = f"""
-SELECT o.status, o.service_id, o.pool, COALESCE({live_service("s")}, false) AS live
-  FROM observers o LEFT JOIN services s ON s.id = o.service_id
- WHERE o.id = :id FOR UPDATE OF o
-"""
+# An observer's row, locked; then, in a statement of its own, whether its holder lives. Joined in
+# one statement, a lock that waited for a take re-checked the taken row against the holder it had
+# read before the wait: the join failed, the holder looked gone, and a delete or pause answered
+# at once while the new copy ran on.
+LOCK = "SELECT o.status, o.service_id, o.pool FROM observers o WHERE o.id = :id FOR UPDATE"
+HOLDER_LIVE = (
+    f"SELECT COALESCE((SELECT {live_service('s')} FROM services s WHERE s.id = :sid), false)"
+)
 SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
 # Being stopped by a holder that is gone: complete the stop (deleted, paused).
 COMPLETE_STOPS = (
@@ -307,16 +310,23 @@ def _gone_within(secs: str) -> str:
 
 
 # Not those that came by the work queue to a service proven gone less than :grace seconds
-# ago, or less than :patience seconds ago while their pool still takes (:taking): the broker
-# requeued their deliveries, and the services are working through them.
+# ago, or less than :patience seconds ago while its observers are still being taken
+# (:progressing): the broker requeued their deliveries, and the services are working through
+# them.
 ORPHANS = f"""
 SELECT o.id, o.status FROM observers o
  WHERE o.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("o.status", HELD)}
    AND (o.queued_epoch = o.epoch AND o.status = {_v(S.PROCESSING)}
         AND (o.service_id = ANY(ARRAY({_gone_within(":grace")}))
-             OR (o.pool = ANY(:taking)
+             OR (o.service_id = ANY(CAST(:progressing AS uuid[]))
                  AND o.service_id = ANY(ARRAY({_gone_within(":patience")}))))) IS NOT TRUE
    FOR UPDATE OF o SKIP LOCKED
+"""
+# How many live observers each of :dead still holds, where it holds any (from the counts).
+HELD_BY_DEAD = f"""
+SELECT c.service_id, CAST(sum(c.n) AS bigint) AS n FROM observer_counts c
+ WHERE c.service_id = ANY(CAST(:dead AS uuid[])) AND {sql_in("c.status", HELD)}
+ GROUP BY c.service_id HAVING sum(c.n) > 0
 """
 # Whether a dead service still holds a live observer: the sweeper's look before anything
 # costly, four times a second, from the counts the triggers keep. On the observers, the generic
@@ -411,14 +421,6 @@ IDLE_POOLS = f"""
 SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
                     UNION SELECT 'default') AS p(pool)
  WHERE {_last_take("p.pool")} IS NULL
-"""
-# The pools of the services among :dead proven gone less than :patience seconds ago where
-# something was taken in the last :g seconds.
-TAKING_POOLS = f"""
-SELECT p.pool FROM (SELECT DISTINCT pool FROM services WHERE id = ANY(CAST(:dead AS uuid[]))
-                       AND gone_at > clock_timestamp() - make_interval(secs => :patience))
-       AS p(pool)
- WHERE {_last_take("p.pool")} IS NOT NULL
 """
 # Of the pools :pools.
 UNHELD_STUCK = f"""

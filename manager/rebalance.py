@@ -292,5 +292,5 @@ class Rebalancer:
                 len(moves) - len(handoffs),
                 len(moves),
             )
-        await self.box.publish_now(pending)
+        self.box.publish_soon(pending)
         return len(pending)

@@ -283,11 +283,24 @@ async def list_events(
     return observer, [_row(r) for r in rows]
 
 
-async def _lock(tx: Tx, observer_id: uuid.UUID) -> Row:
-    row = await tx.row(q.LOCK_WITH_HOLDER, id=observer_id)
+@dataclass(frozen=True)
+class Locked:
+    """An observer's row, locked until the transaction ends, and whether its holder lives (read
+    after the lock was granted: a take that committed meanwhile is seen with its holder)."""
+
+    status: ObserverStatus
+    service_id: uuid.UUID | None
+    pool: str
+    live: bool
+
+
+async def _lock(tx: Tx, observer_id: uuid.UUID) -> Locked:
+    row = await tx.row(q.LOCK, id=observer_id)
     if row is None:
         raise NotFound(f"no observer with id {observer_id}")
-    return row
+    sid = row.service_id
+    live = sid is not None and bool(await tx.value(q.HOLDER_LIVE, sid=sid))
+    return Locked(ObserverStatus(row.status), sid, row.pool, live)
 
 
 async def _stop(
@@ -470,18 +483,30 @@ async def declare_gone(tx: Tx, ids: list[uuid.UUID]) -> list[Row]:
     return await tx.rows(q.DECLARE_GONE, ids=ids) if ids else []
 
 
-async def orphans(tx: Tx, grace: float = 0.0, patience: float = 0.0) -> list[Row]:
+async def orphans(
+    tx: Tx,
+    grace: float = 0.0,
+    patience: float = 0.0,
+    progressing: Collection[uuid.UUID] = (),
+) -> list[Row]:
     """Observers held by a dead service: their id and status, locked; but not those running
     that came by the work queue to a service proven gone (the broker requeued their
     deliveries) less than ``grace`` seconds ago, or less than ``patience`` seconds ago while
-    their pool took something in the last ``grace`` seconds."""
+    its observers are still being taken (``progressing``)."""
     dead = await tx.values(q.DEAD_SERVICES)
     if not dead:
         return []
-    taking = (
-        await tx.values(q.TAKING_POOLS, dead=dead, patience=patience, g=grace) if patience else []
+    return await tx.rows(
+        q.ORPHANS, dead=dead, grace=grace, patience=patience, progressing=list(progressing)
     )
-    return await tx.rows(q.ORPHANS, dead=dead, grace=grace, patience=patience, taking=taking)
+
+
+async def held_by_dead(tx: Tx) -> dict[uuid.UUID, int]:
+    """How many live observers each dead service still holds (those holding any)."""
+    dead = await tx.values(q.DEAD_SERVICES)
+    if not dead:
+        return {}
+    return {r.service_id: int(r.n) for r in await tx.rows(q.HELD_BY_DEAD, dead=dead)}
 
 
 async def any_orphan(tx: Tx) -> bool:

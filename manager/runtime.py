@@ -331,6 +331,7 @@ class ManagerRuntime:
                     STOP_TIMEOUT,
                     where.getvalue(),
                 )
+        await self.outbox.stop()
         with contextlib.suppress(Transient, TimeoutError):
             async with asyncio.timeout(STOP_TIMEOUT):
                 if self.settings.background:

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +204,11 @@ class InMemoryStore:
         return row
 
     async def compare_and_set(
-        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+        self,
+        decision: Decision,
+        rows: Sequence[Seen],
+        queued: Collection[uuid.UUID] = (),
+        dispatches: Mapping[uuid.UUID, uuid.UUID] | None = None,
     ) -> Written:
         self._up("compare_and_set")
         epochs: dict[uuid.UUID, int] = {}
@@ -222,6 +226,7 @@ class InMemoryStore:
                 row.epoch += 1
                 row.handoff_to = row.waiting = None
                 row.queued_epoch = row.epoch if row.id in queued else None
+                row.dispatch_id = (dispatches or {}).get(row.id, row.dispatch_id)
                 row.events.append("taken")
                 resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:
@@ -353,6 +358,13 @@ class InMemoryStore:
     async def held_count(self) -> int:
         self._up("held_count")
         return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
+
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
+        self._up("mark_queued")
+        for copy, yes in marks.items():
+            row = self.rows.get(copy.observer_id)
+            if self._mine(row, copy) and row is not None:
+                row.queued_epoch = row.epoch if yes else None
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
         self._up("control_facts")

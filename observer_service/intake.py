@@ -74,6 +74,10 @@ class Host(Protocol):
 
     def add_runner(self, runner: Runner) -> None: ...
 
+    def adopted(self, runner: Runner) -> None:
+        """A redelivery of a running copy's start was adopted as its delivery."""
+        ...
+
     def cancel(self, observer_id: uuid.UUID) -> None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
@@ -164,6 +168,7 @@ class Intake:
         ):
             # Its session closed while the copy went on: this redelivery is its start now.
             existing.ctx.logger.info("adopted its redelivered start message")
+            self.host.adopted(existing)
             return
         if not self.host.accepting():
             await self.settler.settle(start, origin, Settlement.REQUEUE)

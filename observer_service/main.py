@@ -98,6 +98,7 @@ async def serve(
         connect_timeout=max(1.0, timings.ttl / 2),
         kinds={name: spec.advert() for name, spec in kinds.items()},
         pool=settings.pool,
+        directed_after=timings.renew_interval,
     )
     service = ObserverService(
         service_id=service_id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -163,10 +163,13 @@ class ErrorRecord:
 
 @dataclass(frozen=True)
 class Renewal:
-    """What a lease renewal learned: own observers being deleted, and whether to drain."""
+    """What a lease renewal learned: own observers being deleted, whether to drain, and the
+    directed starts the leader wrote for this service that the broker has not delivered (by
+    outbox record id)."""
 
     deleting: list[uuid.UUID]
     draining: bool
+    directed: dict[int, StartMessage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,10 +203,16 @@ class TakeRows(Protocol):
         ...
 
     async def compare_and_set(
-        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+        self,
+        decision: Decision,
+        rows: Sequence[Seen],
+        queued: Collection[uuid.UUID] = (),
+        dispatches: Mapping[uuid.UUID, uuid.UUID] | None = None,
     ) -> Written:
         """Write ``decision`` (one of ``take.WRITES``) to every row still as seen; a take from a
-        live holder also needs the holder to still name the lock key seen."""
+        live holder also needs the holder to still name the lock key seen. ``queued``: takes
+        whose start came by a work-queue delivery; ``dispatches``: the dispatch of the start
+        each take runs (the row's from then on; by default the row's own)."""
         ...
 
 
@@ -248,6 +257,10 @@ class Store(TakeRows, Protocol):
     async def reconcile(self, running: set[uuid.UUID]) -> int: ...
 
     async def held_count(self) -> int: ...
+
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
+        """Whether each copy holds a live work-queue delivery (``queries.MARK_QUEUED``)."""
+        ...
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
         """This service's draining flag and the named observers' rows, with one read by key."""

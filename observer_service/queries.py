@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from contracts.errors import TRACEBACK_START
+from contracts.routing import Route
 from contracts.statuses import (
     HELD,
     LIVE,
@@ -111,7 +112,9 @@ SELECT o.id, o.status, o.dispatch_id, o.service_id, o.epoch, o.name, o.kind, o.p
 """
 
 # $1 ids, $2 me, $3 what was seen of each row: {"<id>": {"epoch", "dispatch_id", "status",
-# "holder", "detail", "holder_key", "pool", "kind_version", "queued"}}, holder_key being the
+# "holder", "detail", "holder_key", "pool", "kind_version", "queued", "take_dispatch"}},
+# take_dispatch being the dispatch of the start a take runs (the row's from then on: a start
+# whose dispatch was replaced may take an observer nobody runs), holder_key being the
 # live holder's lock key found free (null unless taking from a live holder); pool and version
 # too, since a move changes them without a new dispatch (a take decided before the move does not
 # land); queued (a take's alone): the start came by a work-queue delivery, not directed.
@@ -143,6 +146,7 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
+    f"dispatch_id = ({_AS_SEEN} ->> 'take_dispatch')::uuid, "
     "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "
     f"queued_epoch = CASE WHEN ({_AS_SEEN} ->> 'queued')::boolean THEN o.epoch + 1 END",
     f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
@@ -229,6 +233,18 @@ def copy_key(observer_id: object, epoch: int) -> str:
     """How $3 of COMMIT and RELEASE names one copy."""
     return f"{observer_id}:{epoch}"
 
+
+# $1 ids, $2 me, $3 {"<id>:<epoch>": true or false}: whether each copy holds a live work-queue
+# delivery (the sweeper leaves a gone service's queued observers to the broker's requeue). A
+# copy loses its delivery with its broker session (requeued, or gone with a deleted queue) and
+# gets one back when a redelivery is adopted. Bookkeeping only: a locked row is skipped.
+MARK_QUEUED = f"""
+WITH free AS (SELECT o.id FROM observers o WHERE {_MY_BATCH}
+                 FOR NO KEY UPDATE OF o SKIP LOCKED)
+UPDATE observers o
+   SET queued_epoch = CASE WHEN ($3::jsonb -> {_COPY})::boolean THEN o.epoch END
+ WHERE {_MY_BATCH} AND o.id = ANY(ARRAY(SELECT free.id FROM free))
+"""
 
 # $1 id, $2 me, $3 epoch, $4 error, $5 reset_after (s), $6 max_restarts. Restarts are counted
 # in a window that heals: after reset_after seconds without one, the count starts again. A row
@@ -329,11 +345,13 @@ RETURNING s.draining
 """
 
 # $1 me, $2 ttl, $3 the renewing session's lock key, $4 kind code blocked the loop lately (the
-# stall mark stays: a service whose kinds block its loop is never taken over fast). Only an
-# unexpired lease is renewed: one found expired (a suspend, a pause longer than the lease) may
-# have had its observers taken, so the service fences and rejoins instead. The observers being
-# stopped come as JSON text: a uuid[] would cost a new session two more round trips (asyncpg
-# introspects the array type), and a session is renewed on a slow link too.
+# stall mark stays: a service whose kinds block its loop is never taken over fast), $5 seconds
+# after which a directed start the leader wrote for me is read here, the broker not having
+# delivered it (publishers blocked by an alarm; ``ix_outbox_service``). Only an unexpired lease
+# is renewed: one found expired (a suspend, a pause longer than the lease) may have had its
+# observers taken, so the service fences and rejoins instead. The observers being stopped and
+# the directed starts come as JSON text: a uuid[] would cost a new session two more round
+# trips (asyncpg introspects the array type), and a session is renewed on a slow link too.
 RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
@@ -342,7 +360,11 @@ UPDATE services
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
 RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE service_id = $1 AND {sql_in("status", STOPPING)}),
-          draining
+          draining,
+          (SELECT coalesce(json_agg(json_build_array(x.id, x.body)), '[]')::text FROM outbox x
+            WHERE x.route = '{Route.SERVICE.value}' AND x.service_id = $1
+              AND x.body ->> 'type' = 'start'
+              AND x.created_at < clock_timestamp() - make_interval(secs => $5))
 """
 
 LEAVE = """

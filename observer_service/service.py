@@ -31,6 +31,7 @@ from contracts.messages import (
     DirectedStart,
     DrainMessage,
     HandoffMessage,
+    StartMessage,
     UndrainMessage,
 )
 from contracts.pools import DEFAULT_POOL
@@ -40,10 +41,11 @@ from contracts.tracing import Carrier
 from contracts.witness import Witness
 from observer_service.admission import Admission
 from observer_service.control import ControlChecks, cancel_confirmed, handoff_confirmed
+from observer_service.deliveries import QueuedMarks
 from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
-from observer_service.origin import DIRECTED
+from observer_service.origin import DIRECTED, Queued
 from observer_service.outputs import OutputPublisher
 from observer_service.ports import (
     Broker,
@@ -123,6 +125,9 @@ class ObserverService:
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
         self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
         self.checks = ControlChecks(store)
+        self.marks = QueuedMarks(store.mark_queued)
+        #: Outbox records of directed starts already taken from the database (newest kept).
+        self._directed_seen: dict[int, None] = {}
         self._release = Batcher(self._release_batch)
         self.stalls = StallWatch(
             config.loop_stall,
@@ -179,6 +184,7 @@ class ObserverService:
                 ("output-publisher", self.outputs.run()),
                 ("release-writer", self._release.run()),
                 ("control-checks", self.checks.reads.run()),
+                ("delivery-marks", self.marks.run()),
                 ("broker", self._broker_loop()),
                 ("renewals", self._renewals()),
                 ("recovery", self._recovery()),
@@ -287,12 +293,29 @@ class ObserverService:
                 self.metrics.reconnects.inc()
             self.session = session
             await session.closed.wait()
+            self._deliveries_lost()
             self.metrics.channel_closes.labels(session.close_reason).inc()
             if self.runners:
                 log.warning(
                     "broker session closed: %d observers go on under the lease", len(self.runners)
                 )
             await session.close()
+
+    def _deliveries_lost(self) -> None:
+        """The copies whose delivery ended with the session run on as directed (their start is
+        published anew when they stop), and the database learns they hold no delivery: the
+        broker requeued it (another service may drop it as a duplicate) or it is gone with a
+        deleted queue, and the leader must not wait for a requeue to move them after a crash."""
+        lost = [
+            r for r in self.runners.values() if isinstance(r.origin, Queued) and not r.origin.live
+        ]
+        for runner in lost:
+            runner.origin = DIRECTED
+        self.marks.lost(r.copy for r in lost)
+
+    def adopted(self, runner: Runner) -> None:
+        """A redelivery of the copy's start is its delivery again."""
+        self.marks.adopted(runner.copy)
 
     def broker(self) -> BrokerSession | None:
         s = self.session
@@ -502,6 +525,7 @@ class ObserverService:
             renewal = await self.lease.renewals.get()
             for oid in renewal.deleting:
                 self.cancel(oid)
+            self._directed_by_database(renewal.directed)
             if renewal.draining and not self._lately(self._undrained_at):
                 self.drain()
             elif not renewal.draining and self.draining and not self._lately(self._drained_at):
@@ -509,6 +533,19 @@ class ObserverService:
             if self.clock.now() - checked >= self.config.check_every:
                 checked = self.clock.now()
                 await self._check_held()
+
+    def _directed_by_database(self, starts: dict[int, StartMessage]) -> None:
+        """Directed starts the leader wrote for this service that the broker has not delivered
+        (its publishers blocked by an alarm): taken from the database, once each. A delivery
+        that comes later is a duplicate for the take rule."""
+        for record, start in starts.items():
+            if record in self._directed_seen or not self.accepting():
+                continue
+            self._directed_seen[record] = None
+            if len(self._directed_seen) > 10_000:
+                del self._directed_seen[next(iter(self._directed_seen))]
+            log.info("observer %s: its directed start read from the database", start.observer_id)
+            self.spawn(self.intake.admit(start, DIRECTED), f"directed-{start.observer_id}")
 
     def _lately(self, since: float | None) -> bool:
         """Within a lease's length of ``since`` (an undrain, a drain): a renewal's ``draining``

@@ -12,15 +12,17 @@ import logging
 import os
 import secrets
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
+from pydantic import ValidationError
 
 from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
 from contracts.kinds import RestartPolicy
+from contracts.messages import DirectedStart, StartMessage
 from contracts.outputs import Committed
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
@@ -55,7 +57,11 @@ class PgStore:
         return {row["id"]: _seen(row) for row in rows}
 
     async def compare_and_set(
-        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+        self,
+        decision: Decision,
+        rows: Sequence[Seen],
+        queued: Collection[uuid.UUID] = (),
+        dispatches: Mapping[uuid.UUID, uuid.UUID] | None = None,
     ) -> Written:
         """One statement for the batch (``queries.TAKE`` or ``COMPLETE_STOP``), which skips a
         locked row: the new epoch of every row written, and every row found as seen."""
@@ -78,6 +84,7 @@ class PgStore:
                 "pool": r.pool,
                 "kind_version": r.kind_version,
                 "queued": r.observer_id in queued,
+                "take_dispatch": str((dispatches or {}).get(r.observer_id, r.dispatch_id)),
             }
             for r in rows
         }
@@ -191,6 +198,17 @@ class PgStore:
     async def held_count(self) -> int:
         with database_errors():
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
+
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
+        if not marks:
+            return
+        with database_errors():
+            await self.pool.execute(
+                q.MARK_QUEUED,
+                list({c.observer_id for c in marks}),
+                self.me,
+                json.dumps({q.copy_key(*c): yes for c, yes in marks.items()}),
+            )
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
         with database_errors():
@@ -349,6 +367,8 @@ class PgLeaseSession:
     row: tuple[object, ...]
     #: Called when the session ends by itself (not when we close it).
     on_end: Callable[[], None]
+    #: Seconds after which a renewal reads the directed starts the broker did not deliver.
+    directed_after: float = 1.0
     _closing: bool = False
 
     def __post_init__(self) -> None:
@@ -381,11 +401,21 @@ class PgLeaseSession:
     async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
         with self._errors():
             row = await self.conn.fetchrow(
-                q.RENEW, self.service_id, ttl, self.lock_key, stalled, timeout=timeout
+                q.RENEW,
+                self.service_id,
+                ttl,
+                self.lock_key,
+                stalled,
+                self.directed_after,
+                timeout=timeout,
             )
         if row is None:
             return None
-        return Renewal(deleting=[uuid.UUID(i) for i in json.loads(row[0])], draining=bool(row[1]))
+        return Renewal(
+            deleting=[uuid.UUID(i) for i in json.loads(row[0])],
+            draining=bool(row[1]),
+            directed=_directed(json.loads(row[2])),
+        )
 
     async def held(self, timeout: float) -> set[Copy]:
         with self._errors():
@@ -409,6 +439,18 @@ class PgLeaseSession:
         self.conn.terminate()
 
 
+def _directed(records: list[list[Any]]) -> dict[int, StartMessage]:
+    """The directed starts among outbox records ``[id, body]`` (a body this release cannot read
+    is left to the broker)."""
+    out = {}
+    for record_id, body in records:
+        try:
+            out[int(record_id)] = DirectedStart.model_validate(body).start()
+        except ValidationError as exc:
+            log.warning("a directed start in the outbox could not be read: %s", exc)
+    return out
+
+
 class PgLeaseDatabase:
     def __init__(
         self,
@@ -422,8 +464,10 @@ class PgLeaseDatabase:
         connect_timeout: float,
         kinds: dict[str, Any] | None = None,
         pool: str = DEFAULT_POOL,
+        directed_after: float = 1.0,
     ) -> None:
         self.dsn = dsn
+        self.directed_after = directed_after
         self.service_id = service_id
         #: The row it joins with; its kinds as JSON text (one round trip: no type introspection).
         self._row = (name, worker_count, host, os.getpid(), version, json.dumps(kinds or {}), pool)
@@ -443,4 +487,6 @@ class PgLeaseDatabase:
             except BaseException:
                 conn.terminate()
                 raise
-        return PgLeaseSession(conn, lock_key, self.service_id, self._row, on_end)
+        return PgLeaseSession(
+            conn, lock_key, self.service_id, self._row, on_end, self.directed_after
+        )

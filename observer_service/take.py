@@ -78,7 +78,7 @@ def decide(
     """
     if not facts.exists:
         return Decision.DROP_MISSING
-    if not facts.dispatch_current:
+    if not facts.dispatch_current and not _stale_may_run(facts, me=me, running_here=running_here):
         return Decision.DROP_STALE
     if facts.status is ObserverStatus.FAILED:
         return Decision.DROP_FAILED
@@ -108,6 +108,22 @@ def decide(
     if facts.holder_off_broker is None:
         return Decision.PROBE
     return take if facts.holder_off_broker else Decision.WAIT
+
+
+def _stale_may_run(facts: Facts, *, me: uuid.UUID, running_here: bool) -> bool:
+    """A start whose dispatch was replaced may still start an observer that nobody runs: the
+    newer start has not been taken (it may be unpublished while the broker blocks publishers,
+    or waiting at a service with no room), and the take is a compare-and-set on the epoch, so
+    whichever start comes first runs it, once. Dropping it instead left the observer unrun until
+    the newer start got through (a whole broker alarm), or for ever where the leader kept
+    replacing the starts in flight."""
+    if facts.status not in (ObserverStatus.CREATED, ObserverStatus.PROCESSING):
+        return False
+    if not facts.belongs_here:
+        return False
+    if facts.holder == me:
+        return not running_here
+    return facts.holder is None or not facts.holder_live
 
 
 class Departed:

@@ -70,6 +70,7 @@ async def take_many(
                 decision,
                 [row for _, _, row in batch],
                 queued={req.observer_id for _, req, _ in batch if req.queued},
+                dispatches={req.observer_id: req.start.dispatch_id for _, req, _ in batch},
             )
             for i, req, row in batch:
                 epoch = written.epochs.get(row.observer_id)

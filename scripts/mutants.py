@@ -358,11 +358,11 @@ MUTANTS = [
     Mutant(
         "sweeper: a gone service's queued observers left to the requeue for the grace alone",
         "manager/background.py",
-        "tx, grace=self.requeue_grace, patience=self.requeue_patience",
-        "tx, grace=self.requeue_grace",
+        "                patience=self.requeue_patience,\n",
+        "                patience=0.0,\n",
         (
             "tests/integration/test_sweeper.py::"
-            "test_queued_observers_wait_while_their_pool_works_through_the_requeue",
+            "test_queued_observers_wait_while_their_services_requeue_is_worked_through",
         ),
     ),
     Mutant(

@@ -7,11 +7,9 @@ Judged from the observers' own tick logs (written outside the fenced path)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 
 import aio_pika
 import pytest
@@ -21,7 +19,14 @@ from contracts.topology import service_present
 from orch_bench.ticklog import largest_gaps, read_ticks
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
-from tests.support.faults import LEASE_BACKEND, assert_no_overlap, queue_counts, rabbitmqctl, via
+from tests.support.faults import (
+    LEASE_BACKEND,
+    assert_no_overlap,
+    memory_alarm,
+    queue_counts,
+    rabbitmqctl,
+    via,
+)
 
 #: The largest tick gap a running observer may show through a broker fault, seconds.
 MAX_GAP = 1.0
@@ -252,18 +257,6 @@ async def test_a_deleted_work_queue_loses_no_observer(cluster: Cluster) -> None:
     )
     assert_no_overlap(cluster.tick_dir)
     print(f"all {len(every)} observers ticking {ran_at - deleted_at:.2f} s after the delete")
-
-
-@contextlib.contextmanager
-def memory_alarm() -> Iterator[None]:
-    """A memory alarm on the shared broker (publishers blocked) for a while; the watermark put
-    back exactly as it was, whatever happens."""
-    was = rabbitmqctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
-    try:
-        rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        yield
-    finally:
-        rabbitmqctl("eval", f"vm_memory_monitor:set_vm_memory_high_watermark({was}).")
 
 
 IDLE_IN_TX = (

@@ -262,10 +262,19 @@ async def test_without_room_a_take_is_not_written(world: World) -> None:
     assert await world.row(start.observer_id) == (S.CREATED, None, 0)
 
 
-async def test_a_stale_dispatch_is_dropped(world: World) -> None:
+async def test_a_stale_dispatch_runs_an_observer_nobody_runs_and_only_that(world: World) -> None:
+    """The first start to come takes it, under its own dispatch: the newer one is dropped."""
     start = await world.observer()
     stale = StartMessage(observer_id=start.observer_id, dispatch_id=uuid.uuid4())
-    assert (await take(world, stale)).decision is Decision.DROP_STALE
+    taken = await take(world, stale)
+    assert taken.decision is Decision.TAKE
+    assert taken.taken is not None
+    assert taken.taken.dispatch_id == stale.dispatch_id
+    assert await world.row(start.observer_id) == (S.PROCESSING, world.store.me, 1)
+    holder = await world.service()
+    other = await world.observer(status=S.PROCESSING, holder=holder, epoch=3)
+    old = StartMessage(observer_id=other.observer_id, dispatch_id=uuid.uuid4())
+    assert (await take(world, old)).decision is Decision.DROP_STALE
 
 
 @pytest.mark.parametrize(

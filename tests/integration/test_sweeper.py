@@ -33,7 +33,7 @@ class _Broker:
 
 
 class _Box:
-    async def publish_now(self, _pending: Any) -> None:
+    def publish_soon(self, _pending: Any) -> None:
         return None
 
 
@@ -167,38 +167,71 @@ async def test_of_a_service_proven_gone_only_directed_observers_are_redispatched
     await _redispatched(conn, sweeper, queued, "the requeue's grace to end")
 
 
-async def test_queued_observers_wait_while_their_pool_works_through_the_requeue(
+async def _queued(conn: asyncpg.Connection, holder: uuid.UUID | None) -> uuid.UUID:
+    """An observer running as it came by the work queue (its delivery held), on ``holder``."""
+    oid = uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch, "
+        "queued_epoch, started_at) VALUES ($1, $2, 'ticker', 'processing', $3, $4, 1, "
+        "CASE WHEN $4::uuid IS NULL THEN NULL ELSE 1 END, now())",
+        oid,
+        f"o-{oid}",
+        uuid.uuid4(),
+        holder,
+    )
+    return oid
+
+
+async def test_queued_observers_wait_while_their_services_requeue_is_worked_through(
     db: tuple[asyncpg.Connection, ManagerStore],
 ) -> None:
     """Past the grace, a gone service's queued observer is still left to the requeue while its
-    pool takes something every grace (five crashes' requeue took the services 26 s to work
+    other observers are being taken (five crashes' requeue took the services 26 s to work
     through; re-dispatching what was not taken after a fixed 5 s re-sent a quarter of it);
-    once nothing was taken for a grace, it is re-dispatched."""
+    once none was taken for a grace, it is re-dispatched."""
     conn, store = db
     sid, _ = await _held_by_a_live_service(conn)
-    queued, busy = uuid.uuid4(), uuid.uuid4()
-    for oid, holder_id, queued_epoch in ((queued, sid, 1), (busy, None, None)):
-        await conn.execute(
-            "INSERT INTO observers (id, name, kind, status, dispatch_id, service_id, epoch, "
-            "queued_epoch, started_at) VALUES ($1, $2, 'ticker', 'processing', $3, $4, 1, $5, "
-            "now())",
-            oid,
-            f"o-{oid}",
-            uuid.uuid4(),
-            holder_id,
-            queued_epoch,
-        )
+    queued = await _queued(conn, sid)
+    others = [await _queued(conn, sid) for _ in range(20)]
+    taker, _ = await _held_by_a_live_service(conn)
     grace = 0.5
     sweeper = await _gone(conn, _requeue_sweeper(store, grace=grace, patience=30.0), sid)
-    # Four graces of the pool taking something (another observer started) a few times each.
+    # Four graces of its requeue being taken, a few observers each grace.
     until = asyncio.get_running_loop().time() + 4 * grace
     while asyncio.get_running_loop().time() < until:
-        await conn.execute("UPDATE observers SET started_at = now() WHERE id = $1", busy)
+        await conn.execute(
+            "UPDATE observers SET service_id = $2, epoch = epoch + 1 WHERE id = $1",
+            others.pop(),
+            taker,
+        )
         await sweeper.once()
-        assert await _holder(conn, queued) == sid, "re-dispatched while its pool takes"
+        assert await _holder(conn, queued) == sid, "re-dispatched while its requeue is taken"
         await asyncio.sleep(grace / 5)
 
-    await _redispatched(conn, sweeper, queued, "a grace without a take")
+    await _redispatched(conn, sweeper, queued, "a grace without a take of its observers")
+
+
+async def test_a_requeue_stuck_at_a_frozen_consumer_waits_no_longer_than_the_grace(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """The dead service's requeued deliveries went to a consumer that takes nothing (a service
+    frozen at the same moment). Its pool goes on taking other observers: the requeue waited for
+    that, up to a minute; it waits only while the dead service's own observers are taken."""
+    conn, store = db
+    sid, _ = await _held_by_a_live_service(conn)
+    queued = await _queued(conn, sid)
+    busy = await _queued(conn, None)
+    grace = 0.5
+    sweeper = await _gone(conn, _requeue_sweeper(store, grace=grace, patience=30.0), sid)
+    began = asyncio.get_running_loop().time()
+
+    async def done() -> bool:
+        await conn.execute("UPDATE observers SET started_at = now() WHERE id = $1", busy)
+        await sweeper.once()
+        return await _holder(conn, queued) is None
+
+    await wait_for(done, timeout=5, what="the stuck requeue's observer re-dispatched")
+    assert asyncio.get_running_loop().time() - began < 4 * grace
 
 
 async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
@@ -220,9 +253,9 @@ async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
     assert facts["holder_live"]
     assert facts["holder_lock_free"] is False, "a taker would take from a stalled holder"
     key = await conn.fetchval("SELECT lock_key FROM services WHERE id = $1", sid)
-    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, True) is not None
+    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, True, 1.0) is not None
     assert await conn.fetchval("SELECT stalled_since FROM services WHERE id = $1", sid), "kept"
-    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, False) is not None
+    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, False, 1.0) is not None
     assert await conn.fetchval("SELECT stalled_since FROM services WHERE id = $1", sid) is None
     facts = await conn.fetchrow(service_queries.FACTS, [oid], uuid.uuid4())
     assert facts is not None

@@ -61,6 +61,30 @@ def broker_env(**values: int) -> Iterator[None]:
                 rabbitmqctl("eval", f"application:unset_env(rabbit, {key}).")
 
 
+@contextlib.contextmanager
+def memory_alarm() -> Iterator[None]:
+    """A memory alarm on the shared broker (publishers blocked) for a while; the watermark put
+    back exactly as it was, whatever happens."""
+    was = rabbitmqctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
+    try:
+        rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        yield
+    finally:
+        rabbitmqctl("eval", f"vm_memory_monitor:set_vm_memory_high_watermark({was}).")
+
+
+@contextlib.contextmanager
+def disk_alarm() -> Iterator[None]:
+    """A disk alarm on the shared broker (publishers blocked): a free-disk limit above what the
+    disk has, put back exactly as it was, whatever happens."""
+    was = rabbitmqctl("eval", "rabbit_disk_monitor:get_disk_free_limit().").strip()
+    try:
+        rabbitmqctl("set_disk_free_limit", "1000000GB")
+        yield
+    finally:
+        rabbitmqctl("eval", f"rabbit_disk_monitor:set_disk_free_limit({was}).")
+
+
 def queue_counts(prefix: str) -> tuple[int, int]:
     """(ready, unacked) of the work queue, from the broker itself."""
     out = rabbitmqctl("-q", "list_queues", "name", "messages_ready", "messages_unacknowledged")

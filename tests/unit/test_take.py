@@ -19,13 +19,37 @@ def run(facts: Facts, *, redelivered: bool = False, here: bool = False) -> D:
 
 
 def live(status: S, holder: uuid.UUID | None = None, **kw: object) -> Facts:
-    return Facts(exists=True, status=status, dispatch_current=True, holder=holder, **kw)  # type: ignore[arg-type]
+    kw.setdefault("dispatch_current", True)
+    return Facts(exists=True, status=status, holder=holder, **kw)  # type: ignore[arg-type]
 
 
-def test_missing_and_stale_are_dropped() -> None:
+def test_missing_is_dropped() -> None:
     assert run(Facts(exists=False)) is D.DROP_MISSING
-    stale = Facts(exists=True, status=S.CREATED, dispatch_current=False)
-    assert run(stale) is D.DROP_STALE
+
+
+@pytest.mark.parametrize("status", [S.CREATED, S.PROCESSING])
+def test_a_stale_start_runs_an_observer_nobody_runs(status: S) -> None:
+    """Its newer start has not been taken (unpublished in a broker alarm, or waiting at a full
+    service): whichever start comes first takes it, the epoch's compare-and-set once."""
+    assert run(replace(live(status), dispatch_current=False)) is D.TAKE
+    gone = live(status, OTHER, holder_live=False, dispatch_current=False)
+    assert run(gone) is D.TAKE
+    fenced_here = live(status, ME, holder_live=True, dispatch_current=False)
+    assert run(fenced_here, here=False) is D.TAKE
+    no_room = replace(live(status), dispatch_current=False)
+    assert decide(no_room, me=ME, redelivered=False, running_here=False, room=False) is D.NO_ROOM
+
+
+def test_a_stale_start_is_dropped_where_a_copy_runs_or_it_must_not_run_here() -> None:
+    def stale(status: S, holder: uuid.UUID | None = None, **kw: object) -> Facts:
+        return live(status, holder, dispatch_current=False, **kw)
+
+    assert run(stale(S.PROCESSING, OTHER, holder_live=True)) is D.DROP_STALE
+    assert run(stale(S.PROCESSING, OTHER, holder_live=True), redelivered=True) is D.DROP_STALE
+    assert run(stale(S.PROCESSING, ME, holder_live=True), here=True) is D.DROP_STALE
+    assert run(stale(S.CREATED, belongs_here=False)) is D.DROP_STALE
+    for status in (S.DELETED, S.PAUSED, S.FAILED, S.ON_DELETING, S.PAUSING):
+        assert run(stale(status)) is D.DROP_STALE
 
 
 @pytest.mark.parametrize("status", [S.CREATED, S.PROCESSING])

@@ -4,7 +4,7 @@ and read again what changed in between, as it runs on PostgreSQL."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from contracts.statuses import ObserverStatus as S
 from observer_service.fakes import FakeService, InMemoryStore
@@ -31,10 +31,14 @@ class Meddling:
         return seen
 
     async def compare_and_set(
-        self, decision: Decision, rows: Sequence[Seen], queued: Collection[uuid.UUID] = ()
+        self,
+        decision: Decision,
+        rows: Sequence[Seen],
+        queued: Collection[uuid.UUID] = (),
+        dispatches: Mapping[uuid.UUID, uuid.UUID] | None = None,
     ) -> Written:
         self.writes.append((decision, [r.observer_id for r in rows]))
-        return await self.store.compare_and_set(decision, rows, queued)
+        return await self.store.compare_and_set(decision, rows, queued, dispatches)
 
 
 def request(store: InMemoryStore, oid: uuid.UUID, *, redelivered: bool = False) -> StartRequest:

@@ -1,0 +1,61 @@
+"""Which running copies hold a live work-queue delivery, as the database must know it.
+
+When a service is proven gone, the leader leaves the observers whose copies came by the work
+queue to the broker, which requeued their deliveries as the connection closed
+(``observers.queued_epoch``). A copy loses its delivery with its broker session, though: the
+broker requeues it and another service may drop it as a duplicate, or it is gone for good with
+a deleted work queue. Then nothing is left to requeue, and the leader must not wait for it. So
+the holder writes what it knows: a session's end unmarks its copies, an adopted redelivery marks
+its copy again. Marks are written in order, the newest for a copy winning, by one task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+from contracts.backoff import Backoff
+from contracts.errors import Transient
+from observer_service.ports import Copy
+
+log = logging.getLogger(__name__)
+
+Write = Callable[[Mapping[Copy, bool]], Awaitable[None]]
+
+
+class QueuedMarks:
+    def __init__(self, write: Write) -> None:
+        self._write = write
+        self._pending: dict[Copy, bool] = {}
+        self._ready = asyncio.Event()
+
+    def lost(self, copies: Iterable[Copy]) -> None:
+        """These copies' deliveries ended with their broker session."""
+        for copy in copies:
+            self._mark(copy, False)
+
+    def adopted(self, copy: Copy) -> None:
+        """This copy holds a redelivery of its start again."""
+        self._mark(copy, True)
+
+    def _mark(self, copy: Copy, queued: bool) -> None:
+        self._pending[copy] = queued
+        self._ready.set()
+
+    async def run(self) -> None:
+        """Write the marks as they come (a supervised side task). A mark that cannot be written
+        now is kept, unless a newer one for the same copy came meanwhile."""
+        backoff = Backoff(0.05, 2.0)
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            marks, self._pending = self._pending, {}
+            try:
+                await self._write(marks)
+                backoff.reset()
+            except Transient as exc:
+                log.info("could not write which copies hold a delivery (%s); again soon", exc)
+                self._pending = {**marks, **self._pending}
+                self._ready.set()
+                await asyncio.sleep(backoff.next())

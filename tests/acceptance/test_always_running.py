@@ -1,0 +1,209 @@
+"""The second half of the promise: a live observer is never left unrun for longer than the fault
+explains (a fault that takes its holder: the lease TTL and two seconds), whatever the broker is
+doing. Judged from the observers' own ticks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import aio_pika
+
+from contracts.topology import Topology
+from orch_bench.ticklog import failover_gaps, read_ticks
+from tests.support.cluster import Cluster, Proc, wait_for
+from tests.support.faults import assert_no_overlap, disk_alarm, memory_alarm
+
+#: Seconds a takeover may take after its holder was lost: the lease TTL of the test cluster
+#: (``tests/support/cluster.py``) and two seconds.
+BOUND = 2.0 + 2.0
+
+
+async def _work_queue(cluster: Cluster) -> tuple[int, int]:
+    """(messages ready, consumers) of the work queue, as the broker declares it now."""
+    connection = await aio_pika.connect(cluster.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(Topology(cluster.prefix).work_queue, passive=True)
+        result = queue.declaration_result
+        return int(result.message_count or 0), int(result.consumer_count or 0)
+
+
+async def _delete_work_queue_and_wait(cluster: Cluster, services: int) -> None:
+    """The work queue deleted from outside (an operator, a policy): its unacked deliveries go
+    with it. Every service declares it again and consumes it."""
+    connection = await aio_pika.connect(cluster.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(Topology(cluster.prefix).work_queue)
+
+    async def consumed() -> bool:
+        try:
+            return (await _work_queue(cluster))[1] == services
+        except aio_pika.exceptions.ChannelClosed:
+            return False
+
+    await wait_for(consumed, timeout=20, what="every service consuming the work queue again")
+
+
+@contextlib.asynccontextmanager
+async def _creating(cluster: Cluster, every: float = 0.3) -> AsyncIterator[list[uuid.UUID]]:
+    """A busy cluster: a new observer every ``every`` seconds while inside (so its pool keeps
+    taking)."""
+    made: list[uuid.UUID] = []
+
+    async def create() -> None:
+        while True:
+            body = await cluster.create(f"busy-{len(made)}", "ticker")
+            made.append(uuid.UUID(body["id"]))
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(create())
+    try:
+        yield made
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _assert_moved_within(cluster: Cluster, killed: float, proc: Proc, n: int) -> None:
+    gaps = failover_gaps(read_ticks(cluster.tick_dir), killed, proc.pid, from_fault=True)
+    assert len(gaps) == n, gaps
+    slow = {o: round(g, 2) for o, g in gaps.items() if g > BOUND}
+    assert not slow, f"unrun longer than {BOUND} s after their holder was lost: {slow}"
+    print(f"moved {n} observers, the last {max(gaps.values()):.2f} s after the fault")
+
+
+async def test_a_crash_after_the_work_queue_was_deleted_moves_its_observers_at_once(
+    cluster: Cluster,
+) -> None:
+    """The deleted queue took the running copies' deliveries with it: when their service dies,
+    there is nothing for the broker to requeue. The leader must not wait for a requeue (it
+    waited up to a minute while the pool kept taking other observers)."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20)
+    ids = await cluster.create_recorders(8)
+    await cluster.wait_all_running(ids, timeout=15)
+    b = await cluster.start_service("b", worker_count=40)
+    b_id = await cluster.service_id(b)
+    await _delete_work_queue_and_wait(cluster, services=2)
+    async with _creating(cluster):
+        killed = time.time()
+        a.signal(signal.SIGKILL)
+        await cluster.wait_all_running(ids, timeout=70, on={b_id}, fresh_after=killed)
+    _assert_moved_within(cluster, killed, a, len(ids))
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def test_a_drain_after_the_work_queue_was_deleted_moves_its_observers_at_once(
+    cluster: Cluster,
+) -> None:
+    """After the queue's deletion every copy runs without a delivery, so the broker's prefetch
+    no longer counts them: a drain's requeued starts reach full services too. Each must still
+    run at once on a service with room."""
+    await cluster.start_manager()
+    services = [await cluster.start_service(n, worker_count=12) for n in ("a", "b", "c")]
+    ids = await cluster.create_recorders(27)
+    await cluster.wait_all_running(ids, timeout=20)
+    await _delete_work_queue_and_wait(cluster, services=3)
+    d = await cluster.start_service("d", worker_count=12)
+    await wait_for(lambda: _consumers_are(cluster, 4), timeout=15, what="the new service consuming")
+    busiest = services[0]
+    held = await cluster.q(
+        "SELECT count(*) FROM observers WHERE service_id = $1", await cluster.service_id(busiest)
+    )
+    async with cluster.api() as c:
+        r = await c.post(f"/services/{await cluster.service_id(busiest)}/drain")
+    drained = time.time()
+    assert r.status_code == 202, r.text
+    others = {await cluster.service_id(p) for p in [*services[1:], d]}
+    await cluster.wait_all_running(ids, timeout=40, on=others, fresh_after=drained)
+    gaps = failover_gaps(read_ticks(cluster.tick_dir), drained, busiest.pid)
+    assert len(gaps) == held[0]["count"], gaps
+    slow = {o: round(g, 2) for o, g in gaps.items() if g > 1.5}
+    assert not slow, f"a drained observer waited for a service with room: {slow}"
+    assert_no_overlap(cluster.tick_dir)
+
+
+async def _consumers_are(cluster: Cluster, n: int) -> bool:
+    return (await _work_queue(cluster))[1] == n
+
+
+async def test_failover_runs_through_a_memory_alarm(cluster: Cluster) -> None:
+    """Publishers are blocked, deliveries still flow. The observers of a service SIGKILLed in
+    the alarm, and of one frozen in it, run on the other service within the lease TTL and two
+    seconds, not when the alarm ends."""
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20)
+    ids = await cluster.create_recorders(8)
+    await cluster.wait_all_running(ids, timeout=15)
+    f = await cluster.start_service("f", worker_count=20)
+    more = [await _recorder(cluster, f"frozen-{i}") for i in range(6)]
+    await cluster.wait_all_running(ids + more, timeout=15)
+    b = await cluster.start_service("b", worker_count=40)
+    b_id = await cluster.service_id(b)
+    on_a = await _held(cluster, a)
+    on_f = await _held(cluster, f)
+    with memory_alarm():
+        killed = time.time()
+        a.signal(signal.SIGKILL)
+        f.signal(signal.SIGSTOP)
+        try:
+            await cluster.wait_all_running(
+                on_a + on_f, timeout=BOUND + 6, on={b_id}, fresh_after=killed
+            )
+            lasted = time.time() - killed
+        finally:
+            f.signal(signal.SIGKILL)
+            f.signal(signal.SIGCONT)
+    _assert_moved_within(cluster, killed, a, len(on_a))
+    _assert_moved_within(cluster, killed, f, len(on_f))
+    print(f"all running on b {lasted:.2f} s into the alarm")
+    assert_no_overlap(cluster.tick_dir, {f.pid: [(killed, time.time())]})
+
+
+async def _recorder(cluster: Cluster, name: str) -> uuid.UUID:
+    body = await cluster.create(name, "recorder", dir=str(cluster.tick_dir), interval=0.05)
+    return uuid.UUID(body["id"])
+
+
+async def _held(cluster: Cluster, proc: Proc) -> list[uuid.UUID]:
+    rows = await cluster.q(
+        "SELECT id FROM observers WHERE service_id = $1 AND status = 'processing'",
+        await cluster.service_id(proc),
+    )
+    return [r["id"] for r in rows]
+
+
+async def test_directed_observers_of_a_crashed_service_move_during_a_disk_alarm(
+    cluster: Cluster,
+) -> None:
+    """Observers that reached their service by a directed start hold no broker delivery: when
+    that service dies in a disk alarm, nothing is requeued, and the leader's directed starts
+    cannot be published. They must reach a live service all the same."""
+    await cluster.start_manager()
+    c = await cluster.start_service("c", worker_count=20)
+    ids = await cluster.create_recorders(6)
+    await cluster.wait_all_running(ids, timeout=15)
+    a = await cluster.start_service("a", worker_count=20)
+    a_id = await cluster.service_id(a)
+    c.signal(signal.SIGSTOP)  # the leader re-dispatches C's observers, directed, to A
+    try:
+        await cluster.wait_all_running(ids, timeout=10, on={a_id}, fresh_after=time.time())
+    finally:
+        c.signal(signal.SIGKILL)
+        c.signal(signal.SIGCONT)
+    b = await cluster.start_service("b", worker_count=20)
+    b_id = await cluster.service_id(b)
+    with disk_alarm():
+        killed = time.time()
+        a.signal(signal.SIGKILL)
+        await cluster.wait_all_running(ids, timeout=BOUND + 6, on={b_id}, fresh_after=killed)
+    _assert_moved_within(cluster, killed, a, len(ids))
+    assert_no_overlap(cluster.tick_dir)
