@@ -274,6 +274,12 @@ def broker_errors() -> contextlib.AbstractContextManager[None]:
     return _converting(convert_broker_error)
 
 
+def timed_out(exc: BaseException) -> bool:
+    """Whether a DatabaseUnavailable (or BrokerUnavailable) came of a call that took too long:
+    a slow server or link that may answer given time, unlike one that refused."""
+    return isinstance(exc.__cause__, TimeoutError) or isinstance(exc, TimeoutError)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 

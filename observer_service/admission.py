@@ -1,5 +1,7 @@
 """Admission: the state of every start between its arrival and its runner, in one object.
 
+- ``headroom``: the process's own resources (``headroom.py``): no start is taken while its
+  descriptors near their limit or after a copy ran out of them.
 - ``slots``: ``worker_count`` permits. The broker's prefetch already bounds deliveries from the
   work queue; directed starts and the re-take of a copy that is still stopping count too, so a
   service never runs more than ``worker_count`` copies.
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from observer_service.headroom import Headroom
 
 
 @dataclass
@@ -53,9 +58,11 @@ class Admission:
     waiting behind an earlier start of its own observer, costs a thousand wake-ups, not a
     million (one shared condition woke every waiter on each settle)."""
 
-    def __init__(self, worker_count: int) -> None:
+    def __init__(self, worker_count: int, headroom: Headroom | None = None) -> None:
         self.worker_count = worker_count
         self.slots = asyncio.Semaphore(worker_count)
+        #: The process's own resources (descriptors, memory): slots alone are not room.
+        self.headroom = headroom or Headroom(time.monotonic)
         self._admitting: dict[uuid.UUID, _Admitting] = {}
         self._paused = 0
         self._resumed = asyncio.Event()

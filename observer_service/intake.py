@@ -178,6 +178,14 @@ class Intake:
             await asyncio.sleep(self.lease.timings.renew_interval)
             await self.settler.settle(start, origin, Settlement.REQUEUE)
             return
+        headroom = self.admission.headroom
+        if not headroom.ok():
+            # Out of descriptors or memory here: another service runs it.
+            if headroom.tell():
+                log.warning("taking no start for now: %s", headroom.why())
+            await asyncio.sleep(self.lease.timings.renew_interval)
+            await self.settler.settle(start, origin, Settlement.REQUEUE)
+            return
         slot = self.admission.slot()
         started = False
         try:

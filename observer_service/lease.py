@@ -28,13 +28,14 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Collection
 from typing import Protocol
 
 from contracts.backoff import Backoff
 from contracts.clock import Clock
 from contracts.deadline import LeaseDeadline, LeaseTimings
-from contracts.errors import DatabaseUnavailable, LeaseLost
+from contracts.errors import DatabaseUnavailable, LeaseLost, timed_out
 from observer_service.ports import Copy, LeaseDatabase, LeaseSession, Renewal
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,23 @@ class LeaseKeeper:
             old.terminate()
         return session
 
-    async def start(self) -> None:
-        """Register the service with a first lease (raises DatabaseUnavailable)."""
-        await self._join()
+    async def start(self, until: float = 0.0) -> None:
+        """Register the service with a first lease. A database that does not answer in time (a
+        slow link) is tried again for as long as it takes, one that refuses until ``until``
+        (``time.monotonic()``), with a line in the log each time: an exit would only make a
+        supervisor start the process again. Until it has joined, the service takes no work.
+        Raises DatabaseUnavailable once a refusal outlasts ``until``."""
+        backoff = Backoff(0.5, 10.0, jitter=0.2)
+        while True:
+            try:
+                await self._join()
+                return
+            except DatabaseUnavailable as exc:
+                if not timed_out(exc) and time.monotonic() >= until:
+                    raise
+                delay = backoff.next()
+                log.warning("cannot join yet (%s); trying again in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
 
     async def _join(self) -> None:
         """Register or come back after a fence, on a new session (new lock key)."""

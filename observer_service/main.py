@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -10,11 +11,11 @@ import time
 import uuid
 
 import asyncpg
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from contracts import __version__, logs, pgconnect
+from contracts.backoff import Backoff
 from contracts.clock import Clock
-from contracts.errors import DatabaseUnavailable, StartupError, database_errors
+from contracts.errors import DatabaseUnavailable, StartupError, database_errors, timed_out
 from contracts.kinds import KindSpec
 from contracts.settings import default_host, where
 from contracts.witness import Witness
@@ -33,13 +34,74 @@ from observer_service.store import (
 from observer_service.witnessing import start_tracing
 
 log = logging.getLogger(__name__)
+#: The longest a first connection is given, seconds, after tries that took too long.
+CONNECT_CAP = 60.0
+
+
+async def _open_pool(
+    settings: ServiceSettings, size: int, ttl: float, until: float
+) -> asyncpg.Pool:
+    """The service's pool, with one connection open. The start-up check found the server; one
+    that is slow (a congested or distant link) is tried again, each try given twice as long,
+    for as long as it takes: exiting would only make a supervisor start the process again,
+    and until the pool opens the service has not joined, so it takes no work. One that
+    refuses (at its connection limit) is tried again until ``until``, then StartupError. A line
+    in the log for each try."""
+    timeout = max(2.0, ttl)
+    backoff = Backoff(1.0, 30.0, jitter=0.2)
+    while True:
+        try:
+            with database_errors():
+                return await asyncpg.create_pool(
+                    settings.asyncpg_dsn,
+                    connect=pgconnect.connect,  # several hosts: each in turn, as libpq does
+                    min_size=1,
+                    max_size=size,
+                    max_inactive_connection_lifetime=0,
+                    reset=keep_session,
+                    server_settings=SERVER_SETTINGS,
+                    timeout=timeout,
+                    command_timeout=max(5.0, 2 * ttl, timeout),
+                )
+        except DatabaseUnavailable as exc:
+            if not timed_out(exc) and time.monotonic() >= until:
+                raise StartupError(
+                    f"cannot open connections to Postgres at {where(settings.database_url)}: {exc}"
+                ) from exc
+            delay = backoff.next()
+            log.warning(
+                "cannot open connections to Postgres at %s yet (%s); trying again in %.1f s "
+                "with %.0f s for a connection",
+                where(settings.database_url),
+                exc,
+                delay,
+                min(CONNECT_CAP, 2 * timeout),
+            )
+            timeout = min(CONNECT_CAP, 2 * timeout)
+            await asyncio.sleep(delay)
+
+
+async def _warm(pool: asyncpg.Pool, n: int) -> None:
+    """Open ``n`` connections and prepare the statements of a takeover on each, in the
+    background: a takeover after a crash finds them ready, and the start does not wait for
+    them (on a link that delays each chunk 200-800 ms, preparing one connection took 20 s)."""
+    held: list[asyncpg.Connection] = []
+    try:
+        with contextlib.suppress(DatabaseUnavailable), database_errors():
+            for _ in range(n):
+                held.append(await pool.acquire())
+            await asyncio.gather(*(prepare_connection(conn) for conn in held))
+    finally:
+        for conn in held:
+            await pool.release(conn)
 
 
 async def serve(
     settings: ServiceSettings, kinds: dict[str, KindSpec], *, wait_until: float = 0.0
 ) -> int:
-    """Run one service until SIGTERM/SIGINT; returns the exit code. While the database is
-    unavailable its connections are tried again until ``wait_until`` (``time.monotonic()``).
+    """Run one service until SIGTERM/SIGINT; returns the exit code. Its first connections are
+    tried again while the database is slow to answer, and while it refuses them until
+    ``wait_until`` (``time.monotonic()``; ``_open_pool``, ``LeaseKeeper.start``).
 
     If a graceful stop leaves copies running (a kind that does not stop in time), the process
     exits at once instead of returning: the copies must end with it."""
@@ -57,37 +119,7 @@ async def serve(
     # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
     # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
     size = settings.db_pool_max or min(20, 2 + settings.worker_count)
-
-    async def open_pool() -> asyncpg.Pool:
-        with database_errors():
-            return await asyncpg.create_pool(
-                settings.asyncpg_dsn,
-                connect=pgconnect.connect,  # several hosts: each in turn, as libpq tries them
-                min_size=min(4, size),
-                max_size=size,
-                max_inactive_connection_lifetime=0,
-                init=prepare_connection,
-                reset=keep_session,
-                server_settings=SERVER_SETTINGS,
-                timeout=max(2.0, timings.ttl),
-                command_timeout=max(5.0, 2 * timings.ttl),
-            )
-
-    # The start-up check took one connection; a server at its connection limit may refuse the
-    # pool's several: that is a server not there yet, waited for like one that is down.
-    try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(max(0.0, wait_until - time.monotonic())),
-            wait=wait_fixed(1.0),
-            retry=retry_if_exception_type(DatabaseUnavailable),
-            reraise=True,
-        ):
-            with attempt:
-                pool = await open_pool()
-    except DatabaseUnavailable as exc:
-        raise StartupError(
-            f"cannot open connections to Postgres at {where(settings.database_url)}: {exc}"
-        ) from exc
+    pool = await _open_pool(settings, size, timings.ttl, wait_until)
     lease_database = PgLeaseDatabase(
         settings.asyncpg_dsn,
         service_id=service_id,
@@ -100,6 +132,7 @@ async def serve(
         pool=settings.pool,
         directed_after=timings.renew_interval,
     )
+    warming = asyncio.create_task(_warm(pool, min(4, size)), name="warm-pool")
     service = ObserverService(
         service_id=service_id,
         config=ServiceConfig(
@@ -138,10 +171,14 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
     try:
-        code = await service.run()
+        code = await service.run(join_until=wait_until)
     except DatabaseUnavailable as exc:
+        warming.cancel()
+        await asyncio.gather(warming, return_exceptions=True)
         await pgconnect.close_pool(pool)
         raise StartupError(f"cannot register the service: {exc}") from exc
+    finally:
+        warming.cancel()
     if not service.clean:
         logging.shutdown()
         os._exit(code or 1)

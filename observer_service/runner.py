@@ -23,6 +23,7 @@ from contracts.masking import mask
 from contracts.witness import Witness
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
+from observer_service.headroom import resource_error
 from observer_service.origin import Origin, Queued
 from observer_service.outputs import CopyOutputs
 from observer_service.ports import Copy, ErrorRecord, Taken
@@ -41,10 +42,17 @@ class StopReason(Enum):
     LEASE_LOST = "lease lost"
     #: Another service took it while this one's lease session was down (found on the new one).
     SUPERSEDED = "taken by another service"
+    #: It met the limits of this process (descriptors, memory): another service runs it.
+    RESOURCES = "out of this service's resources"
 
 
 class ObserverReturned(Exception):
     """An observer is meant to run until stopped; returning is treated as an error."""
+
+
+class ResourceShort(Exception):
+    """A copy met the limits of the process that runs it (``headroom.resource_error``): it
+    goes to another service, and no restart is spent on it."""
 
 
 class NoProgress(Exception):
@@ -110,6 +118,22 @@ class Runner:
         if self.task is not None:
             self.task.cancel()
 
+    def forget(self) -> None:
+        """Once settled: let go of the ended task and clear the frames its exception's traceback
+        holds. They hold this runner and the exception itself, a cycle that only a full
+        collection would free (about 65 objects a copy, 4 KiB for a recorder, kept until then,
+        and a full collection is rare in a process that runs many copies: ``contracts.heap``)."""
+        task, self.task = self.task, None
+        if task is None or not task.done():
+            return
+        try:
+            exc = task.exception()
+        except asyncio.CancelledError as cancelled:  # the one it ended with, handed over once
+            exc = cancelled
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None  # it now names this frame too
+
     def gate(self, lease: Gate) -> Gate:
         """The lease's gate for this copy, which also abandons it once it was superseded."""
 
@@ -139,7 +163,8 @@ async def run_observer(
     """Run the kind; after an error, record it (the database counts restarts in a window that
     heals) and restart in place after a backoff with jitter. Returns the last error once the
     budget is spent (the row is failed by then). ``secrets``, the values of its secret params,
-    never reach the error as recorded (row and history) and logged.
+    never reach the error as recorded (row and history) and logged. An error of the process's
+    own resources (descriptors, memory) is no error of the kind's: ``ResourceShort``.
 
     Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through. With
     ``progress_timeout``, a run that commits nothing (``outputs``) for that long is cancelled
@@ -156,6 +181,8 @@ async def run_observer(
             returned = ObserverReturned("run() returned; an observer must run until stopped")
             error = describe(returned, secrets)
         except Exception as exc:
+            if resource_error(exc):
+                raise ResourceShort(describe(exc, secrets)) from None
             error = describe(exc, secrets)
         if outputs is not None and outputs.commit_every is None:
             # The next run resumes from the last checkpoint and emits these again (records of a

@@ -58,7 +58,7 @@ from observer_service.ports import (
     Store,
 )
 from observer_service.retry import landed, until_done
-from observer_service.runner import Runner, StopReason
+from observer_service.runner import ResourceShort, Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
@@ -166,8 +166,10 @@ class ObserverService:
         """Begin a graceful stop (SIGTERM, SIGINT)."""
         self._stop.set()
 
-    async def run(self) -> int:
-        await self.lease.start()
+    async def run(self, *, join_until: float = 0.0) -> int:
+        """Serve until a stop is asked or a side task dies (1). ``join_until``: how long a
+        database that refuses the first lease is tried again (``LeaseKeeper.start``)."""
+        await self.lease.start(join_until)
         self.stalls.start()
         log.info(
             "service %s (%s) up: worker_count=%d",
@@ -336,6 +338,13 @@ class ObserverService:
         )
 
     async def _settle_stopped(self, runner: Runner) -> None:
+        task = runner.task
+        if (
+            task is not None
+            and not task.cancelled()
+            and isinstance(task.exception(), ResourceShort)
+        ):
+            self.admission.headroom.exhausted()  # no new start here for a while
         try:
             await self.settler.settle_stopped(runner)
         except Exception:  # a bug: the periodic check reconciles the row
@@ -347,6 +356,7 @@ class ObserverService:
                 self.outputs.unregister(runner.outputs)
             self.admission.slots.release()
             runner.finished.set()
+            runner.forget()
 
     async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
         started = time.perf_counter()

@@ -15,14 +15,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from enum import Enum, auto
 
-from contracts.errors import BrokerUnavailable, Fenced, LeaseLost
+from contracts.errors import BrokerUnavailable, Fenced, LeaseLost, split_error
 from contracts.messages import StartMessage
 from contracts.statuses import ObserverStatus
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin
 from observer_service.ports import BrokerSession, Copy
 from observer_service.retry import until_done
-from observer_service.runner import Runner, StopReason
+from observer_service.runner import ResourceShort, Runner, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,10 @@ class Settler:
             await self.settle(start, origin, Settlement.DEAD_LETTER)
             return
         reason = runner.stop_reason
-        if reason is None:
+        if reason is None and isinstance(exc, ResourceShort):
+            runner.ctx.logger.warning("moves to another service: %s", split_error(str(exc))[0])
+            reason = StopReason.RESOURCES
+        elif reason is None:
             if not isinstance(exc, LeaseLost):
                 runner.ctx.logger.error("copy ended unexpectedly: %r", exc)
             reason = StopReason.LEASE_LOST

@@ -247,7 +247,7 @@ def service(
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count, pool=pool)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
-    until = time.monotonic() + wait  # the check's wait and the pool's share one deadline
+    until = time.monotonic() + wait  # the check's wait and the first connections' share it
     _run(
         settings,
         wait,

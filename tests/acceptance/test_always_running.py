@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import resource
 import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aio_pika
 
 from contracts.topology import Topology
 from orch_bench.ticklog import failover_gaps, read_ticks
 from tests.support.cluster import Cluster, Proc, wait_for
-from tests.support.faults import assert_no_overlap, disk_alarm, memory_alarm
+from tests.support.faults import assert_no_overlap, disk_alarm, memory_alarm, via
 
 #: Seconds a takeover may take after its holder was lost: the lease TTL of the test cluster
 #: (``tests/support/cluster.py``) and two seconds.
@@ -207,3 +211,86 @@ async def test_directed_observers_of_a_crashed_service_move_during_a_disk_alarm(
         await cluster.wait_all_running(ids, timeout=BOUND + 6, on={b_id}, fresh_after=killed)
     _assert_moved_within(cluster, killed, a, len(ids))
     assert_no_overlap(cluster.tick_dir)
+
+
+class _Counter(BaseHTTPRequestHandler):
+    """A page that changes at every request (each poll checkpoints), kept alive."""
+
+    protocol_version = "HTTP/1.1"
+    hits = itertools.count()
+
+    def do_GET(self) -> None:
+        body = str(next(self.hits)).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _counter_server() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Counter)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_service_at_its_descriptor_limit_fails_no_observer(cluster: Cluster) -> None:
+    """One service may open 128 files. Its pollers' connections reach that limit: the copy that
+    meets EMFILE goes to the other service, spending no restart, and the limited service takes
+    no more than it has descriptors for. Before, it took up to its worker count, and the
+    observers that met the limit restarted until they failed, for good."""
+    with _counter_server() as port:
+        cluster.env["ORCH_HTTP_POLL_ALLOW"] = f"127.0.0.1:{port}"
+        await cluster.start_manager()
+        small = await cluster.start_service("small", worker_count=200)
+        resource.prlimit(small.pid, resource.RLIMIT_NOFILE, (128, 128))
+        url = f"http://127.0.0.1:{port}/"
+        ids = []
+        for i in range(100):
+            body = await cluster.create(f"poll-{i}", "http_poll", url=url, interval=0.5)
+            ids.append(uuid.UUID(body["id"]))
+        big = await cluster.start_service("big", worker_count=200)
+        for i in range(100, 200):
+            body = await cluster.create(f"poll-{i}", "http_poll", url=url, interval=0.5)
+            ids.append(uuid.UUID(body["id"]))
+        began = time.time()
+        await cluster.wait_all_running(ids, timeout=60, fresh_after=began)
+        rows = await cluster.q(
+            "SELECT o.status, o.restart_count, s.name FROM observers o "
+            "LEFT JOIN services s ON s.id = o.service_id WHERE o.id = ANY($1)",
+            ids,
+        )
+        restarted = await cluster.q(
+            "SELECT count(*) AS n FROM observer_events WHERE event IN ('restarted', 'failed')"
+        )
+        where = {name: sum(1 for r in rows if r["name"] == name) for name in ("small", "big")}
+        print(f"running on each service: {where}")
+        assert restarted[0]["n"] == 0, "a restart was spent on the service's own limit"
+        assert all(r["status"] == "processing" for r in rows)
+        assert small.alive
+        assert big.alive
+        assert 0 < where["small"] < 100, where
+
+
+async def test_a_service_starts_on_a_slow_database_link(cluster: Cluster) -> None:
+    """Every chunk on its database link is delayed 200-800 ms from its first connection on. It
+    starts all the same (its connections tried again, with a line in its log), holds its lease
+    and runs observers: under a supervisor, a service that exits at start only crash-loops."""
+    await cluster.start_manager()
+    proxy = await cluster.proxy(cluster.database_url)
+    proxy.slow(0.2, 0.8)
+    slow = await cluster.start_service(
+        "slow", worker_count=10, database_url=via(cluster.database_url, proxy), lease_ttl=5
+    )
+    ids = await cluster.create_recorders(3)
+    await cluster.wait_all_running(ids, timeout=60, on={await cluster.service_id(slow)})
+    assert slow.alive

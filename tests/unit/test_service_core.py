@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import gc
 import subprocess
 import sys
 import time
@@ -95,6 +97,16 @@ async def blocks(ctx: ObserverContext) -> None:
         time.sleep(float(ctx.params.get("block", 0.15)))  # noqa: ASYNC251 - on purpose
 
 
+async def out_of_files(ctx: ObserverContext) -> None:
+    """Ticks, then meets the process's descriptor limit (through a client library)."""
+    TICKS[ctx.observer_id] = TICKS.get(ctx.observer_id, 0) + 1
+    await ctx.sleep(0.01)
+    try:
+        raise OSError(errno.EMFILE, "Too many open files")
+    except OSError as exc:
+        raise ConnectionError("could not connect") from exc
+
+
 KINDS = {
     "blocks": KindSpec(
         "blocks",
@@ -108,6 +120,7 @@ KINDS = {
     "slow": KindSpec("slow", slow_stop),
     "cleans": KindSpec("cleans", cleans),
     "stubborn": KindSpec("stubborn", stubborn),
+    "out_of_files": KindSpec("out_of_files", out_of_files),
 }
 
 
@@ -836,3 +849,54 @@ def test_servers_run_with_the_collector_at_their_pace() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout.split()
     assert out == [str(heap.YOUNG), "True"]
+
+
+# ------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("how", ["deleted", "failed", "drained"])
+async def test_an_ended_copy_is_freed_at_once_not_by_a_full_collection(how: str) -> None:
+    """An ended copy's task kept its exception, whose traceback held the frames that held the
+    copy: a cycle only a full collection frees, and a service running many copies runs one
+    rarely (``contracts.heap``). Settled, a copy leaves nothing behind for the collector."""
+    async with harness(worker_count=60) as h:
+        rows = [h.store.add("boom" if how == "failed" else "tick") for _ in range(40)]
+        for row in rows:
+            await h.run(row)
+        if how == "failed":
+            await until(lambda: all(r.status is S.FAILED for r in rows), 10)
+        else:
+            await until(lambda: len(h.service.runners) == len(rows))
+            gc.collect()
+            if how == "drained":
+                h.service.drain()
+            for row in rows if how == "deleted" else []:
+                row.status = S.ON_DELETING
+                await h.broker.session.control(CancelMessage(observer_id=row.id).to_bytes())
+        await until(lambda: not h.service.runners and not h.service.admission.in_flight)
+        await until(lambda: not h.service._background)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage if type(o).__name__ == "Runner"]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert left == [], f"{len(left)} ended copies wait for a full collection"
+
+
+# ----------------------------------------------------------------- the process's resources
+async def test_a_copy_out_of_the_processs_files_moves_on_and_spends_no_restart() -> None:
+    """EMFILE is the service's limit, not the kind's error: the copy is released and its start
+    requeued for another service, no restart recorded, the observer never failed; and this
+    service takes no new start for a while (it would meet the same limit)."""
+    async with harness() as h:
+        row = h.store.add("out_of_files")
+        delivery = await h.run(row)
+        await until(lambda: delivery.outcome == "requeue")
+        assert (row.status, row.service_id) == (S.PROCESSING, None), "released, not failed"
+        assert row.restart_count == 0
+        assert "restarted" not in row.events
+        assert "failed" not in row.events
+        other = h.store.add("tick")
+        turned_away = await h.run(other)
+        await until(lambda: turned_away.outcome == "requeue")
+        assert other.status is S.CREATED, "not taken here while short of resources"
