@@ -65,6 +65,15 @@ async def on_broker(publisher: Publisher, services: Collection[uuid.UUID]) -> se
     return {sid for sid, yes in (await probe(publisher, services)).items() if yes}
 
 
+def found(probed: dict[uuid.UUID, bool | None]) -> set[uuid.UUID] | None:
+    """The services found on the broker; None when no probe got an answer (the broker is
+    being restarted, or cannot be reached): then none can be told apart, and a directed start
+    may go to any service with a lease, which reads it from the database."""
+    if probed and all(yes is None for yes in probed.values()):
+        return None
+    return {sid for sid, yes in probed.items() if yes}
+
+
 async def reachable(
     store: ManagerStore, publisher: Publisher, margin: float, also: Collection[uuid.UUID] = ()
 ) -> dict[uuid.UUID, bool | None]:
@@ -89,17 +98,16 @@ def place(
     free: dict[uuid.UUID, int],
     needs: Sequence[repo.Needs],
     runs: dict[uuid.UUID, repo.Runs],
-    prefer: Collection[uuid.UUID] | None = None,
+    among: Collection[uuid.UUID] | None = None,
 ) -> list[uuid.UUID | None]:
-    """Targets for observers with these ``needs``: of the services in ``free`` that can run
-    one (``runs``: its pool, its kinds), those in ``prefer`` first (found on the broker: the
-    start reaches them at once), then the one with the most free slots; None (the pool's work
-    queue) once none of them has room."""
-    slots = dict(free)
+    """Targets for observers with these ``needs``: of the services in ``free`` (and in
+    ``among``, unless None) that can run one (``runs``: its pool, its kinds), the one with
+    the most free slots first; None (the pool's work queue) once none of them has room."""
+    slots = {sid: n for sid, n in free.items() if among is None or sid in among}
     out: list[uuid.UUID | None] = []
     for need in needs:
         able = [sid for sid in slots if slots[sid] > 0 and runs.get(sid, repo.Runs()).can(need)]
-        best = max(able, key=lambda k: (prefer is None or k in prefer, slots[k]), default=None)
+        best = max(able, key=lambda k: slots[k], default=None)
         if best is None:
             out.append(None)
             continue
@@ -113,18 +121,19 @@ async def redispatch(
     ids: list[uuid.UUID],
     why: str,
     *,
-    present: Collection[uuid.UUID],
+    present: Collection[uuid.UUID] | None,
     margin: float,
     by: str,
     placed_only: bool = False,
 ) -> list[Pending]:
     """New dispatch ids for these observers (their old messages become stale), each sent to a
-    live service of its pool with room that runs its kind, chosen here from the leases and the
-    kinds advertised, not by the broker; those on the broker first (``present``: found there
-    just before this transaction), since one cut off from it reads its directed starts from the
-    database at its next lease renewal (so does any service while a broker alarm blocks the
-    publish); to its pool's work queue when none has room. ``placed_only``: those that no such
-    service has room for are left as they are."""
+    live service of its pool with room that runs its kind, chosen here from the leases, the
+    control queues and the kinds advertised, not by the broker (``present``: the services
+    found on the broker just before this transaction; None: no probe answered, any service
+    with a lease may be chosen); to its pool's work queue when none has room. A service reads
+    its directed starts from the database at its next lease renewal when the broker did not
+    deliver them (an alarm blocks the publish). ``placed_only``: those that no such service
+    has room for are left as they are."""
     if not ids:
         return []
     # A trace of its own (a root): the starts it sends are taken in it.
@@ -135,7 +144,7 @@ async def redispatch(
         needs = await repo.needs_of(tx, ids)
         runs = await repo.kinds_run(tx, list(free))
         wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
-        targets = dict(zip(ids, place(free, wanted, runs, prefer=present), strict=True))
+        targets = dict(zip(ids, place(free, wanted, runs, among=present), strict=True))
         if placed_only:
             ids = [i for i in ids if targets[i] is not None]
         starts = await repo.new_dispatches(tx, ids, why)
@@ -229,7 +238,7 @@ class Sweeper:
                 self.suspects = {}  # "twice in a row": a sweep that suspects none breaks a row
                 return 0
         probed = await reachable(self.store, self.publisher, self.margin, also=ended)
-        present = {sid for sid, yes in probed.items() if yes}
+        present = found(probed)
         async with self.store.transaction() as tx:
             # declare_gone checks again that the lock is free and the row names that session.
             for d in await repo.declare_gone(tx, self._gone(ended, probed)):
@@ -256,7 +265,7 @@ class Sweeper:
         self.box.publish_soon(pending)
         return len(orphans) + await self._place_waiting(present)
 
-    async def _place_waiting(self, present: Collection[uuid.UUID]) -> int:
+    async def _place_waiting(self, present: Collection[uuid.UUID] | None) -> int:
         """Observers passed on by a service that cannot run them (another pool's, or a kind it
         lacks): each is sent to a service of its pool that runs its kind and has room, as soon
         as one has; the others say why they wait. With none waiting (the usual case) one look
@@ -377,7 +386,7 @@ class Audit:
         ]
         if not ids:
             return 0
-        present = await on_broker(self.publisher, free)  # outside any transaction
+        present = found(await probe(self.publisher, free))  # outside any transaction
         async with self.store.transaction() as tx:
             # Still unheld and stuck now (read again, locked): one taken meanwhile stays.
             ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace, idle)))

@@ -8,14 +8,20 @@ resumptions: the 90th percentile of the intervals inside its copies), that is ti
 Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around it:
 
 - a fault that does not take the observer's holder (a broker restart or alarm, a leader kill, a
-  queue deleted, a link reset or blip, a drain or SIGTERM, which hand over gracefully) explains
-  nothing: the gap may be ``TOLERANCE`` at most;
+  queue deleted, a broker link reset or cut, a drain or SIGTERM, which hand over gracefully)
+  explains nothing: the gap may be ``TOLERANCE`` at most;
+- a fault that ends the holder's lease session while it lives (a database reset or blip, the
+  session killed) explains a gap until ``RECOVERY`` after it ended: its copies wait until a new
+  session proved that none of them was taken (kind code of a service whose session ended
+  never resumes before that);
 - a fault that takes its holder (kill, freeze, suspend, isolation, a database partition, the
   lease session ended, a stall of its event loop; a slow link, which may cost the lease at any
   moment of it) explains a gap until ``lease TTL + 2 s`` after the fault began (after it ended,
   for a slow link), on the process that held the observer before the gap or ran it after;
 - while such a recovery is under way, a fault that blocks every service's recovery (the broker
   stopped, the leader gone) extends it to ``lease TTL + 2 s`` after that fault ended;
+- while no service takes work (each killed, stopped, draining, frozen or cut off from the
+  broker, the next still starting), a gap waits for one (``Lives.takers``);
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
 - its own restart back-off, its delete and its failure are not gaps; a row of its locked from
   outside explains its own wait until the lock ends.
@@ -48,6 +54,11 @@ TAKE_AT_START = frozenset(
 )
 #: Faults that may cost the holder its lease at any moment until they end.
 TAKE_AT_END = frozenset({"slow_link"})
+#: Faults that end the holder's lease session while it lives: its copies wait until a new
+#: session has proven that none of them was taken (the design's rule), then go on.
+END_SESSION = frozenset({"db_reset", "db_blip", "lease_kill"})
+#: Faults that cut a service off from the broker: no work-queue start reaches it meanwhile.
+CUT_BROKER = frozenset({"amqp_partition", "isolate"})
 #: Faults that block every service's recovery until they end.
 BLOCK_RECOVERY = frozenset({"broker_restart", "leader"})
 #: Faults that block every publish, and so a new observer's first start, until they end.
@@ -104,6 +115,35 @@ class Lives:
     restarts: dict[str, list[float]] = field(default_factory=dict)
     #: Kind -> its restart policy (how long each back-off may be).
     policies: dict[str, RestartPolicy] = field(default_factory=dict)
+    #: Per service process, when it took work: from ready to killed, stopped or drained;
+    #: and when it was frozen meanwhile. While none took work, a gap waits for one.
+    takers: dict[int, tuple[float, float]] = field(default_factory=dict)
+    paused: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def taker_after(self, start: float, until: float) -> float | None:
+        """If no service took work at some moment in [``start``, ``until``], the first moment
+        after it when one did (inf: none ever did again); else None."""
+        if not self.takers:
+            return None
+        edges = [t for w in self.takers.values() for t in w]
+        edges += [t for ws in self.paused.values() for w in ws for t in w]
+        for t in sorted({start, *(t for t in edges if start < t < until)}):
+            if not self._taking_at(t):
+                return self._next_taking(t)
+        return None
+
+    def _taking_at(self, t: float) -> bool:
+        return any(
+            a <= t < b and not any(x <= t < y for x, y in self.paused.get(pid, []))
+            for pid, (a, b) in self.takers.items()
+        )
+
+    def _next_taking(self, t: float) -> float:
+        starts = sorted(
+            {a for a, _ in self.takers.values() if a > t}
+            | {y for ws in self.paused.values() for _, y in ws if y > t}
+        )
+        return next((s for s in starts if self._taking_at(s)), float("inf"))
 
 
 @dataclass
@@ -203,6 +243,16 @@ class Availability:
                 }
                 for s in self.late_stops
             ],
+            "gaps": [
+                {
+                    "observer": g.observer,
+                    "from": round(g.start - zero, 3),
+                    "unrun_seconds": round(g.unrun, 3),
+                    "explained": g.explained,
+                    "by": [f.describe(zero) for f in g.faults[:3]],
+                }
+                for g in self.gaps
+            ],
             "gaps_over_tolerance": len(self.gaps),
             "longest_gap_seconds": round(max((g.unrun for g in self.gaps), default=0.0), 3),
             "downtime": {
@@ -254,7 +304,7 @@ def judge_availability(
         if r.observer is not None and r.r in EVIDENCE:
             evidence[r.observer].append(r)
     out = Availability()
-    judge_ = _Judge(faults, ttl, renew_interval)
+    judge_ = _Judge(faults, ttl, renew_interval, lives)
     for observer, kind in kinds.items():
         points = sorted(evidence.get(observer, []), key=lambda r: r.at)
         downtime = out.downtime.setdefault(kind, KindDowntime())
@@ -300,10 +350,13 @@ def cadence(points: Sequence[Record]) -> float:
 
 
 class _Judge:
-    def __init__(self, faults: Sequence[Fault], ttl: float, renew_interval: float) -> None:
+    def __init__(
+        self, faults: Sequence[Fault], ttl: float, renew_interval: float, lives: Lives
+    ) -> None:
         self.faults = sorted(faults, key=lambda f: f.start)
         self.ttl = ttl
         self.renew_interval = renew_interval
+        self.lives = lives
 
     def gaps(
         self,
@@ -370,6 +423,11 @@ class _Judge:
                 taken = taken or f.name in TAKE_AT_START | TAKE_AT_END
                 if bound > until:
                     until, changed = bound, True
+        # While no service took work at all (each killed, stopped or draining, the next one
+        # still starting), the observer waits for one: its start is in the queue.
+        taker = self.lives.taker_after(gap.start, until)
+        if taker is not None:
+            until = max(until, taker + TOLERANCE)
         gap.explained_until = until
         gap.faults = used + [
             f
@@ -387,6 +445,8 @@ class _Judge:
             return f.start + recovered
         if f.name in TAKE_AT_END and holder:
             return f.end + recovered
+        if f.name in END_SESSION and holder:
+            return f.end + RECOVERY
         if f.name in BLOCK_RECOVERY and taken:
             return f.end + recovered
         if f.name in BLOCK_PUBLISH and initial:

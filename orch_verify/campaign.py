@@ -315,6 +315,10 @@ class Campaign:
         self.paused: dict[int, list[tuple[float, float]]] = {}
         #: Processes this campaign ended (their exit is no finding).
         self.ended: set[int] = set()
+        #: Per service process, from when it was seen ready to when it stopped taking work
+        #: (killed, stopped, drained, exited; wall time): when no service took work at all,
+        #: a gap waits for one (``availability.Lives.takers``).
+        self.takers: dict[int, list[float]] = {}
         #: Processes that exited without being asked: a crash is the orchestrator's defect.
         self.exits: list[str] = []
         #: The processes' clock hooks (made by ``start``).
@@ -378,7 +382,14 @@ class Campaign:
             slot.proc = spawned[-1]
             self.note(f"{slot.name} (pid {slot.proc.pid}) started, not seen ready: {exc!r:.200}")
         self.processes[slot.proc.pid] = slot.name
+        self.takers[slot.proc.pid] = [time.time(), float("inf")]
         slot.busy = None
+
+    def _stops_taking(self, proc: Proc) -> None:
+        """From now, this service process takes no work (killed, stopped, draining, gone)."""
+        window = self.takers.get(proc.pid)
+        if window is not None and window[1] == float("inf"):
+            window[1] = time.time()
 
     async def _api(self) -> httpx.AsyncClient:
         """A client of a live manager (waiting while the leader's replacement starts)."""
@@ -557,6 +568,7 @@ class Campaign:
             self._later(self._thaw(slot, p.length, fault, suspend=p.fault == "suspend"))
         elif p.fault == "drain":
             sid = await self.cluster.service_id(proc)
+            self._stops_taking(proc)
             async with await self._api() as api:
                 await api.post(f"/services/{sid}/drain")
             slot.busy = "draining"
@@ -761,6 +773,7 @@ class Campaign:
     def _end(self, proc: Proc, sig: int) -> None:
         """Signal ``proc`` to end: its exit is this campaign's doing."""
         self.ended.add(proc.pid)
+        self._stops_taking(proc)
         proc.signal(sig)
 
     def check_exits(self) -> None:
@@ -781,6 +794,7 @@ class Campaign:
 
     def _exited(self, proc: Proc) -> None:
         self.ended.add(proc.pid)
+        self._stops_taking(proc)
         last = proc.tail(1).strip()[:300]
         what = f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode}: {last}"
         self.exits.append(what)

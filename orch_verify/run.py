@@ -26,7 +26,13 @@ from contracts.settings import CommonSettings
 from contracts.topology import Topology
 from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
-from orch_verify.availability import Availability, Lives, judge_availability
+from orch_verify.availability import (
+    CUT_BROKER,
+    RECOVERY,
+    Availability,
+    Lives,
+    judge_availability,
+)
 from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import Verdict, copies_of, judge, running_at_end
@@ -293,6 +299,8 @@ async def _availability(
         failed=failed,
         restarts=restarts,
         policies={name: spec.restart_policy for name, spec in specs.items()},
+        takers={pid: (a, b) for pid, (a, b) in campaign.takers.items()},
+        paused=_not_taking(campaign),
     )
     return judge_availability(
         records,
@@ -303,6 +311,16 @@ async def _availability(
         renew_interval=renew,
         end=end,
     )
+
+
+def _not_taking(campaign: Campaign) -> dict[int, list[tuple[float, float]]]:
+    """Per service process, when it could take no work-queue start though it lived: frozen,
+    or cut off from the broker (until a new session could be open, ``RECOVERY`` later)."""
+    out = {pid: list(windows) for pid, windows in campaign.paused.items()}
+    for f in campaign.faults:
+        if f.name in CUT_BROKER and f.pid is not None:
+            out.setdefault(f.pid, []).append((f.start, f.end + RECOVERY))
+    return out
 
 
 def digest(schedule: list[Planned]) -> str:

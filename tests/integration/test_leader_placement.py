@@ -149,16 +149,15 @@ async def handoffs_to(conn: asyncpg.Connection, target: uuid.UUID) -> int:
     )
 
 
-async def test_directed_starts_go_first_to_services_whose_control_queue_exists(
+async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
     db: tuple[asyncpg.Connection, ManagerStore],
     publisher: Publisher,
     services_connection: AbstractConnection,
     prefix: str,
 ) -> None:
     """Both leases are live; the service with more room has no control queue (its broker link
-    is cut). The starts go to the other one first, whose queue takes them at once; what the
-    other has no room for goes to the one cut off, which reads it from the database at its
-    next renewal (its broker publish bounces to the work queue, a duplicate at worst)."""
+    is cut). Its starts would bounce to the work queue: they go to the other one, and what the
+    other has no room for goes to the work queue."""
     conn, store = db
     on = await service(conn, worker_count=5)
     off = await service(conn, worker_count=20)
@@ -167,12 +166,13 @@ async def test_directed_starts_go_first_to_services_whose_control_queue_exists(
     assert await audit(store, publisher).once() == 6
     routes = await conn.fetch("SELECT route, service_id FROM outbox")
     assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
-        [("service", on)] * 5 + [("service", off)]
-    ), f"placed by presence first (on={on}, off={off})"
+        [("service", on)] * 5 + [("work", None)]
+    ), f"placed by the lease alone (on={on}, off={off})"
     got = await received(queue)
     assert len(got) == 5
     assert all(isinstance(m, DirectedStart) for m in got)
     assert {m.observer_id for m in got if isinstance(m, DirectedStart)} < set(stuck)
+    assert await publisher.work_queue_ready() == 1
 
 
 @pytest.mark.parametrize(

@@ -152,3 +152,15 @@ def test_downtime_is_told_per_kind() -> None:
         "downtime (no copy running, beyond each observer's cadence): k 3.0s of 10s"
     )
     assert "1 gap(s) over 1s" in line
+
+
+def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
+    """Its holder drained while the other service was killed and its replacement still
+    starting: nobody could take it until that one was ready."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 8.2, 9.0)]
+    takers = {10: (0.0, 5.05), 20: (0.0, 4.0), 30: (7.5, float("inf"))}
+    assert judged(records, takers=takers).held
+    assert not judged(records, takers={**takers, 30: (3.0, float("inf"))}).held
+    # A frozen service takes nothing either.
+    frozen = {30: [(3.0, 7.5)]}
+    assert judged(records, takers={**takers, 30: (3.0, float("inf"))}, paused=frozen).held

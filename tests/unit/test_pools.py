@@ -11,7 +11,7 @@ from contracts.messages import StartMessage
 from contracts.pools import check_pool
 from contracts.statuses import ObserverStatus
 from contracts.topology import Topology
-from manager.background import place
+from manager.background import found, place
 from manager.rebalance import Load, plan_pools
 from manager.repository import Needs, Runs
 from observer_service.ports import Seen, StartRequest
@@ -84,3 +84,15 @@ def test_a_start_of_another_pool_is_passed_on_never_taken() -> None:
     for versions, expected in (({"ws": "1"}, Decision.NOT_HERE), ({"ws": "2"}, Decision.TAKE)):
         seen = facts(pinned, req, c, Departed(), versions, "eu")
         assert decide(seen, me=c, redelivered=False, running_here=False) is expected
+
+
+def test_directed_starts_go_to_services_found_on_the_broker_or_any_when_none_answered() -> None:
+    """A lease says a process lives, not that a message reaches it: those found on the broker
+    are chosen. When no probe answered (the broker restarting), any service with a lease may be
+    chosen: it reads its directed starts from the database at its next renewal."""
+    runs = {a: Runs("default", None), b: Runs("default", None)}
+    free = {a: 9, b: 1}
+    assert place(free, [Needs("default", "ws")] * 2, runs, among={b}) == [b, None]
+    assert place(free, [Needs("default", "ws")], runs, among=found({a: None, b: None})) == [a]
+    assert found({a: False, b: None}) == set()
+    assert found({a: True, b: None}) == {a}
