@@ -149,6 +149,11 @@ class Observer(Base):
     #: came so when it equals ``epoch`` (a directed start leaves it NULL). The sweeper leaves
     #: such observers of a gone holder to the requeue a while.
     queued_epoch: Mapped[int | None] = mapped_column(BigInteger)
+    #: The service a directed start was last sent to (a re-dispatch, a handoff), until a take
+    #: clears it: its lease renewal reads what nobody took within a renewal interval and takes
+    #: it from the database (the start lost with a control queue, or not published in an
+    #: alarm).
+    directed_to: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
 
     __table_args__ = (
         CheckConstraint(
@@ -183,6 +188,12 @@ class Observer(Base):
         ),
         # ...and the leader's audit, live observers that nobody holds.
         Index("ix_observers_moving", "moved_at", postgresql_where=text("moved_at IS NOT NULL")),
+        # ...a service's renewal, what was directed to it and not taken...
+        Index(
+            "ix_observers_directed_to",
+            "directed_to",
+            postgresql_where=text("directed_to IS NOT NULL"),
+        ),
         Index(
             "ix_observers_unheld",
             "dispatched_at",
@@ -239,9 +250,6 @@ class OutboxMessage(Base):
 
     __table_args__ = (
         Index("ix_outbox_created_at", "created_at"),
-        # A service's directed starts, read by its lease renewal when the broker did not
-        # deliver them (a broker alarm).
-        Index("ix_outbox_service", "service_id", postgresql_where=text("route = 'service'")),
         CheckConstraint(
             "route IN (" + ", ".join(f"'{r.value}'" for r in Route) + ")", name="route_valid"
         ),

@@ -147,7 +147,7 @@ async def redispatch(
         targets = dict(zip(ids, place(free, wanted, runs, among=present), strict=True))
         if placed_only:
             ids = [i for i in ids if targets[i] is not None]
-        starts = await repo.new_dispatches(tx, ids, why)
+        starts = await repo.new_dispatches(tx, ids, why, targets)
         messages: list[tuple[Destination, Message]] = []
         for start in starts:
             target = targets[start.observer_id]

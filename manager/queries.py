@@ -249,12 +249,14 @@ STOP_NOW = (
 )
 RESUME = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, dispatch_id = :d, "
-    "waiting = NULL, dispatched_at = now(), modified_at = now() WHERE id = :id"
+    "waiting = NULL, directed_to = NULL, dispatched_at = now(), modified_at = now() "
+    "WHERE id = :id"
 )
 RESTART = (
     f"UPDATE observers SET status = {_v(S.CREATED)}, service_id = NULL, restart_count = 0, "
     "restarted_at = NULL, dispatch_id = :d, "
-    "waiting = NULL, dispatched_at = now(), modified_at = now() WHERE id = :id"
+    "waiting = NULL, directed_to = NULL, dispatched_at = now(), modified_at = now() "
+    "WHERE id = :id"
 )
 
 # --------------------------------------------------------------------------------- services
@@ -338,11 +340,14 @@ SELECT EXISTS (SELECT 1 FROM observer_counts c
                 GROUP BY c.service_id HAVING sum(c.n) > 0)
 """
 # New dispatch ids (old start messages become stale), nobody holding them.
-REDISPATCH = (
-    "UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, waiting = NULL, "
-    "dispatched_at = now(), modified_at = now() WHERE o.id = ANY(:ids) "
-    "RETURNING o.id, o.dispatch_id"
-)
+# :targets, one per id: the service each start is directed to (NULL: its pool's work queue).
+REDISPATCH = """
+UPDATE observers o SET dispatch_id = gen_random_uuid(), service_id = NULL, waiting = NULL,
+       directed_to = t.target, dispatched_at = now(), modified_at = now()
+  FROM unnest(CAST(:ids AS uuid[]), CAST(:targets AS uuid[])) AS t(id, target)
+ WHERE o.id = t.id
+RETURNING o.id, o.dispatch_id
+"""
 # The pool, kind and pinned version of each of these observers.
 NEEDS_OF = "SELECT id, pool, kind, kind_version FROM observers WHERE id = ANY(:ids)"
 # The pool of each of these services, and the kinds it runs with their versions (the adverts):

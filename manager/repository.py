@@ -525,12 +525,19 @@ async def complete_stops(tx: Tx, ids: list[uuid.UUID], why: str) -> None:
         await record_events(tx, done, Event(status), why)
 
 
-async def new_dispatches(tx: Tx, ids: list[uuid.UUID], why: str) -> list[StartMessage]:
-    """New dispatch ids for these observers (their old messages become stale), recorded; the
-    start message of each that is still live."""
+async def new_dispatches(
+    tx: Tx,
+    ids: list[uuid.UUID],
+    why: str,
+    targets: dict[uuid.UUID, uuid.UUID | None] | None = None,
+) -> list[StartMessage]:
+    """New dispatch ids for these observers (their old messages become stale), recorded, each
+    directed to its service in ``targets`` (absent: to its pool's work queue); the start
+    message of each that is still live."""
     if not ids:
         return []
-    rows = await tx.rows(q.REDISPATCH, ids=ids)
+    to = targets or {}
+    rows = await tx.rows(q.REDISPATCH, ids=ids, targets=[to.get(i) for i in ids])
     await record_events(tx, [r.id for r in rows], Event.REDISPATCHED, why)
     return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
 

@@ -80,6 +80,9 @@ class Row:
     name: str = "fake"
     #: Why nobody runs it (``observers.waiting``): cleared by every take.
     waiting: str | None = None
+    #: The service a directed start was sent to (``observers.directed_to``): cleared by every
+    #: take; a release hands it the move the leader recorded.
+    directed_to: uuid.UUID | None = None
     pool: str = DEFAULT_POOL
     kind_version: str | None = None
 
@@ -227,6 +230,7 @@ class InMemoryStore:
                 row.handoff_to = row.waiting = None
                 row.queued_epoch = row.epoch if row.id in queued else None
                 row.dispatch_id = (dispatches or {}).get(row.id, row.dispatch_id)
+                row.directed_to = None
                 row.events.append("taken")
                 resumed[row.id] = (row.checkpoint, row.output_seq)
             elif decision is Decision.COMPLETE_STOP:
@@ -290,6 +294,7 @@ class InMemoryStore:
                 out.append(LOCKED)
                 continue
             row.status = STOPPED.get(row.status, row.status)
+            row.directed_to = row.handoff_to
             row.service_id = row.handoff_to = None
             row.events.append(f"{row.status.value}: {detail}")
             out.append(row.status)
@@ -359,6 +364,14 @@ class InMemoryStore:
         self._up("held_count")
         return sum(1 for r in self.rows.values() if r.service_id == self.me and r.status in HELD)
 
+    async def held_copies(self) -> set[Copy]:
+        self._up("held_copies")
+        return {
+            Copy(r.id, r.epoch)
+            for r in self.rows.values()
+            if r.service_id == self.me and r.status in HELD
+        }
+
     async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
         self._up("mark_queued")
         for copy, yes in marks.items():
@@ -417,7 +430,17 @@ class FakeLeaseSession:
             return None
         self.db.key = self.lock_key
         deleting, self.db.deleting = self.db.deleting, []
-        return Renewal(deleting=deleting, draining=self.db.draining)
+        store = self.db.store
+        directed = (
+            []
+            if store is None
+            else [
+                r.start
+                for r in store.rows.values()
+                if r.directed_to == store.me and r.service_id is None and r.status in LIVE
+            ]
+        )
+        return Renewal(deleting=deleting, draining=self.db.draining, directed=directed)
 
     async def held(self, timeout: float) -> set[Copy]:
         self._up()

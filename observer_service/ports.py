@@ -164,12 +164,12 @@ class ErrorRecord:
 @dataclass(frozen=True)
 class Renewal:
     """What a lease renewal learned: own observers being deleted, whether to drain, and the
-    directed starts the leader wrote for this service that the broker has not delivered (by
-    outbox record id)."""
+    starts directed to this service that nobody took (their directed start lost, or not
+    published: ``observers.directed_to``)."""
 
     deleting: list[uuid.UUID]
     draining: bool
-    directed: dict[int, StartMessage] = field(default_factory=dict)
+    directed: list[StartMessage] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,10 @@ class Store(TakeRows, Protocol):
     async def reconcile(self, running: set[uuid.UUID]) -> int: ...
 
     async def held_count(self) -> int: ...
+
+    async def held_copies(self) -> set[Copy]:
+        """The copies the database says this service holds (``queries.HELD_COPIES``)."""
+        ...
 
     async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
         """Whether each copy holds a live work-queue delivery (``queries.MARK_QUEUED``)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from contracts.errors import TRACEBACK_START
-from contracts.routing import Route
 from contracts.statuses import (
     HELD,
     LIVE,
@@ -146,7 +145,7 @@ def _seen(lock: str) -> str:
 TAKE = skipping_locked(
     _seen,
     f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
-    f"dispatch_id = ({_AS_SEEN} ->> 'take_dispatch')::uuid, "
+    f"dispatch_id = ({_AS_SEEN} ->> 'take_dispatch')::uuid, directed_to = NULL, "
     "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "
     f"queued_epoch = CASE WHEN ({_AS_SEEN} ->> 'queued')::boolean THEN o.epoch + 1 END",
     f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
@@ -219,11 +218,12 @@ SELECT o.id, o.epoch, o.output_seq, false FROM observers o WHERE {_MY_BATCH}
 
 # $1 ids, $2 me, $3 {"<id>:<epoch>": true}, $4 detail: the copy has stopped; the row is
 # released, or becomes what its holder's stop makes of it (deleted), whichever way it was asked
-# to stop.
+# to stop. A move the leader recorded (handoff_to) is where the observer is directed next: the
+# target takes it from the database if the handoff's directed start does not reach it.
 RELEASE = skipping_locked(
     lambda _: _MY_BATCH,
-    f"status = {sql_stopped('o.status')}, service_id = NULL, handoff_to = NULL, "
-    "modified_at = now()",
+    f"status = {sql_stopped('o.status')}, service_id = NULL, directed_to = o.handoff_to, "
+    "handoff_to = NULL, modified_at = now()",
     "o.status",
     events=(_release_event("u.status"), "$4::text"),
 )
@@ -346,12 +346,13 @@ RETURNING s.draining
 
 # $1 me, $2 ttl, $3 the renewing session's lock key, $4 kind code blocked the loop lately (the
 # stall mark stays: a service whose kinds block its loop is never taken over fast), $5 seconds
-# after which a directed start the leader wrote for me is read here, the broker not having
-# delivered it (publishers blocked by an alarm; ``ix_outbox_service``). Only an unexpired lease
-# is renewed: one found expired (a suspend, a pause longer than the lease) may have had its
-# observers taken, so the service fences and rejoins instead. The observers being stopped and
-# the directed starts come as JSON text: a uuid[] would cost a new session two more round
-# trips (asyncpg introspects the array type), and a session is renewed on a slow link too.
+# after which an observer directed to me (``directed_to``) that nobody took is read here: its
+# directed start was lost with a control queue, or not published in a broker alarm. Only an
+# unexpired lease is renewed: one found expired (a suspend, a pause longer than the lease) may
+# have had its observers taken, so the service fences and rejoins instead. The observers being
+# stopped and those directed come as JSON text: a uuid[] would cost a new session two more
+# round trips (asyncpg introspects the array type), and a session is renewed on a slow link
+# too.
 RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
@@ -361,10 +362,10 @@ UPDATE services
 RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE service_id = $1 AND {sql_in("status", STOPPING)}),
           draining,
-          (SELECT coalesce(json_agg(json_build_array(x.id, x.body)), '[]')::text FROM outbox x
-            WHERE x.route = '{Route.SERVICE.value}' AND x.service_id = $1
-              AND x.body ->> 'type' = 'start'
-              AND x.created_at < clock_timestamp() - make_interval(secs => $5))
+          (SELECT coalesce(json_agg(json_build_array(o.id, o.dispatch_id)), '[]')::text
+             FROM observers o
+            WHERE o.directed_to = $1 AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
+              AND o.modified_at < clock_timestamp() - make_interval(secs => $5))
 """
 
 LEAVE = """

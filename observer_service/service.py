@@ -126,8 +126,8 @@ class ObserverService:
         self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
         self.checks = ControlChecks(store)
         self.marks = QueuedMarks(store.mark_queued)
-        #: Outbox records of directed starts already taken from the database (newest kept).
-        self._directed_seen: dict[int, None] = {}
+        #: Directed starts already taken from the database (observer, dispatch; newest kept).
+        self._directed_seen: dict[tuple[uuid.UUID, uuid.UUID], None] = {}
         self._release = Batcher(self._release_batch)
         self.stalls = StallWatch(
             config.loop_stall,
@@ -544,14 +544,18 @@ class ObserverService:
                 checked = self.clock.now()
                 await self._check_held()
 
-    def _directed_by_database(self, starts: dict[int, StartMessage]) -> None:
-        """Directed starts the leader wrote for this service that the broker has not delivered
-        (its publishers blocked by an alarm): taken from the database, once each. A delivery
-        that comes later is a duplicate for the take rule."""
-        for record, start in starts.items():
-            if record in self._directed_seen or not self.accepting():
+    def _directed_by_database(self, starts: list[StartMessage]) -> None:
+        """Starts directed to this service that nobody took (the directed start lost with a
+        control queue, or not published in a broker alarm): taken from the database, once
+        each (a start the take rule drops is not asked again). A delivery that comes later is
+        a duplicate for the take rule."""
+        for start in starts:
+            key = (start.observer_id, start.dispatch_id)
+            if key in self._directed_seen or not self.accepting():
                 continue
-            self._directed_seen[record] = None
+            if self.admission.admits(start.observer_id) or start.observer_id in self.runners:
+                continue
+            self._directed_seen[key] = None
             if len(self._directed_seen) > 10_000:
                 del self._directed_seen[next(iter(self._directed_seen))]
             log.info("observer %s: its directed start read from the database", start.observer_id)
@@ -564,7 +568,18 @@ class ObserverService:
         return since is not None and self.clock.now() - since < self.lease.timings.ttl
 
     async def _check_held(self) -> None:
+        """Whether the rows this service holds are the copies it runs, both ways: rows held
+        but not run are let go; copies run whose row no longer names them (a stop answered
+        while the take that made them was committing, say) are stopped as taken by another,
+        even if they never write (a write of theirs would be fenced)."""
         held = await until_done(self.store.held_count, "counting held observers")
+        running = [r for r in self.runners.values() if r.stop_reason is None]
+        if held < len(running):
+            rows = await until_done(self.store.held_copies, "reading held observers")
+            stray = {r.copy for r in running if r.copy not in rows}
+            if stray:
+                log.error("%d copies run here whose rows are not ours: stopped", len(stray))
+                self.superseded(stray)
         if held <= len(self.runners) + self.admission.in_flight:
             return
         log.warning("the database says we hold %d observers; we run %d", held, len(self.runners))

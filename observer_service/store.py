@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
-from pydantic import ValidationError
 
 from contracts import pgconnect
 from contracts.errors import DatabaseUnavailable, database_errors
 from contracts.kinds import RestartPolicy
-from contracts.messages import DirectedStart, StartMessage
+from contracts.messages import StartMessage
 from contracts.outputs import Committed
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
@@ -199,6 +198,11 @@ class PgStore:
         with database_errors():
             return int(await self.pool.fetchval(q.HELD_COUNT, self.me))
 
+    async def held_copies(self) -> set[Copy]:
+        with database_errors():
+            rows = await self.pool.fetch(q.HELD_COPIES, self.me)
+        return {Copy(r["id"], r["epoch"]) for r in rows}
+
     async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
         if not marks:
             return
@@ -367,7 +371,7 @@ class PgLeaseSession:
     row: tuple[object, ...]
     #: Called when the session ends by itself (not when we close it).
     on_end: Callable[[], None]
-    #: Seconds after which a renewal reads the directed starts the broker did not deliver.
+    #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
     _closing: bool = False
 
@@ -414,7 +418,10 @@ class PgLeaseSession:
         return Renewal(
             deleting=[uuid.UUID(i) for i in json.loads(row[0])],
             draining=bool(row[1]),
-            directed=_directed(json.loads(row[2])),
+            directed=[
+                StartMessage(observer_id=uuid.UUID(o), dispatch_id=uuid.UUID(d))
+                for o, d in json.loads(row[2])
+            ],
         )
 
     async def held(self, timeout: float) -> set[Copy]:
@@ -437,18 +444,6 @@ class PgLeaseSession:
     def terminate(self) -> None:
         self._closing = True
         self.conn.terminate()
-
-
-def _directed(records: list[list[Any]]) -> dict[int, StartMessage]:
-    """The directed starts among outbox records ``[id, body]`` (a body this release cannot read
-    is left to the broker)."""
-    out = {}
-    for record_id, body in records:
-        try:
-            out[int(record_id)] = DirectedStart.model_validate(body).start()
-        except ValidationError as exc:
-            log.warning("a directed start in the outbox could not be read: %s", exc)
-    return out
 
 
 class PgLeaseDatabase:

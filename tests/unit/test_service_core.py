@@ -471,6 +471,16 @@ async def test_renewal_handling_survives_a_database_outage() -> None:
         await h.started()
 
 
+async def test_a_copy_whose_row_is_not_ours_is_stopped_even_if_it_never_writes() -> None:
+    """A stop answered "nothing runs it" while a take was committing (the race a lock that
+    joined the old holder opened): the row says deleted, nobody holds it, and the copy writes
+    nothing that a fence could refuse. The periodic check of held rows stops it."""
+    async with harness(check_every=0.01) as h:
+        row, _ = await h.started("cleans")  # ticks, writes nothing
+        row.status, row.service_id = S.DELETED, None  # as the racing delete wrote it
+        await until(lambda: row.id not in h.service.runners)
+
+
 # --------------------------------------------------------------------------- the lease
 async def test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours() -> None:
     """pg_terminate_backend, a pooler, a database restart: the copies pause at once, and go on
@@ -900,3 +910,15 @@ async def test_a_copy_out_of_the_processs_files_moves_on_and_spends_no_restart()
         turned_away = await h.run(other)
         await until(lambda: turned_away.outcome == "requeue")
         assert other.status is S.CREATED, "not taken here while short of resources"
+
+
+# ---------------------------------------------------------------- directed through the database
+async def test_an_observer_directed_here_whose_start_never_came_is_taken_at_a_renewal() -> None:
+    """The leader directed it here, but the directed start never arrived (lost with a control
+    queue while cut off from the broker, or not published in a broker alarm): the lease
+    renewal reads it and takes it, once."""
+    async with harness() as h:
+        row = h.store.add("tick", directed_to=h.service.id)
+        await h.running(row)
+        assert (row.service_id, row.epoch, row.directed_to) == (h.service.id, 1, None)
+        assert h.broker.sent == [], "nothing went through the broker"
