@@ -510,6 +510,8 @@ LEADER = (
 )
 
 PING = "SELECT 1"
+# The server's settings the orchestrator shows (``manager/database_facts.py``).
+AUTOVACUUM = "SELECT current_setting('autovacuum')"
 
 # ---------------------------------------------------------------------- leader: retention
 # Deleted observers (their history goes with them: ON DELETE CASCADE) older than :keep seconds.

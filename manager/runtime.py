@@ -19,8 +19,9 @@ from contracts.clock import Clock
 from contracts.errors import NameTaken, Transient, UnknownKind
 from contracts.kinds import KindSpec, get_kind, load_kinds
 from contracts.pools import DEFAULT_POOL
-from manager import background
+from manager import background, database_facts
 from manager import repository as repo
+from manager.database_facts import DatabaseFacts
 from manager.intake import GroupCommit
 from manager.leader import LEADER_NAME, Leadership, Loop, new_holder_id
 from manager.metrics import ManagerMetrics
@@ -92,6 +93,8 @@ class ManagerRuntime:
             name=LEADER_NAME,
             holder=holder,
         )
+        #: What the database server's settings mean for the promise (``/healthz``).
+        self.database = DatabaseFacts()
         #: Set when a supervised task died; ``error`` says why.
         self.fatal = asyncio.Event()
         self.error: BaseException | None = None
@@ -294,10 +297,17 @@ class ManagerRuntime:
             background.every(0.1, self.outbox.delete_published, "outbox cleanup")(),
             "outbox-cleanup",
         )
+        self._spawn(
+            background.every(database_facts.EVERY, self._read_database, "database facts")(),
+            "database-facts",
+        )
         if self.settings.metrics:
             self._spawn(self.metrics.keep_fresh(self.store), "metrics")
         if self.settings.background:
             self._spawn(self.leadership.run(), "leadership")
+
+    async def _read_database(self) -> None:
+        self.database = await database_facts.read(self.store)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)

@@ -20,8 +20,11 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
   for a slow link), on the process that held the observer before the gap or ran it after;
 - while such a recovery is under way, a fault that blocks every service's recovery (the broker
   stopped, the leader gone) extends it to ``lease TTL + 2 s`` after that fault ended;
-- while no service takes work (each killed, stopped, draining, frozen or cut off from the
-  broker, the next still starting), a gap waits for one (``Lives.takers``);
+- while no service can take work (each killed, stopped, draining, frozen, or with its broker or
+  database link cut, reset or slow; the next still starting), a gap waits for one
+  (``Lives.takers``);
+- a queue deleted while the observer was between two holders took its start: recovery counts
+  from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
 - its own restart back-off, its delete and its failure are not gaps; a row of its locked from
   outside explains its own wait until the lock ends.
@@ -57,8 +60,24 @@ TAKE_AT_END = frozenset({"slow_link"})
 #: Faults that end the holder's lease session while it lives: its copies wait until a new
 #: session has proven that none of them was taken (the design's rule), then go on.
 END_SESSION = frozenset({"db_reset", "db_blip", "lease_kill"})
-#: Faults that cut a service off from the broker: no work-queue start reaches it meanwhile.
-CUT_BROKER = frozenset({"amqp_partition", "isolate"})
+#: Faults that keep a service from taking work promptly while they last (and ``RECOVERY``
+#: after): cut off from the broker (no start reaches it), or its database link cut, reset or
+#: slow (a take is a few round trips).
+CANNOT_TAKE = frozenset(
+    {
+        "amqp_partition",
+        "isolate",
+        "broker_close",
+        "db_blip",
+        "db_reset",
+        "db_partition",
+        "slow_link",
+        "lease_kill",
+    }
+)
+#: Faults that take the start of an observer between two holders (its start message in the
+#: queue): recovery counts from the fault, as for a holder taken.
+TAKE_THE_START = frozenset({"queue_deleted"})
 #: Faults that block every service's recovery until they end.
 BLOCK_RECOVERY = frozenset({"broker_restart", "leader"})
 #: Faults that block every publish, and so a new observer's first start, until they end.
@@ -107,8 +126,11 @@ class Lives:
 
     #: Observer -> wall time its create was answered.
     created: dict[str, float]
-    #: Observer -> wall time its delete was answered.
+    #: Observer -> wall time its delete was answered (its copies stop within a renewal of it).
     deleted: dict[str, float] = field(default_factory=dict)
+    #: Observer -> wall time its delete was sent: its life ends then, for the gaps (the delete
+    #: may take effect any time before its answer).
+    delete_sent: dict[str, float] = field(default_factory=dict)
     #: Observer -> when it was marked failed (its own errors: not a gap from then on).
     failed: dict[str, float] = field(default_factory=dict)
     #: Observer -> when each restart of its copy was recorded, oldest first.
@@ -312,7 +334,8 @@ def judge_availability(
         born = lives.created.get(observer)
         if born is None:
             continue  # created outside the campaign: nothing to measure from
-        last = min(end, lives.deleted.get(observer, end), lives.failed.get(observer, end))
+        ends = lives.delete_sent.get(observer, lives.deleted.get(observer, end))
+        last = min(end, ends, lives.failed.get(observer, end))
         downtime.live += max(0.0, last - born)
         policy = lives.policies.get(kind, RestartPolicy())
         restarts = lives.restarts.get(observer, [])
@@ -447,6 +470,8 @@ class _Judge:
             return f.end + recovered
         if f.name in END_SESSION and holder:
             return f.end + RECOVERY
+        if f.name in TAKE_THE_START and gap.start <= f.start <= gap.end:
+            return f.start + recovered
         if f.name in BLOCK_RECOVERY and taken:
             return f.end + recovered
         if f.name in BLOCK_PUBLISH and initial:

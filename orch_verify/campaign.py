@@ -295,8 +295,9 @@ class Campaign:
     api_failures: list[str] = field(default_factory=list)
     #: Every fault applied, with its span and target, for the availability judge.
     faults: list[Fault] = field(default_factory=list)
-    #: Observer -> wall time its create was answered; its delete was answered.
+    #: Observer -> wall time its create was answered; its delete was sent, and answered.
     created_at: dict[uuid.UUID, float] = field(default_factory=dict)
+    delete_sent: dict[uuid.UUID, float] = field(default_factory=dict)
     deleted_at: dict[uuid.UUID, float] = field(default_factory=dict)
     _created: int = 0
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -420,6 +421,7 @@ class Campaign:
         self.created_at[oid] = time.time()
 
     async def _delete(self, oid: uuid.UUID) -> None:
+        sent = time.time()
         r = await self._call("DELETE", f"/observers/{oid}")
         if r is None or r.status_code != 202:
             self._api_failed(f"deleting {oid}", r)
@@ -427,6 +429,7 @@ class Campaign:
         self.live.pop(oid)
         self.deleted[oid] = int(r.json()["epoch"])
         self.deleted_at[oid] = time.time()
+        self.delete_sent[oid] = sent
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Answer | None:
         """One call to a live manager, tried again (on another, maybe) while the answer is a 5xx

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from contracts.topology import Topology
 from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
 from orch_verify.availability import (
-    CUT_BROKER,
+    CANNOT_TAKE,
     RECOVERY,
     Availability,
     Lives,
@@ -68,10 +68,15 @@ class Outcome:
 
 
 async def campaign_on(
-    cluster: FaultCluster, options: Options, witness_dir: Path, say: Callable[[str], None]
+    cluster: FaultCluster,
+    options: Options,
+    witness_dir: Path,
+    say: Callable[[str], None],
+    alongside: Callable[[Campaign], Coroutine[Any, Any, None]] | None = None,
 ) -> Outcome:
     """Run the campaign on ``cluster`` (its processes write their witness to ``witness_dir``)
-    and judge it. The cluster's processes are left for its owner to stop."""
+    and judge it; ``alongside`` runs from the cluster's start to the faults' healing (the
+    soak's samples). The cluster's processes are left for its owner to stop."""
     schedule = plan(
         options.seed,
         options.seconds,
@@ -93,14 +98,22 @@ async def campaign_on(
         say=say,
     )
     watch = OutputWatch(cluster.env["ORCH_AMQP_URL"], Topology(cluster.env["ORCH_PREFIX"]))
+    beside: asyncio.Task[None] | None = None
     try:
         await watch.start()  # bound before the first observer is created
         await campaign.start()
+        if alongside is not None:
+            beside = asyncio.create_task(alongside(campaign), name="alongside")
         await campaign.run(options.seconds)
         await campaign.heal()
+        if beside is not None:
+            beside.cancel()
+            await asyncio.gather(beside, return_exceptions=True)
         verdict, records = await _settle_and_judge(cluster, campaign, witness_dir, options)
         verdict.outputs = await _judge_outputs(cluster, watch)
     finally:
+        if beside is not None:
+            beside.cancel()
         await campaign.close()
         await watch.close()
     return Outcome(verdict, campaign, records)
@@ -296,6 +309,7 @@ async def _availability(
     lives = Lives(
         created={str(o): t for o, t in campaign.created_at.items()},
         deleted={str(o): t for o, t in campaign.deleted_at.items()},
+        delete_sent={str(o): t for o, t in campaign.delete_sent.items()},
         failed=failed,
         restarts=restarts,
         policies={name: spec.restart_policy for name, spec in specs.items()},
@@ -314,11 +328,11 @@ async def _availability(
 
 
 def _not_taking(campaign: Campaign) -> dict[int, list[tuple[float, float]]]:
-    """Per service process, when it could take no work-queue start though it lived: frozen,
-    or cut off from the broker (until a new session could be open, ``RECOVERY`` later)."""
+    """Per service process, when it could not take work promptly though it lived: frozen, or
+    its broker or database link cut, reset or slow (until ``RECOVERY`` after)."""
     out = {pid: list(windows) for pid, windows in campaign.paused.items()}
     for f in campaign.faults:
-        if f.name in CUT_BROKER and f.pid is not None:
+        if f.name in CANNOT_TAKE and f.pid is not None:
             out.setdefault(f.pid, []).append((f.start, f.end + RECOVERY))
     return out
 

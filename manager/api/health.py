@@ -16,9 +16,15 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", operation_id="health")
-async def healthz() -> dict[str, str]:
-    """The process answers."""
-    return {"status": "ok"}
+async def healthz(state: RuntimeDep) -> dict[str, object]:
+    """The process answers; with what it last read of its database server's settings, and a
+    warning for each that weakens what it can promise (``manager/database_facts.py``). It
+    asks the database nothing."""
+    return {
+        "status": "ok",
+        "database": state.database.shown(),
+        "warnings": state.database.warnings(),
+    }
 
 
 @router.get("/metrics", include_in_schema=False)

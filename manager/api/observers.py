@@ -205,7 +205,7 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
             pending += published
             items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
     finally:  # what was done is published, whatever stopped the rest
-        await state.outbox.publish_now(pending)
+        state.outbox.publish_soon(pending)
     taken = set(ids)
     missing = [] if more else [oid for oid in dict.fromkeys(sel.ids or ()) if oid not in taken]
     for oid in missing:
@@ -265,7 +265,7 @@ async def move_observers(body: ObserverMove, state: RuntimeDep) -> dict[str, Any
         await state.kind(need.kind, need.pool, need.version)
     async with state.store.transaction() as tx:
         rows, pending = await repo.move_observers(tx, ids, to)
-    await state.outbox.publish_now(pending)
+    state.outbox.publish_soon(pending)
     if not rows:
         raise Conflict(f"the {len(ids)} observers selected are already where a move {to} puts them")
     moved = {r.id for r in rows}
@@ -388,7 +388,7 @@ async def _change(state: RuntimeDep, change: repo.Change, observer_id: uuid.UUID
     """One state change: the row and its outbox records in one transaction, then published."""
     async with state.store.transaction() as tx:
         row, pending = await change(tx, observer_id)
-    await state.outbox.publish_now(pending)
+    state.outbox.publish_soon(pending)
     return row
 
 

@@ -44,7 +44,7 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, A
     its checkpoint); afterwards it can be stopped with nothing moving again."""
     async with state.store.transaction() as tx:
         row, pending = await repo.drain_service(tx, service_id)
-    await state.outbox.publish_now(pending)
+    state.outbox.publish_soon(pending)
     state.metrics.moves.labels("drain").inc(int(row["running"]))
     return row
 
@@ -62,7 +62,7 @@ async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str,
     services). Undraining a service that does not drain changes nothing."""
     async with state.store.transaction() as tx:
         row, pending = await repo.drain_service(tx, service_id, draining=False)
-    await state.outbox.publish_now(pending)
+    state.outbox.publish_soon(pending)
     return row
 
 

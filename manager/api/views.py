@@ -400,7 +400,7 @@ async def _bulk(
                 continue
             pending.extend(more)
             items.append({"id": oid, "status": ok, "observer_status": row["status"]})
-    await state.outbox.publish_now(pending)
+    state.outbox.publish_soon(pending)
     done = sum(1 for i in items if "problem" not in i)
     return {"done": done, "failed": len(items) - done, "items": items}
 

@@ -52,6 +52,10 @@ class WebsocketParams(BaseModel):
     ping_timeout: float = Field(default=20.0, ge=0.5, le=3600)
     max_size: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="bytes a message")
     open_timeout: float = Field(default=10.0, gt=0, le=300)
+    compression: bool = Field(
+        default=False,
+        description="offer per-message deflate: less traffic, about 50 KiB more per subscription",
+    )
     reconnect_base: float = Field(default=0.5, ge=0.01, le=60)
     reconnect_max: float = Field(default=30.0, ge=0.01, le=3600)
 
@@ -108,6 +112,7 @@ async def websocket(ctx: ObserverContext) -> None:
                 ping_interval=p.ping_interval,
                 ping_timeout=p.ping_timeout,
                 max_size=p.max_size,
+                compression="deflate" if p.compression else None,
                 open_timeout=p.open_timeout,
                 close_timeout=p.ping_timeout,  # a server that stopped answering is left then
             ) as ws:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
+from contracts.settings import asyncpg_dsn
 from manager.app import create_app
 from manager.settings import ManagerSettings
+from orch.cluster import wait_for
 from tests.conftest import Servers
 
 
@@ -159,7 +163,7 @@ async def test_pause_resume_and_delete_of_an_observer_nobody_runs(api: httpx.Asy
 
 
 async def test_cluster_endpoints(api: httpx.AsyncClient) -> None:
-    assert (await api.get("/healthz")).json() == {"status": "ok"}
+    assert (await api.get("/healthz")).json()["status"] == "ok"
     ready = await api.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["database"] == "ok"
@@ -468,3 +472,24 @@ async def test_a_connection_never_given_back_does_not_hang_the_managers_shutdown
     finally:
         holder.cancel()
         await asyncio.gather(holder, return_exceptions=True)
+
+
+async def test_healthz_says_when_autovacuum_is_off_on_the_database_server(
+    api: httpx.AsyncClient, database_url: str
+) -> None:
+    """A server with autovacuum off (some images ship so) lets the orchestrator's tables grow:
+    /healthz shows the setting as read, and a warning when it is off."""
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        expected = await conn.fetchval("SHOW autovacuum")
+    finally:
+        await conn.close()
+
+    async def read() -> dict[str, Any] | None:
+        body: dict[str, Any] = (await api.get("/healthz")).json()
+        return body if body["database"]["autovacuum"] is not None else None
+
+    body = await wait_for(read, timeout=10, what="the database's settings read")
+    assert body["status"] == "ok"
+    assert body["database"]["autovacuum"] == expected
+    assert bool(body["warnings"]) == (expected == "off")

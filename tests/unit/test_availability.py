@@ -164,3 +164,11 @@ def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
     # A frozen service takes nothing either.
     frozen = {30: [(3.0, 7.5)]}
     assert judged(records, takers={**takers, 30: (3.0, float("inf"))}, paused=frozen).held
+
+
+def test_a_queue_deleted_while_the_observer_was_between_holders_took_its_start() -> None:
+    """Its start was in the work queue (a drain had released it) when the queue was deleted:
+    the audit sends it anew. A queue deleted while it ran explains no gap."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 8.5, 9.0)]
+    assert judged(records, [Fault("queue_deleted", 5.5, 5.5)]).held
+    assert not judged(records, [Fault("queue_deleted", 4.0, 4.0)]).held
