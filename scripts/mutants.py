@@ -37,6 +37,9 @@ CONTRACT = "tests/integration/test_store_contract.py"
 OUTPUTS = "tests/acceptance/test_outputs.py"
 LEADER = "tests/integration/test_leader_fence.py"
 PLACEMENT = "tests/integration/test_leader_placement.py"
+TAKE = "tests/unit/test_take.py"
+SWEEPER = "tests/integration/test_sweeper.py"
+ALWAYS = "tests/acceptance/test_always_running.py"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,78 @@ class Mutant:
 
 
 MUTANTS = [
+    # ------------------------------------------------------------ always one copy running
+    Mutant(
+        "take: a start whose dispatch was replaced never runs an observer nobody runs",
+        "observer_service/take.py",
+        "    if facts.status not in (ObserverStatus.CREATED, ObserverStatus.PROCESSING):\n"
+        "        return False\n    if not facts.belongs_here:",
+        "    if True:\n        return False\n    if not facts.belongs_here:",
+        (
+            f"{TAKE}::test_a_stale_start_runs_an_observer_nobody_runs",
+            f"{CONTRACT}::test_a_stale_dispatch_runs_an_observer_nobody_runs_and_only_that",
+        ),
+    ),
+    Mutant(
+        "deliveries: a copy whose session ended stays marked as holding a delivery",
+        "observer_service/service.py",
+        "        self.marks.lost(r.copy for r in lost)",
+        "        self.marks.lost([])",
+        (f"{CORE}::test_a_copy_whose_session_ended_is_marked_as_holding_no_delivery",),
+    ),
+    Mutant(
+        "sweeper: a gone service's requeue waited for while anything is taken",
+        "manager/background.py",
+        "        return [s for s, (_, since) in self.requeues.items() "
+        "if now - since < self.requeue_grace]",
+        "        return list(self.requeues)",
+        (f"{SWEEPER}::test_a_requeue_stuck_at_a_frozen_consumer_waits_no_longer_than_the_grace",),
+    ),
+    Mutant(
+        "renewal: observers directed here are never taken from the database",
+        "observer_service/service.py",
+        "            self._directed_by_database(renewal.directed)\n",
+        "",
+        (f"{CORE}::test_an_observer_directed_here_whose_start_never_came_is_taken_at_a_renewal",),
+    ),
+    Mutant(
+        "stop: the holder read as gone whatever the take made of the row",
+        "manager/repository.py",
+        "    live = sid is not None and bool(await tx.value(q.HOLDER_LIVE, sid=sid))",
+        "    live = False",
+        (
+            "tests/integration/test_stop_races.py::"
+            "test_a_stop_waiting_on_a_take_sees_the_new_holder_and_broadcasts_its_cancel",
+        ),
+    ),
+    Mutant(
+        "headroom: the process running out of files spends the kind's restarts",
+        "observer_service/runner.py",
+        "            if resource_error(exc):",
+        "            if False:",
+        (f"{CORE}::test_a_copy_out_of_the_processs_files_moves_on_and_spends_no_restart",),
+    ),
+    Mutant(
+        "held check: a copy whose row is not ours runs on",
+        "observer_service/service.py",
+        "        if held < len(running):",
+        "        if False:",
+        (f"{CORE}::test_a_copy_whose_row_is_not_ours_is_stopped_even_if_it_never_writes",),
+    ),
+    Mutant(
+        "runner: a settled copy keeps its ended task (freed by a full collection only)",
+        "observer_service/service.py",
+        "            runner.finished.set()\n            runner.forget()",
+        "            runner.finished.set()",
+        (f"{CORE}::test_an_ended_copy_is_freed_at_once_not_by_a_full_collection",),
+    ),
+    Mutant(
+        "publisher: the leader's questions asked on the publishing connection",
+        "manager/publisher.py",
+        "        return lookout\n",
+        "        return self._connection  # type: ignore[return-value]\n",
+        (f"{ALWAYS}::test_failover_runs_through_a_memory_alarm",),
+    ),
     Mutant(
         # Checkpoints, releases and deletes find their rows the same way (``_MY_BATCH``).
         "batch writes (checkpoint, release, delete): no epoch predicate",

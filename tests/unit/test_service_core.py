@@ -922,3 +922,19 @@ async def test_an_observer_directed_here_whose_start_never_came_is_taken_at_a_re
         await h.running(row)
         assert (row.service_id, row.epoch, row.directed_to) == (h.service.id, 1, None)
         assert h.broker.sent == [], "nothing went through the broker"
+
+
+async def test_a_copy_whose_session_ended_is_marked_as_holding_no_delivery() -> None:
+    """The broker requeued its delivery (or lost it with a deleted queue): if this service dies
+    now, nothing may be left to requeue, and the leader must not wait for one. An adopted
+    redelivery marks it again."""
+    async with harness() as h:
+        row, _ = await h.started()
+        assert row.queued_epoch == row.epoch
+        first = h.broker.session
+        await first.close()
+        await until(lambda: row.queued_epoch is None)
+        await until(lambda: h.broker.session is not first)
+        await h.run(row, redelivered=True)  # the requeued start comes back here: adopted
+        await until(lambda: row.queued_epoch == row.epoch)
+        assert row.epoch == 1, "adopted, not taken again"
