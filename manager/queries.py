@@ -427,13 +427,15 @@ SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
                     UNION SELECT 'default') AS p(pool)
  WHERE {_last_take("p.pool")} IS NULL
 """
-# Of the pools :pools.
+# Of the pools :pools. A start still in the outbox is on its way, unless it has been there
+# longer than :g (the broker blocks publishers: an alarm); then it is stuck too.
 UNHELD_STUCK = f"""
 SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
    AND o.pool = ANY(:pools)
    AND o.waiting IS NULL AND o.dispatched_at < now() - make_interval(secs => :g)
    AND o.modified_at < now() - make_interval(secs => :g)
-   AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text)
+   AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text
+                      AND b.created_at > now() - make_interval(secs => :g))
  LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
 

@@ -8,12 +8,15 @@ resumptions: the 90th percentile of the intervals inside its copies), that is ti
 Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around it:
 
 - a fault that does not take the observer's holder (a broker restart or alarm, a leader kill, a
-  queue deleted, a broker link reset or cut, a drain or SIGTERM, which hand over gracefully)
-  explains nothing: the gap may be ``TOLERANCE`` at most;
+  queue deleted, a broker link reset or cut) explains nothing: the gap may be ``TOLERANCE`` at
+  most;
 - a fault that ends the holder's lease session while it lives (a database reset or blip, the
   session killed) explains a gap until ``RECOVERY`` after it ended: its copies wait until a new
   session proved that none of them was taken (kind code of a service whose session ended
-  never resumes before that);
+  never resumes before that), or, where no new session came in time, as a holder taken;
+- a graceful stop of the holder (SIGTERM, a drain) explains a gap until the shutdown timeout
+  and ``RECOVERY`` after it: a copy that could not stop or be released in time keeps its
+  process until then;
 - a fault that takes its holder (kill, freeze, suspend, isolation, a database partition, the
   lease session ended, a stall of its event loop; a slow link, which may cost the lease at any
   moment of it) explains a gap until ``lease TTL + 2 s`` after the fault began (after it ended,
@@ -75,6 +78,9 @@ CANNOT_TAKE = frozenset(
         "lease_kill",
     }
 )
+#: Graceful stops of the holder: its copies move as soon as they stopped, or once its process
+#: gave up waiting for them (``ORCH_SHUTDOWN_TIMEOUT``) and exited.
+GRACEFUL = frozenset({"term", "drain"})
 #: Faults that take the start of an observer between two holders (its start message in the
 #: queue): recovery counts from the fault, as for a holder taken.
 TAKE_THE_START = frozenset({"queue_deleted"})
@@ -316,6 +322,7 @@ def judge_availability(
     ttl: float,
     renew_interval: float,
     end: float,
+    shutdown_timeout: float = 10.0,
 ) -> Availability:
     """Gaps and late stops of every observer in ``kinds`` (observer -> kind), judged at ``end``
     (wall time) against ``faults``; a stall of a process's event loop in ``records`` counts as
@@ -326,7 +333,7 @@ def judge_availability(
         if r.observer is not None and r.r in EVIDENCE:
             evidence[r.observer].append(r)
     out = Availability()
-    judge_ = _Judge(faults, ttl, renew_interval, lives)
+    judge_ = _Judge(faults, ttl, renew_interval, lives, shutdown_timeout)
     for observer, kind in kinds.items():
         points = sorted(evidence.get(observer, []), key=lambda r: r.at)
         downtime = out.downtime.setdefault(kind, KindDowntime())
@@ -374,12 +381,18 @@ def cadence(points: Sequence[Record]) -> float:
 
 class _Judge:
     def __init__(
-        self, faults: Sequence[Fault], ttl: float, renew_interval: float, lives: Lives
+        self,
+        faults: Sequence[Fault],
+        ttl: float,
+        renew_interval: float,
+        lives: Lives,
+        shutdown_timeout: float,
     ) -> None:
         self.faults = sorted(faults, key=lambda f: f.start)
         self.ttl = ttl
         self.renew_interval = renew_interval
         self.lives = lives
+        self.shutdown_timeout = shutdown_timeout
 
     def gaps(
         self,
@@ -469,7 +482,13 @@ class _Judge:
         if f.name in TAKE_AT_END and holder:
             return f.end + recovered
         if f.name in END_SESSION and holder:
-            return f.end + RECOVERY
+            # It bridges to a new session once the fault ends, or, failing that, its lease
+            # ends and the observer moves as from a holder taken.
+            return max(f.end + RECOVERY, f.start + recovered)
+        if f.name in GRACEFUL and holder:
+            # A copy that cannot stop in time (a kind slow to stop, a release that cannot land)
+            # keeps its process until the shutdown timeout; then it moves as from a crash.
+            return f.start + self.shutdown_timeout + RECOVERY
         if f.name in TAKE_THE_START and gap.start <= f.start <= gap.end:
             return f.start + recovered
         if f.name in BLOCK_RECOVERY and taken:

@@ -324,6 +324,7 @@ async def _availability(
         ttl=ttl,
         renew_interval=renew,
         end=end,
+        shutdown_timeout=options.shutdown_timeout,
     )
 
 
