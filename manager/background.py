@@ -82,7 +82,8 @@ async def reachable(
     alarm), and no lock or snapshot may wait for it."""
     async with store.transaction() as tx:
         free = await repo.free_slots(tx, margin)
-    return await probe(publisher, {*free, *also})
+        spare = await repo.free_slots(tx, margin, probation=True)
+    return await probe(publisher, {*free, *spare, *also})
 
 
 async def reachable_slots(
@@ -144,7 +145,17 @@ async def redispatch(
         needs = await repo.needs_of(tx, ids)
         runs = await repo.kinds_run(tx, list(free))
         wanted = [needs.get(i, repo.Needs(DEFAULT_POOL, "")) for i in ids]
-        targets = dict(zip(ids, place(free, wanted, runs, among=present), strict=True))
+        placed = place(free, wanted, runs, among=present)
+        if None in placed and (spare := await repo.free_slots(tx, margin, probation=True)):
+            # Services back from a lost lease lately, as a last resort before the work queue:
+            # a start sent there waits for an alarm's end, or for the audit where a frozen
+            # consumer's prefetch took it; a directed one is also read from the database.
+            runs |= await repo.kinds_run(tx, list(spare))
+            rest = [n for n, target in enumerate(placed) if target is None]
+            again = place(spare, [wanted[n] for n in rest], runs, among=present)
+            for n, target in zip(rest, again, strict=True):
+                placed[n] = target
+        targets = dict(zip(ids, placed, strict=True))
         if placed_only:
             ids = [i for i in ids if targets[i] is not None]
         starts = await repo.new_dispatches(tx, ids, why, targets)
@@ -274,7 +285,11 @@ class Sweeper:
             if not await repo.any_waiting(tx):
                 return 0
             free = await repo.free_slots(tx, self.margin)
-            ids = await repo.waiting(tx, (await repo.kinds_run(tx, list(free))).values())
+            free |= await repo.free_slots(tx, self.margin, probation=True)
+            # Only those a directed start reaches: others' kinds would pick observers that
+            # then stay where they are, ahead of the ones that could go.
+            able = [sid for sid in free if present is None or sid in present]
+            ids = await repo.waiting(tx, (await repo.kinds_run(tx, able)).values())
             pending = await redispatch(
                 tx,
                 ids,
@@ -365,6 +380,7 @@ class Audit:
             if not stuck:
                 return 0
             free = await repo.free_slots(tx, self.margin)
+            free |= await repo.free_slots(tx, self.margin, probation=True)
             free_pools = {r.pool for r in (await repo.kinds_run(tx, list(free))).values()}
         for pool in set(stuck.values()) - set(ready):
             ready[pool] = await self.publisher.work_queue_ready(pool)
@@ -390,13 +406,27 @@ class Audit:
         async with self.store.transaction() as tx:
             # Still unheld and stuck now (read again, locked): one taken meanwhile stays.
             ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace, idle)))
+            # One whose start is still unpublished (a broker alarm holds the publishers) is
+            # sent anew only to a service, which also reads it from the database: another
+            # start for the work queue would only wait behind the first.
+            unsent = await repo.unsent(tx, ids)
+            why = "audit: start message stuck or lost"
             pending = await redispatch(
                 tx,
-                ids,
-                "audit: start message stuck or lost",
+                [i for i in ids if i not in unsent],
+                why,
                 present=present,
                 margin=self.margin,
                 by="audit",
+            )
+            pending += await redispatch(
+                tx,
+                [i for i in ids if i in unsent],
+                why,
+                present=present,
+                margin=self.margin,
+                by="audit",
+                placed_only=True,
             )
         for oid in ids:
             times = self.recent.get(oid, (0, now))[0] + 1

@@ -126,6 +126,13 @@ class Publisher:
                 with contextlib.suppress(Exception):
                     await c.close()
             return
+        if any(c.is_closed for c in (connection, channel, lookout)):
+            # Closed before its callback could be there (the lookout's connect takes a
+            # while): nothing would ever see it. From here on no await: none can be missed.
+            for c in (connection, lookout):
+                with contextlib.suppress(Exception):
+                    await c.close()
+            raise BrokerUnavailable("the broker closed the connection while it was set up")
         self.version = version
         self._pools = {DEFAULT_POOL}
         self._connection, self._channel, self._lookout = connection, channel, lookout

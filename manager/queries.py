@@ -403,7 +403,8 @@ SELECT s.id, s.worker_count - {held_by("s.id")} AS free
   FROM services s
  WHERE NOT s.is_deleted AND NOT s.draining AND s.stalled_since IS NULL
    AND s.lease_expires_at > clock_timestamp() + make_interval(secs => :m)
-   AND (s.rejoined_at IS NULL OR s.rejoined_at < clock_timestamp() - make_interval(secs => :p))
+   AND (s.rejoined_at IS NOT NULL
+        AND s.rejoined_at >= clock_timestamp() - make_interval(secs => :p)) = :probation
 """
 
 
@@ -438,6 +439,12 @@ SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.serv
                       AND b.created_at > now() - make_interval(secs => :g))
  LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
+
+# Of these observers (:ids, as text), those with a start still in the outbox, unpublished.
+UNSENT = (
+    "SELECT DISTINCT (body->>'observer_id')::uuid AS id FROM outbox "
+    "WHERE body->>'observer_id' = ANY(CAST(:ids AS text[]))"
+)
 
 # -------------------------------------------------------------------- leader: the rebalance
 # Where moved observers are: their holder, and whether they are between holders (released by the

@@ -706,10 +706,11 @@ async def set_waiting(tx: Tx, why: dict[uuid.UUID, str]) -> None:
 PROBATION_MARGINS = 4
 
 
-async def free_slots(tx: Tx, margin: float) -> dict[uuid.UUID, int]:
+async def free_slots(tx: Tx, margin: float, *, probation: bool = False) -> dict[uuid.UUID, int]:
     """Free slots of the services whose lease outlives ``margin`` seconds, that take work and
-    that keep their lease (not stalled, not back from a lost lease lately)."""
-    rows = await tx.rows(q.FREE_SLOTS, m=margin, p=PROBATION_MARGINS * margin)
+    that keep their lease (not stalled, not back from a lost lease lately). ``probation``:
+    those back from a lost lease lately instead (a re-dispatch's last resort)."""
+    rows = await tx.rows(q.FREE_SLOTS, m=margin, p=PROBATION_MARGINS * margin, probation=probation)
     return {r.id: int(r.free) for r in rows if r.free > 0}
 
 
@@ -724,6 +725,11 @@ async def unheld_stuck(tx: Tx, grace: float, pools: list[str]) -> dict[uuid.UUID
     """Live observers of ``pools`` nobody holds, dispatched more than ``grace`` seconds ago:
     their pools."""
     return {r.id: r.pool for r in await tx.rows(q.UNHELD_STUCK, g=grace, pools=pools)}
+
+
+async def unsent(tx: Tx, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+    """Of ``ids``, those whose start is still in the outbox (not published yet)."""
+    return set(await tx.values(q.UNSENT, ids=[str(i) for i in ids])) if ids else set()
 
 
 # ------------------------------------------------------------------- leader: the rebalance

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from contracts.backoff import Backoff
@@ -21,7 +22,8 @@ from observer_service.ports import Copy
 
 log = logging.getLogger(__name__)
 
-Write = Callable[[Mapping[Copy, bool]], Awaitable[None]]
+#: Writes marks; returns the observers whose row was locked then (written again).
+Write = Callable[[Mapping[Copy, bool]], Awaitable[set[uuid.UUID]]]
 
 
 class QueuedMarks:
@@ -52,10 +54,18 @@ class QueuedMarks:
             self._ready.clear()
             marks, self._pending = self._pending, {}
             try:
-                await self._write(marks)
-                backoff.reset()
+                locked = await self._write(marks)
             except Transient as exc:
                 log.info("could not write which copies hold a delivery (%s); again soon", exc)
-                self._pending = {**marks, **self._pending}
-                self._ready.set()
-                await asyncio.sleep(backoff.next())
+                locked = {c.observer_id for c in marks}
+            if not locked:
+                backoff.reset()
+                continue
+            # Not written (its row locked by a checkpoint at that instant): again, unless a
+            # newer mark for the copy came meanwhile.
+            self._pending = {
+                **{c: m for c, m in marks.items() if c.observer_id in locked},
+                **self._pending,
+            }
+            self._ready.set()
+            await asyncio.sleep(backoff.next())

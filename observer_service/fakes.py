@@ -372,12 +372,13 @@ class InMemoryStore:
             if r.service_id == self.me and r.status in HELD
         }
 
-    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> set[uuid.UUID]:
         self._up("mark_queued")
         for copy, yes in marks.items():
             row = self.rows.get(copy.observer_id)
             if self._mine(row, copy) and row is not None:
                 row.queued_epoch = row.epoch if yes else None
+        return set()
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
         self._up("control_facts")

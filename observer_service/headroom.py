@@ -2,11 +2,13 @@
 
 A kind that meets ``EMFILE`` (too many open files), ``ENFILE``, ``ENOMEM`` or ``ENOBUFS``, or a
 ``MemoryError``, has met the limits of the process that runs it, not a fault of its own: the
-copy is stopped and its observer goes to another service, and no restart is spent on it
-(``runner.ResourceShort``). Meanwhile this service takes no new start: not for
-``COOLDOWN`` seconds after such an error, nor while its open descriptors come within a reserve of
-its limit (``RLIMIT_NOFILE``). Counted slots alone kept taking up to ``worker_count`` on a
-service capped at 128 descriptors, whose other observers then failed for it.
+copy is stopped and its observer goes to another service (``runner.ResourceShort``). That move
+spends one restart of its budget: a kind that exhausts every process it runs in (one that leaks
+descriptors) fails in the end instead of moving for ever, evicting its neighbours. Meanwhile
+this service takes no new start: not for ``COOLDOWN`` seconds after such an error, nor while
+its open descriptors come within a reserve of its limit (``RLIMIT_NOFILE``). Counted slots
+alone kept taking up to ``worker_count`` on a service capped at 128 descriptors, whose other
+observers then failed for it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
@@ -79,6 +79,10 @@ class Host(Protocol):
         ...
 
     def cancel(self, observer_id: uuid.UUID) -> None: ...
+
+    def superseded(self, copies: Collection[Copy]) -> None:
+        """Stop these copies: their rows name another."""
+        ...
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None: ...
 
@@ -198,6 +202,11 @@ class Intake:
             )
             taken = await self._take(request, origin, slot)
             if taken is not None:
+                if existing is not None and existing.copy != taken.copy:
+                    # A copy of ours its row no longer named (a stop raced its take, then a
+                    # resume): never two here. It stops before the new one starts.
+                    self.host.superseded({existing.copy})
+                    await existing.finished.wait()
                 started = self._start_runner(taken, origin, cancelled=cancelled())
         finally:
             if not started:

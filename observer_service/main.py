@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import uuid
+from typing import Any
 
 import asyncpg
 
@@ -47,22 +48,33 @@ async def _open_pool(
     and until the pool opens the service has not joined, so it takes no work. One that
     refuses (at its connection limit) is tried again until ``until``, then StartupError. A line
     in the log for each try."""
-    timeout = max(2.0, ttl)
+    usual = timeout = max(2.0, ttl)
     backoff = Backoff(1.0, 30.0, jitter=0.2)
+    # The longer time for a connection is the first one's only: once the pool is open, a
+    # connection (or a query) as slow as that would guard nothing (a switchover to a dead
+    # host would stall each new connection a minute).
+    times = {"timeout": timeout}
+
+    async def connect(dsn: str | None = None, **kwargs: Any) -> asyncpg.Connection:
+        kwargs["timeout"] = times["timeout"]
+        kwargs["command_timeout"] = max(5.0, 2 * ttl, times["timeout"])
+        return await pgconnect.connect(dsn, **kwargs)  # several hosts: each in turn
+
     while True:
+        times["timeout"] = timeout
         try:
             with database_errors():
-                return await asyncpg.create_pool(
+                pool = await asyncpg.create_pool(
                     settings.asyncpg_dsn,
-                    connect=pgconnect.connect,  # several hosts: each in turn, as libpq does
+                    connect=connect,
                     min_size=1,
                     max_size=size,
                     max_inactive_connection_lifetime=0,
                     reset=keep_session,
                     server_settings=SERVER_SETTINGS,
-                    timeout=timeout,
-                    command_timeout=max(5.0, 2 * ttl, timeout),
                 )
+            times["timeout"] = usual
+            return pool
         except DatabaseUnavailable as exc:
             if not timed_out(exc) and time.monotonic() >= until:
                 raise StartupError(
@@ -132,7 +144,8 @@ async def serve(
         pool=settings.pool,
         directed_after=timings.renew_interval,
     )
-    warming = asyncio.create_task(_warm(pool, min(4, size)), name="warm-pool")
+    # Never the whole pool: takes arriving meanwhile find a connection.
+    warming = asyncio.create_task(_warm(pool, min(4, size - 2)), name="warm-pool")
     service = ObserverService(
         service_id=service_id,
         config=ServiceConfig(

@@ -262,8 +262,9 @@ class Store(TakeRows, Protocol):
         """The copies the database says this service holds (``queries.HELD_COPIES``)."""
         ...
 
-    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
-        """Whether each copy holds a live work-queue delivery (``queries.MARK_QUEUED``)."""
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> set[uuid.UUID]:
+        """Whether each copy holds a live work-queue delivery (``queries.MARK_QUEUED``); the
+        observers whose row was locked meanwhile, not written."""
         ...
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:

@@ -238,12 +238,15 @@ def copy_key(observer_id: object, epoch: int) -> str:
 # delivery (the sweeper leaves a gone service's queued observers to the broker's requeue). A
 # copy loses its delivery with its broker session (requeued, or gone with a deleted queue) and
 # gets one back when a redelivery is adopted. Bookkeeping only: a locked row is skipped.
+# Returns the copies' rows it skipped, locked meanwhile: their marks are written again.
 MARK_QUEUED = f"""
 WITH free AS (SELECT o.id FROM observers o WHERE {_MY_BATCH}
-                 FOR NO KEY UPDATE OF o SKIP LOCKED)
-UPDATE observers o
-   SET queued_epoch = CASE WHEN ($3::jsonb -> {_COPY})::boolean THEN o.epoch END
- WHERE {_MY_BATCH} AND o.id = ANY(ARRAY(SELECT free.id FROM free))
+                 FOR NO KEY UPDATE OF o SKIP LOCKED),
+     done AS (UPDATE observers o
+                 SET queued_epoch = CASE WHEN ($3::jsonb -> {_COPY})::boolean THEN o.epoch END
+               WHERE {_MY_BATCH} AND o.id = ANY(ARRAY(SELECT free.id FROM free))
+           RETURNING o.id)
+SELECT o.id FROM observers o WHERE {_MY_BATCH} AND o.id <> ALL(ARRAY(SELECT id FROM done))
 """
 
 # $1 id, $2 me, $3 epoch, $4 error, $5 reset_after (s), $6 max_restarts. Restarts are counted

@@ -119,10 +119,11 @@ class Runner:
             self.task.cancel()
 
     def forget(self) -> None:
-        """Once settled: let go of the ended task and clear the frames its exception's traceback
-        holds. They hold this runner and the exception itself, a cycle that only a full
-        collection would free (about 65 objects a copy, 4 KiB for a recorder, kept until then,
-        and a full collection is rare in a process that runs many copies: ``contracts.heap``)."""
+        """Once settled: let go of the ended task and of the tracebacks of its exception (and of
+        what caused it). Their frames hold this runner and the exception itself, a cycle that
+        only a full collection would free (about 65 objects a copy, 4 KiB for a recorder, kept
+        until then, and a full collection is rare in a process that runs many copies:
+        ``contracts.heap``)."""
         task, self.task = self.task, None
         if task is None or not task.done():
             return
@@ -130,9 +131,10 @@ class Runner:
             exc = task.exception()
         except asyncio.CancelledError as cancelled:  # the one it ended with, handed over once
             exc = cancelled
-        if exc is not None:
-            traceback.clear_frames(exc.__traceback__)
-            exc.__traceback__ = None  # it now names this frame too
+        # Dropping the traceback breaks the cycle; its frames are not cleared: a frame still
+        # suspended (a kind's reader task that handed its error on) would be closed by that.
+        for e in _chain(exc):
+            e.__traceback__ = None
 
     def gate(self, lease: Gate) -> Gate:
         """The lease's gate for this copy, which also abandons it once it was superseded."""
@@ -164,7 +166,8 @@ async def run_observer(
     heals) and restart in place after a backoff with jitter. Returns the last error once the
     budget is spent (the row is failed by then). ``secrets``, the values of its secret params,
     never reach the error as recorded (row and history) and logged. An error of the process's
-    own resources (descriptors, memory) is no error of the kind's: ``ResourceShort``.
+    own resources (descriptors, memory) moves the copy instead, ``ResourceShort``, once its
+    restart is recorded.
 
     Cancellation, Fenced and LeaseLost are BaseExceptions: they pass straight through. With
     ``progress_timeout``, a run that commits nothing (``outputs``) for that long is cancelled
@@ -181,9 +184,13 @@ async def run_observer(
             returned = ObserverReturned("run() returned; an observer must run until stopped")
             error = describe(returned, secrets)
         except Exception as exc:
-            if resource_error(exc):
-                raise ResourceShort(describe(exc, secrets)) from None
             error = describe(exc, secrets)
+            if resource_error(exc):
+                # It moves, spending one restart of its budget: a kind that exhausts every
+                # process it runs in (a descriptor leak) fails in the end, not moves for ever.
+                if (await record_error(error)).failed:
+                    return error
+                raise ResourceShort(error) from None
         if outputs is not None and outputs.commit_every is None:
             # The next run resumes from the last checkpoint and emits these again (records of a
             # kind that commits on its own are committed as they are).
@@ -251,3 +258,12 @@ _HERE = Path(__file__).parent
 
 def refused(what: str) -> Fenced:
     return Fenced(f"{what} refused: another copy holds a newer epoch")
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, each once."""
+    out: list[BaseException] = []
+    while exc is not None and exc not in out and len(out) < 32:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out

@@ -126,8 +126,8 @@ class ObserverService:
         self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
         self.checks = ControlChecks(store)
         self.marks = QueuedMarks(store.mark_queued)
-        #: Directed starts already taken from the database (observer, dispatch; newest kept).
-        self._directed_seen: dict[tuple[uuid.UUID, uuid.UUID], None] = {}
+        #: Directed starts read from the database: (observer, dispatch) -> when (newest kept).
+        self._directed_seen: dict[tuple[uuid.UUID, uuid.UUID], float] = {}
         self._release = Batcher(self._release_batch)
         self.stalls = StallWatch(
             config.loop_stall,
@@ -329,6 +329,10 @@ class ObserverService:
     # ----------------------------------------------------------------- runners
     def add_runner(self, runner: Runner) -> None:
         self.runners[runner.observer_id] = runner
+        if isinstance(runner.origin, Queued) and not runner.origin.live:
+            # Its session closed while the take was in flight: as one that ran through it.
+            runner.origin = DIRECTED
+            self.marks.lost([runner.copy])
         task = runner.task
         assert task is not None
         # Settled once its task has ended; no second task per observer waits for that end (a
@@ -546,16 +550,22 @@ class ObserverService:
 
     def _directed_by_database(self, starts: list[StartMessage]) -> None:
         """Starts directed to this service that nobody took (the directed start lost with a
-        control queue, or not published in a broker alarm): taken from the database, once
-        each (a start the take rule drops is not asked again). A delivery that comes later is
+        control queue, or not published in a broker alarm): taken from the database, at most
+        once a lease's length each (one whose admission ended without a take, its requeue
+        unpublished with the broker cut off, is asked again). A delivery that comes later is
         a duplicate for the take rule."""
+        now = self.clock.now()
         for start in starts:
             key = (start.observer_id, start.dispatch_id)
-            if key in self._directed_seen or not self.accepting():
+            asked = self._directed_seen.get(key)
+            if asked is not None and now - asked < self.lease.timings.ttl:
+                continue
+            if not self.accepting():
                 continue
             if self.admission.admits(start.observer_id) or start.observer_id in self.runners:
                 continue
-            self._directed_seen[key] = None
+            self._directed_seen.pop(key, None)
+            self._directed_seen[key] = now
             if len(self._directed_seen) > 10_000:
                 del self._directed_seen[next(iter(self._directed_seen))]
             log.info("observer %s: its directed start read from the database", start.observer_id)
@@ -573,7 +583,11 @@ class ObserverService:
         while the take that made them was committing, say) are stopped as taken by another,
         even if they never write (a write of theirs would be fenced)."""
         held = await until_done(self.store.held_count, "counting held observers")
-        running = [r for r in self.runners.values() if r.stop_reason is None]
+        running = [
+            r
+            for r in self.runners.values()
+            if r.stop_reason is None and r.task is not None and not r.task.done()
+        ]
         if held < len(running):
             rows = await until_done(self.store.held_copies, "reading held observers")
             stray = {r.copy for r in running if r.copy not in rows}

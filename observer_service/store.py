@@ -203,16 +203,17 @@ class PgStore:
             rows = await self.pool.fetch(q.HELD_COPIES, self.me)
         return {Copy(r["id"], r["epoch"]) for r in rows}
 
-    async def mark_queued(self, marks: Mapping[Copy, bool]) -> None:
+    async def mark_queued(self, marks: Mapping[Copy, bool]) -> set[uuid.UUID]:
         if not marks:
-            return
+            return set()
         with database_errors():
-            await self.pool.execute(
+            rows = await self.pool.fetch(
                 q.MARK_QUEUED,
                 list({c.observer_id for c in marks}),
                 self.me,
                 json.dumps({q.copy_key(*c): yes for c, yes in marks.items()}),
             )
+        return {r["id"] for r in rows}
 
     async def control_facts(self, observer_ids: Sequence[uuid.UUID]) -> ControlFacts:
         with database_errors():

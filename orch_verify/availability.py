@@ -24,8 +24,10 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
 - while such a recovery is under way, a fault that blocks every service's recovery (the broker
   stopped, the leader gone) extends it to ``lease TTL + 2 s`` after that fault ended;
 - while no service can take work (each killed, stopped, draining, frozen, or with its broker or
-  database link cut, reset or slow; the next still starting), a gap waits for one
-  (``Lives.takers``);
+  database link cut, reset or slow; the next still starting), a gap waits for one, and
+  ``RECOVERY`` more (``Lives.takers``);
+- a process that took the observer in the gap (as the database recorded it) held it there,
+  though no step of its copy was seen: a fault on it counts as one on its holder;
 - a queue deleted while the observer was between two holders took its start: recovery counts
   from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
@@ -39,15 +41,18 @@ backs up a lost cancel), later only while a fault kept the cancel from its holde
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 from contracts.kinds import RestartPolicy
-from contracts.witness import Record
+from contracts.witness import Reader, Record
 
 #: Seconds of unrun time no fault needs to explain (a move, a take, a busy core).
 TOLERANCE = 1.0
@@ -147,6 +152,9 @@ class Lives:
     #: and when it was frozen meanwhile. While none took work, a gap waits for one.
     takers: dict[int, tuple[float, float]] = field(default_factory=dict)
     paused: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    #: Observer -> each take the database recorded: when, by which service process. A process
+    #: that took the observer in a gap held it there, though no step of its copy was seen.
+    takes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
     def taker_after(self, start: float, until: float) -> float | None:
         """If no service took work at some moment in [``start``, ``until``], the first moment
@@ -444,6 +452,11 @@ class _Judge:
                 until = max(until, at + backoff + TOLERANCE)
         initial = gap.before is None
         pids = {p for p in (gap.before, gap.after) if p is not None}
+        pids |= {
+            pid
+            for at, pid in self.lives.takes.get(gap.observer, [])
+            if gap.start - TOLERANCE <= at <= gap.end
+        }
         used: list[Fault] = []
         taken = False
         changed = True
@@ -460,10 +473,11 @@ class _Judge:
                 if bound > until:
                     until, changed = bound, True
         # While no service took work at all (each killed, stopped or draining, the next one
-        # still starting), the observer waits for one: its start is in the queue.
+        # still starting), the observer waits for one: its start is in the queue, or found
+        # by the one that comes (a new lease session first, for one that was frozen).
         taker = self.lives.taker_after(gap.start, until)
         if taker is not None:
-            until = max(until, taker + TOLERANCE)
+            until = max(until, taker + RECOVERY)
         gap.explained_until = until
         gap.faults = used + [
             f
@@ -565,3 +579,72 @@ def downtime_line(a: Availability) -> str:
         f"downtime (no copy running, beyond each observer's cadence): {', '.join(parts) or '-'}; "
         f"{len(a.gaps)} gap(s) over {TOLERANCE:.0f}s, median {median:.2f}s, longest {longest:.2f}s"
     )
+
+
+@dataclass
+class Inputs:
+    """What ``judge_availability`` was given besides the witness records: saved beside the
+    witness directory of a run (``INPUTS``), to judge it again offline (``rejudge``)."""
+
+    kinds: dict[str, str]
+    lives: Lives
+    faults: list[Fault]
+    ttl: float
+    renew_interval: float
+    end: float
+    shutdown_timeout: float
+    #: The moment the run's times count from.
+    zero: float = 0.0
+
+    def judge(self, records: Sequence[Record]) -> Availability:
+        return judge_availability(
+            records,
+            kinds=self.kinds,
+            lives=self.lives,
+            faults=self.faults,
+            ttl=self.ttl,
+            renew_interval=self.renew_interval,
+            end=self.end,
+            shutdown_timeout=self.shutdown_timeout,
+        )
+
+    def save(self, path: Path) -> None:
+        data = asdict(self)
+        data["lives"]["policies"] = {
+            kind: policy.model_dump() for kind, policy in self.lives.policies.items()
+        }
+        path.write_text(json.dumps(data))
+
+    @classmethod
+    def load(cls, path: Path) -> Inputs:
+        data = json.loads(path.read_text())
+        lives = data.pop("lives")
+        by_pid = ("takers", "paused")
+        return cls(
+            lives=Lives(
+                **{k: v for k, v in lives.items() if k not in (*by_pid, "policies", "takes")},
+                policies={k: RestartPolicy(**v) for k, v in lives["policies"].items()},
+                takers={int(pid): (a, b) for pid, (a, b) in lives["takers"].items()},
+                paused={int(pid): [tuple(w) for w in ws] for pid, ws in lives["paused"].items()},
+                takes={o: [(at, pid) for at, pid in ts] for o, ts in lives["takes"].items()},
+            ),
+            faults=[Fault(**f) for f in data.pop("faults")],
+            **data,
+        )
+
+
+#: Where a run keeps its ``Inputs``: beside its witness directory.
+INPUTS = "availability.json"
+
+
+def rejudge(workdir: Path) -> Availability:
+    """Judge a kept run again (``workdir``: its logs, witness and ``INPUTS``), with this
+    version of the judge."""
+    inputs = Inputs.load(workdir / INPUTS)
+    return inputs.judge(Reader(workdir / "witness").read())
+
+
+if __name__ == "__main__":  # python -m orch_verify.availability <workdir>
+    where = Path(sys.argv[1])
+    zero = Inputs.load(where / INPUTS).zero
+    print("\n".join(rejudge(where).lines(zero)) or "held")

@@ -26,13 +26,7 @@ from contracts.settings import CommonSettings
 from contracts.topology import Topology
 from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
-from orch_verify.availability import (
-    CANNOT_TAKE,
-    RECOVERY,
-    Availability,
-    Lives,
-    judge_availability,
-)
+from orch_verify.availability import CANNOT_TAKE, INPUTS, RECOVERY, Inputs, Lives
 from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import Verdict, copies_of, judge, running_at_end
@@ -257,8 +251,10 @@ async def _settle_and_judge(
         shutdown_timeout=options.shutdown_timeout,
         paused=campaign.paused,
     )
-    verdict.availability = await _availability(cluster, campaign, records, options)
     verdict.zero = campaign.wall0 + campaign.began
+    inputs = await _availability(cluster, campaign, options, verdict.zero)
+    inputs.save(witness_dir.parent / INPUTS)  # python -m orch_verify.availability judges again
+    verdict.availability = inputs.judge(records)
     campaign.check_exits()
     verdict.names = dict(campaign.processes)
     verdict.exits = list(campaign.exits)
@@ -287,19 +283,26 @@ async def _settle_and_judge(
 
 
 async def _availability(
-    cluster: FaultCluster, campaign: Campaign, records: list[witness.Record], options: Options
-) -> Availability:
-    """The second half of the promise (``orch_verify/availability.py``): when each observer sat
-    unrun, against the faults applied and its own restarts."""
+    cluster: FaultCluster, campaign: Campaign, options: Options, zero: float
+) -> Inputs:
+    """What the second half of the promise is judged on (``orch_verify/availability.py``),
+    besides the witness: the faults applied, the observers' lives, their own restarts and
+    the takes the database recorded."""
     end = time.time()
     events = await cluster.q(
-        "SELECT observer_id, event, extract(epoch FROM at) AS at FROM observer_events "
-        "WHERE event IN ('restarted', 'failed') ORDER BY at"
+        "SELECT e.observer_id, e.event, extract(epoch FROM e.at) AS at, s.pid "
+        "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
+        "WHERE e.event IN ('restarted', 'failed', 'taken') ORDER BY e.at"
     )
     restarts: dict[str, list[float]] = {}
     failed: dict[str, float] = {}
+    takes: dict[str, list[tuple[float, int]]] = {}
     for e in events:
         oid = str(e["observer_id"])
+        if e["event"] == "taken":
+            if e["pid"] is not None:
+                takes.setdefault(oid, []).append((float(e["at"]), int(e["pid"])))
+            continue
         if e["event"] == "failed":
             failed.setdefault(oid, float(e["at"]))
         restarts.setdefault(oid, []).append(float(e["at"]))
@@ -315,16 +318,17 @@ async def _availability(
         policies={name: spec.restart_policy for name, spec in specs.items()},
         takers={pid: (a, b) for pid, (a, b) in campaign.takers.items()},
         paused=_not_taking(campaign),
+        takes=takes,
     )
-    return judge_availability(
-        records,
+    return Inputs(
         kinds={str(o): k for o, k in campaign.kinds.items()},
         lives=lives,
-        faults=campaign.faults,
+        faults=list(campaign.faults),
         ttl=ttl,
         renew_interval=renew,
         end=end,
         shutdown_timeout=options.shutdown_timeout,
+        zero=zero,
     )
 
 

@@ -97,11 +97,19 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "headroom: the process running out of files spends the kind's restarts",
+        "headroom: the process running out of files is the kind's error, restarted in place",
         "observer_service/runner.py",
         "            if resource_error(exc):",
         "            if False:",
-        (f"{CORE}::test_a_copy_out_of_the_processs_files_moves_on_and_spends_no_restart",),
+        (f"{CORE}::test_a_copy_out_of_the_processs_files_moves_on_spending_one_restart",),
+    ),
+    Mutant(
+        "headroom: a kind that exhausts its service moves for ever",
+        "observer_service/runner.py",
+        "                if (await record_error(error)).failed:\n"
+        "                    return error\n",
+        "",
+        (f"{CORE}::test_a_kind_that_keeps_exhausting_its_service_fails_with_its_budget",),
     ),
     Mutant(
         "held check: a copy whose row is not ours runs on",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import re
 import resource
 import signal
 import threading
@@ -24,7 +26,13 @@ import websockets
 from contracts.topology import Topology
 from orch_bench.ticklog import failover_gaps, read_ticks
 from tests.support.cluster import Cluster, Proc, wait_for
-from tests.support.faults import assert_no_overlap, disk_alarm, memory_alarm, via
+from tests.support.faults import (
+    assert_no_overlap,
+    disk_alarm,
+    memory_alarm,
+    rabbitmqctl,
+    via,
+)
 
 #: Seconds a takeover may take after its holder was lost: the lease TTL of the test cluster
 #: (``tests/support/cluster.py``) and two seconds.
@@ -376,3 +384,45 @@ async def _feed(every: float = 1.0) -> AsyncIterator[int]:
 
     async with websockets.serve(handler, "127.0.0.1", 0) as server:
         yield next(iter(server.sockets)).getsockname()[1]
+
+
+@contextlib.contextmanager
+def _delivery_limit(queue: str, limit: int) -> Iterator[None]:
+    """A broker policy capping the deliveries of ``queue`` (a quorum queue), removed after."""
+    name = f"test-delivery-limit-{uuid.uuid4().hex[:8]}"
+    rabbitmqctl(
+        "set_policy",
+        name,
+        f"^{re.escape(queue)}$",
+        json.dumps({"delivery-limit": limit}),
+        "--apply-to",
+        "queues",
+    )
+    try:
+        yield
+    finally:
+        rabbitmqctl("clear_policy", name)
+
+
+async def test_a_start_dead_lettered_by_a_delivery_limit_loses_no_observer(
+    cluster: Cluster,
+) -> None:
+    """A quorum queue counts a crash as a delivery, and from RabbitMQ 4.0 dead-letters a start
+    after 20 (4.3 counts a closed channel too). The project lifts that limit on the work queue
+    it declares; where a policy sets one anyway (here a limit of 0 deliveries, on 3.x), a start
+    whose holder crashed goes to the error queue: its observer must still run again, within the
+    lease TTL and two seconds."""
+    cluster.env["ORCH_QUEUE_TYPE"] = "quorum"
+    await cluster.start_manager()
+    a = await cluster.start_service("a", worker_count=20)
+    with _delivery_limit(Topology(cluster.prefix).work_queue, 0):
+        ids = await cluster.create_recorders(4)
+        await cluster.wait_all_running(ids, timeout=15)
+        b = await cluster.start_service("b", worker_count=20)
+        killed = time.time()
+        a.signal(signal.SIGKILL)
+        await cluster.wait_all_running(
+            ids, timeout=30, on={await cluster.service_id(b)}, fresh_after=killed
+        )
+    _assert_moved_within(cluster, killed, a, len(ids))
+    assert_no_overlap(cluster.tick_dir)

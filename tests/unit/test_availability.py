@@ -4,6 +4,7 @@ explains them, and deleted observers stopped late; from hand-made witness record
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,9 +12,11 @@ import pytest
 from contracts.kinds import RestartPolicy
 from contracts.witness import Record
 from orch_verify.availability import (
+    INPUTS,
     TOLERANCE,
     Availability,
     Fault,
+    Inputs,
     Lives,
     cadence,
     downtime_line,
@@ -164,6 +167,45 @@ def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
     # A frozen service takes nothing either.
     frozen = {30: [(3.0, 7.5)]}
     assert judged(records, takers={**takers, 30: (3.0, float("inf"))}, paused=frozen).held
+    # The one that came needs a new lease session (or its start) to take it: RECOVERY, not more.
+    assert judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.4, 10.0)], takers=takers).held
+    assert not judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.7, 10.0)], takers=takers).held
+
+
+def test_a_fault_on_a_process_that_took_the_observer_in_the_gap_explains_it() -> None:
+    """Its holder was killed; another took it (the database says so) and was killed before a
+    step of its copy was seen; a third ran it a TTL later. The second kill explains the rest of
+    the gap only because that process had taken it."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 3, 14.0, 15.0)]
+    faults = [Fault("kill", 5.05, 5.05, pid=10), Fault("kill", 9.5, 9.5, pid=20)]
+    assert not judged(records, faults).held
+    assert judged(records, faults, takes={OID: [(9.0, 20)]}).held
+    assert not judged(records, faults, takes={OID: [(2.0, 20)]}).held  # before the gap
+
+
+def test_a_run_is_judged_again_from_its_saved_inputs(tmp_path: Path) -> None:
+    """What a run saves beside its witness (``INPUTS``) gives the same verdict offline."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 3, 14.0, 15.0)]
+    inputs = Inputs(
+        kinds={OID: "k"},
+        lives=Lives(
+            created={OID: 0.0},
+            policies={"k": RestartPolicy(max_restarts=3)},
+            takers={10: (0.0, float("inf"))},
+            paused={10: [(1.0, 2.0)]},
+            takes={OID: [(9.0, 20)]},
+        ),
+        faults=[Fault("kill", 5.05, 5.05, pid=10), Fault("kill", 9.5, 9.5, pid=20)],
+        ttl=TTL,
+        renew_interval=1.0,
+        end=15.05,
+        shutdown_timeout=2.0,
+        zero=0.5,
+    )
+    inputs.save(tmp_path / INPUTS)
+    again = Inputs.load(tmp_path / INPUTS)
+    assert again == inputs
+    assert again.judge(records).as_dict(0.5) == inputs.judge(records).as_dict(0.5)
 
 
 def test_a_queue_deleted_while_the_observer_was_between_holders_took_its_start() -> None:

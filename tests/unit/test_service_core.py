@@ -33,6 +33,7 @@ from observer_service.fakes import (
     Row,
 )
 from observer_service.lease import LeaseKeeper, LeaseState
+from observer_service.runner import StopReason
 from observer_service.service import ObserverService, ServiceConfig
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.1, margin=0.1)
@@ -481,6 +482,21 @@ async def test_a_copy_whose_row_is_not_ours_is_stopped_even_if_it_never_writes()
         await until(lambda: row.id not in h.service.runners)
 
 
+async def test_a_start_meeting_a_copy_whose_row_is_not_ours_stops_it_before_the_new_one() -> None:
+    """The same race, then a resume: the row is free again and its new start comes here, where
+    the stray copy still runs. The take makes a new epoch; the stray stops first, never two
+    copies of it here."""
+    async with harness(check_every=3600) as h:  # no periodic check: the start finds it
+        row, _ = await h.started("tick")
+        stray = h.service.runners[row.id]
+        row.status, row.service_id, row.dispatch_id = S.CREATED, None, uuid.uuid4()
+        await h.run(row)
+        await until(lambda: row.epoch == 2 and h.service.runners[row.id] is not stray)
+        assert stray.finished.is_set(), "two copies ran here"
+        assert stray.stop_reason is StopReason.SUPERSEDED
+        await h.running(row)
+
+
 # --------------------------------------------------------------------------- the lease
 async def test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours() -> None:
     """pg_terminate_backend, a pooler, a database restart: the copies pause at once, and go on
@@ -894,22 +910,31 @@ async def test_an_ended_copy_is_freed_at_once_not_by_a_full_collection(how: str)
 
 
 # ----------------------------------------------------------------- the process's resources
-async def test_a_copy_out_of_the_processs_files_moves_on_and_spends_no_restart() -> None:
+async def test_a_copy_out_of_the_processs_files_moves_on_spending_one_restart() -> None:
     """EMFILE is the service's limit, not the kind's error: the copy is released and its start
-    requeued for another service, no restart recorded, the observer never failed; and this
-    service takes no new start for a while (it would meet the same limit)."""
+    requeued for another service, not restarted here, the observer not failed; and this
+    service takes no new start for a while (it would meet the same limit). The move spends a
+    restart: a kind that exhausts every service it runs on fails once its budget is spent."""
     async with harness() as h:
         row = h.store.add("out_of_files")
         delivery = await h.run(row)
         await until(lambda: delivery.outcome == "requeue")
         assert (row.status, row.service_id) == (S.PROCESSING, None), "released, not failed"
-        assert row.restart_count == 0
-        assert "restarted" not in row.events
+        assert row.restart_count == 1
         assert "failed" not in row.events
         other = h.store.add("tick")
         turned_away = await h.run(other)
         await until(lambda: turned_away.outcome == "requeue")
         assert other.status is S.CREATED, "not taken here while short of resources"
+
+
+async def test_a_kind_that_keeps_exhausting_its_service_fails_with_its_budget() -> None:
+    async with harness() as h:
+        row = h.store.add("out_of_files", restart_policy={"max_restarts": 0})
+        delivery = await h.run(row)
+        await until(lambda: row.status is S.FAILED)
+        assert "Too many open files" in (row.last_error or "")
+        assert delivery.outcome != "requeue"
 
 
 # ---------------------------------------------------------------- directed through the database
