@@ -288,7 +288,7 @@ def test_an_observers_own_secret_query_names_are_masked_too() -> None:
 def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     row = {
         "kind": SPEC.name,
         "params": SPEC.validate_params(RAW),
@@ -303,7 +303,7 @@ def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
 def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)
     secret = str(params["token"])
     line = f"Refused: bad token {secret}"
@@ -324,7 +324,7 @@ def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
 def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)
     secret = str(params["token"])
     row = {"kind": SPEC.name, "params": params, "last_error": f"Refused: bad token {secret}!"}
