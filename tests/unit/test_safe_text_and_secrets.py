@@ -16,7 +16,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
 from contracts import logs
 from contracts.errors import split_error, stored_error
-from contracts.kinds import KindSpec, mask_params
+from contracts.kinds import KindSpec, mask_params, secret_values
 from contracts.logs import safe_text
 from contracts.masking import mask
 from observer_service.context import ObserverContext
@@ -403,3 +403,41 @@ def test_an_observer_logger_hides_its_secret_values(capsys: pytest.CaptureFixtur
     assert "t0p-secret" not in err
     assert "key ***" in err
     assert "named ***" in err
+
+
+def test_secret_values_of_any_shape_are_what_the_service_masks_in_errors_and_logs() -> None:
+    """A list of secrets, a dict of them (``websocket``'s ``headers``), a secret number, a
+    nested model: each value is one the service masks in an observer's errors and ``ctx.logger``
+    lines (``intake`` gives ``secret_values`` to the runner)."""
+    from pydantic import Secret
+
+    class Login(BaseModel):
+        user: str
+        password: SecretStr
+
+    class Shapes(BaseModel):
+        keys: list[SecretStr] = []
+        headers: dict[str, SecretStr] = {}
+        pin: Secret[int] | None = None
+        logins: list[Login] = []
+
+    spec = KindSpec("shapes", _noop, params_model=Shapes)
+    params = spec.validate_params(
+        {
+            "keys": ["K3y-one", "K3y-two"],
+            "headers": {"Authorization": "Bearer-H34der"},
+            "pin": 98765,
+            "logins": [{"user": "bob", "password": "L0gin-pw"}],
+        }
+    )
+    values = secret_values(params, spec)
+    for secret in ("K3y-one", "K3y-two", "Bearer-H34der", "98765", "L0gin-pw"):
+        assert secret in values
+    assert "Authorization" not in values, "a dict's keys are no secret"
+    line = mask(f"failed with {params!r}", secrets=values)
+    for secret in ("K3y-one", "K3y-two", "Bearer-H34der", "98765", "L0gin-pw"):
+        assert secret not in line
+
+
+async def _noop(ctx: object) -> None:
+    pass
