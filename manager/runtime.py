@@ -49,6 +49,13 @@ FOLD_EVERY = 2.0
 VACUUM_AFTER = 1000
 
 
+@functools.lru_cache(maxsize=128)  # its keys are texts of up to 256 KiB
+def advertised_spec(kind: str, text: str) -> KindSpec:
+    """A kind from the JSON text of its advert, read once per text (the adverts are read again
+    every few seconds, mostly unchanged). Raises AdvertRefused (never cached)."""
+    return KindSpec.from_advert(kind, read_advert(text))
+
+
 @dataclass
 class Offer:
     """The kinds one pool's services advertised, each with its versions; ``every``: one of
@@ -193,7 +200,7 @@ class ManagerRuntime:
         offered = {pool: Offer(every) for pool, every in pools.items()}
         for a in sorted(found, key=lambda a: (a.live, a.created_at), reverse=True):
             try:
-                spec = KindSpec.from_advert(a.kind, read_advert(a.text))
+                spec = advertised_spec(a.kind, a.text)
             except AdvertRefused as exc:
                 self._refused(a.service, a.kind, exc)
                 continue

@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from contracts.adverts import read_advert
 from contracts.errors import AdvertRefused
 from contracts.kinds import KindSpec
 from manager import repository as repo
@@ -15,6 +14,7 @@ from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ
 from manager.leader import current_leader
 from manager.problems import responses
+from manager.runtime import advertised_spec
 from manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
@@ -114,7 +114,7 @@ def _advertised(a: repo.LiveAdvert) -> KindSpec | None:
     if a.kind is None or a.text is None:
         return None
     try:
-        return KindSpec.from_advert(a.kind, read_advert(a.text))
+        return advertised_spec(a.kind, a.text)
     except AdvertRefused:
         return None
 
