@@ -236,7 +236,9 @@ class ManagerRuntime:
         joined since the last read): its advert tells that observer's secrets."""
         holders = {r.get("service_id") for r in rows} - {None}
         if not holders.issubset(self.holders):
-            await self._adverts_since(time.monotonic())
+            # A read that began within the last second will do: a holder still unknown then
+            # (its row pruned, say) is masked whole, and a burst of reads makes one query.
+            await self._adverts_since(time.monotonic() - 1.0)
 
     def secrets_of(self, row: dict[str, Any]) -> list[KindSpec] | None:
         """What tells which params of observer ``row`` are secret: its own kind and version,
