@@ -168,6 +168,7 @@ async def test_a_malformed_advert_is_left_out_and_never_stops_the_manager(
     await join(conn, '"not an object"', deleted=True)
     await join(conn, "[1, 2]")
     await join(conn, DEEP)
+    await join(conn, '{"abyss": ' + DEEP + "}", name="abyss-svc")
     await join(conn, json.dumps({"deep": json.loads("[" * 200 + "]" * 200)}), name="deep-svc")
     await join(conn, json.dumps({"vault": VAULT_V1}))
     rt = runtime(clients)
@@ -175,6 +176,7 @@ async def test_a_malformed_advert_is_left_out_and_never_stops_the_manager(
     await rt.read_adverts()
     assert "vault" in rt.advertised, "the good advert beside them is read"
     assert "service deep-svc: its advert of kind 'deep' is left out" in caplog.text
+    assert "service abyss-svc: its advert of kind 'abyss' is left out" in caplog.text
     for path in ("/kinds", "/services", "/pools", "/observers"):
         r = await clients.read.get(path)
         assert r.status_code == 200, (path, r.text)
