@@ -15,6 +15,7 @@
     │   ├── TooLarge              413
     │   ├── UnknownKind
     │   └── InvalidParams
+    ├── AdvertRefused             a service's advert of a kind cannot be read: left out
     └── StartupError              a process cannot start (one readable line)
 
     BaseException (outside the tree: what kind code may see)
@@ -116,6 +117,11 @@ class InvalidInput(OrchError):
 
 class TooLarge(InvalidInput):
     """Part of the request is over its size limit (413)."""
+
+
+class AdvertRefused(OrchError):
+    """A service's advert of a kind is not one the manager reads (too large or deep, a schema
+    that would fetch, a pattern no linear-time engine takes …): that advert is left out."""
 
 
 class UnknownKind(InvalidInput):

@@ -38,16 +38,16 @@ import importlib
 import inspect
 import random
 import re
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Self, TypeVar, get_args, get_origin
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
-from contracts.errors import InvalidParams, StartupError, UnknownKind
+from contracts import adverts
+from contracts.errors import AdvertRefused, InvalidParams, StartupError, UnknownKind
 from contracts.masking import SECRET, is_secret_name, mask
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
@@ -140,7 +140,7 @@ class KindSpec:
         the kind needs them); raises InvalidParams with a readable message."""
         if self.params_model is None:
             if self.params_schema is not None:
-                _check_schema(self.name, self.params_schema, params)
+                adverts.check_params(self.name, self.params_schema, params)
             return params
         try:
             model = self.params_model.model_validate(params, context=CLIENT)
@@ -160,7 +160,9 @@ class KindSpec:
         return {
             "description": self.description,
             "params_schema": (
-                self.params_model.model_json_schema() if self.params_model is not None else None
+                self.params_model.model_json_schema()
+                if self.params_model is not None
+                else self.params_schema
             ),
             "secret_params": sorted(self.secret_params),
             "restart_policy": self.restart_policy.model_dump(),
@@ -169,20 +171,32 @@ class KindSpec:
 
     @classmethod
     def from_advert(cls, name: str, advert: dict[str, Any]) -> KindSpec:
-        """A kind as a service advertised it (``advert``): its params are checked against the
-        advertised schema, its secrets masked, its restart policy known; it cannot run here."""
+        """A kind as a service advertised it (``advert``, read by ``adverts.read_advert``): its
+        params are checked against the advertised schema, its secrets masked, its restart
+        policy known; it cannot run here. Raises AdvertRefused for an advert it cannot read."""
         # Read as the tolerant reader reads messages: a field of a later release is ignored.
         policy = advert.get("restart_policy") or {}
+        schema = advert.get("params_schema")
+        secrets = advert.get("secret_params") or []
+        if not isinstance(policy, dict) or not isinstance(secrets, list):
+            raise AdvertRefused("its restart policy or its secret params are not of their shape")
+        if schema is not None:
+            adverts.check_schema(schema)
         known = {k: v for k, v in policy.items() if k in RestartPolicy.model_fields}
+        try:
+            restart = RestartPolicy.model_validate(known, strict=False)
+            version = check_version(str(advert.get("version") or DEFAULT_VERSION))
+        except ValueError as exc:  # pydantic's ValidationError too
+            raise AdvertRefused(f"its restart policy or version is not valid: {exc}") from None
         return cls(
             name=name,
             run=_not_here,
-            restart_policy=RestartPolicy.model_validate(known, strict=False),
-            description=str(advert.get("description") or ""),
+            restart_policy=restart,
+            description=str(advert.get("description") or "")[:1000],
             origin="advertised",
-            secret_params=frozenset(advert.get("secret_params") or ()),
-            params_schema=advert.get("params_schema"),
-            version=str(advert.get("version") or DEFAULT_VERSION),
+            secret_params=frozenset(str(s) for s in secrets),
+            params_schema=schema,
+            version=version,
         )
 
     def policy(self, override: dict[str, Any] | None) -> RestartPolicy:
@@ -194,26 +208,6 @@ class KindSpec:
 
 async def _not_here(ctx: Any) -> None:
     raise RuntimeError("a kind known from services' adverts runs only on those services")
-
-
-def _check_schema(kind: str, schema: dict[str, Any], params: dict[str, Any]) -> None:
-    """Raise InvalidParams unless ``params`` meet ``schema``: where and which rule failed,
-    never the value (the API does not echo what a client sent)."""
-    validator_class = jsonschema.validators.validator_for(schema)
-    problems = []
-    for error in sorted(validator_class(schema).iter_errors(params), key=lambda e: e.path):
-        where = ".".join(str(p) for p in error.absolute_path) or "params"
-        if error.validator == "required":
-            given: Any = error.instance if isinstance(error.instance, dict) else {}
-            wanted: Any = error.validator_value
-            missing = [str(r) for r in wanted if r not in given]
-            problems.append(f"{where}: missing {', '.join(missing)}")
-        elif error.validator == "additionalProperties":
-            problems.append(f"{where}: an unknown field")
-        else:
-            problems.append(f"{where}: fails {error.validator!r} ({error.validator_value!r})")
-    if problems:
-        raise InvalidParams(f"invalid params for kind {kind!r}: {'; '.join(problems)}")
 
 
 #: The validation context of params a client sent (the manager's check): a validator that
@@ -289,8 +283,7 @@ def mask_params(params: dict[str, Any], spec: KindSpec | None) -> dict[str, Any]
     extra = spec.secret_params if spec is not None else frozenset()
     if spec is not None and model is None and spec.params_schema is not None:
         # A kind known from its advert alone: its nested secrets are found in its schema.
-        schema = spec.params_schema
-        params = _schema_masked(params, schema, schema.get("$defs") or {}, 0)
+        params = adverts.masked(params, spec.params_schema)
     declared = params.get(SECRET_QUERY)
     names = tuple(n for n in (declared if isinstance(declared, list) else []) if isinstance(n, str))
     return _masked(params, model, extra, names)  # type: ignore[no-any-return]
@@ -307,8 +300,7 @@ def secret_values(
 
     def walk(given: Any, shown: Any) -> None:
         if shown == SECRET and given != SECRET and given not in (None, ""):
-            if isinstance(given, str | int | float):
-                found.add(str(given))
+            found.update(_leaves(given))  # a list, a dict, a model: every value in it
         elif isinstance(given, dict) and isinstance(shown, dict):
             for key, value in given.items():
                 walk(value, shown.get(key))
@@ -319,6 +311,54 @@ def secret_values(
     walk(params, masked if masked is not None else mask_params(params, spec))
     # Short values (a PIN of 3 digits) would mask every number in a message: left to the rest.
     return sorted((v for v in found if len(v) >= 4), key=len, reverse=True)
+
+
+def _leaves(value: Any) -> Iterator[str]:
+    """Every string and number in ``value`` as text (a dict's values, not its keys)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, str | int | float) and not isinstance(item, bool):
+            found = str(item)
+            if found != SECRET:
+                yield found
+
+
+def mask_as(params: dict[str, Any], specs: Sequence[KindSpec] | None) -> dict[str, Any]:
+    """``params`` as a ``read`` token may see them, given what tells which are secret:
+    ``specs``, the versions of its kind that may run the observer (each one's secrets masked);
+    None where nothing tells (no advert, or one that could not be read): every value masked."""
+    if not specs:
+        return adverts.mask_all(params)  # type: ignore[no-any-return]
+    for spec in specs:
+        params = mask_params(params, spec)
+    return params
+
+
+def mask_text_in(value: Any, secrets: Sequence[str] = (), depth: int = 0) -> Any:
+    """A JSON value (a checkpoint) as a ``read`` token may see it: every string in it masked
+    as an error is (``mask``: URL user info, secret query values, ``secrets``), the value of a
+    key named like a secret ``***``, and past 64 levels all of it."""
+    if depth > 64:
+        return SECRET
+    if isinstance(value, str):
+        return mask(value, secrets=secrets, keep_user=False)
+    if isinstance(value, list):
+        return [mask_text_in(v, secrets, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {
+            k: SECRET
+            if is_secret_name(str(k)) and v not in (None, "")
+            else mask_text_in(v, secrets, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, int | float) and not isinstance(value, bool) and str(value) in secrets:
+        return SECRET
+    return value
 
 
 #: A param of this name (a list of query-parameter names) adds to the secret query values
@@ -350,51 +390,6 @@ def _masked(
         inner = _models_in(info.annotation) if info is not None else []
         out[key] = _masked(v, inner[0] if len(inner) == 1 else None, names=names)
     return out
-
-
-def _resolved(schema: Any, defs: dict[str, Any]) -> dict[str, Any]:
-    for _ in range(32):  # a $ref to a $ref …, never for ever
-        if not isinstance(schema, dict) or "$ref" not in schema:
-            break
-        schema = defs.get(str(schema["$ref"]).rsplit("/", 1)[-1], {})
-    return schema if isinstance(schema, dict) else {}
-
-
-def _branches(schema: dict[str, Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The schema and the alternatives it allows (``X | None`` is an anyOf)."""
-    out = [schema]
-    for key in ("anyOf", "oneOf", "allOf"):
-        out += [_resolved(s, defs) for s in schema.get(key) or []]
-    return out
-
-
-def _schema_masked(value: Any, schema: Any, defs: dict[str, Any], depth: int) -> Any:
-    """``value`` with every part its JSON schema marks secret (``writeOnly``, ``format:
-    password``: a pydantic secret type; ``secret: true``: marked so) as ``***``."""
-    if value is None or value == "" or depth > 32:
-        return value
-    branches = _branches(_resolved(schema, defs), defs)
-    if any(
-        b.get("writeOnly") is True or b.get("format") == "password" or b.get("secret") is True
-        for b in branches
-    ):
-        return SECRET
-    if isinstance(value, dict):
-        out = dict(value)
-        for b in branches:
-            props = b.get("properties") or {}
-            extra = b.get("additionalProperties")
-            for key, v in out.items():
-                inner = props.get(key, extra if isinstance(extra, dict) else None)
-                if inner is not None:
-                    out[key] = _schema_masked(v, inner, defs, depth + 1)
-        return out
-    if isinstance(value, list):
-        items = [b["items"] for b in branches if isinstance(b.get("items"), dict)]
-        for inner in items:
-            value = [_schema_masked(v, inner, defs, depth + 1) for v in value]
-        return value
-    return value
 
 
 class KindLoadError(StartupError):

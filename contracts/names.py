@@ -162,6 +162,59 @@ _LOOK_ALIKES = {
     "\u03b3": "y",  # greek small letter gamma
     "\u03f2": "c",  # greek lunate sigma symbol
     "\u03f3": "j",  # greek letter yot
+    "\u0251": "a",  # latin small letter alpha
+    "\u0261": "g",  # latin small letter script g
+    "\u0131": "i",  # latin small letter dotless i
+    "\u0237": "j",  # latin small letter dotless j
+    "\u0269": "i",  # latin small letter iota
+    "\u01c0": "l",  # latin letter dental click
+    "\u1d00": "a",  # latin letter small capital a
+    "\u0299": "b",  # latin letter small capital b
+    "\u1d04": "c",  # latin letter small capital c
+    "\u1d05": "d",  # latin letter small capital d
+    "\u1d07": "e",  # latin letter small capital e
+    "\u0262": "g",  # latin letter small capital g
+    "\u029c": "h",  # latin letter small capital h
+    "\u026a": "i",  # latin letter small capital i
+    "\u1d0a": "j",  # latin letter small capital j
+    "\u1d0b": "k",  # latin letter small capital k
+    "\u029f": "l",  # latin letter small capital l
+    "\u1d0d": "m",  # latin letter small capital m
+    "\u0274": "n",  # latin letter small capital n
+    "\u1d0f": "o",  # latin letter small capital o
+    "\u1d18": "p",  # latin letter small capital p
+    "\u0280": "r",  # latin letter small capital r
+    "\ua731": "s",  # latin letter small capital s
+    "\u1d1b": "t",  # latin letter small capital t
+    "\u1d1c": "u",  # latin letter small capital u
+    "\u1d20": "v",  # latin letter small capital v
+    "\u1d21": "w",  # latin letter small capital w
+    "\u028f": "y",  # latin letter small capital y
+    "\u1d22": "z",  # latin letter small capital z
+    "\u0585": "o",  # armenian small letter oh
+    "\u057d": "u",  # armenian small letter seh
+    "\u0570": "h",  # armenian small letter ho
+    "\u0578": "n",  # armenian small letter vo
+    "\u0581": "g",  # armenian small letter co
+    "\u13aa": "A",  # cherokee letter go
+    "\u13f4": "B",  # cherokee letter yv
+    "\u13df": "C",  # cherokee letter tli
+    "\u13ac": "E",  # cherokee letter gv
+    "\u13c0": "G",  # cherokee letter nah
+    "\u13bb": "H",  # cherokee letter mi
+    "\u13b7": "M",  # cherokee letter lu
+    "\u13d2": "R",  # cherokee letter sv
+    "\u13da": "S",  # cherokee letter du
+    "\u13a2": "T",  # cherokee letter i
+    "\ua4d0": "B",  # lisu letter ba
+    "\ua4d1": "P",  # lisu letter pa
+    "\ua4d3": "D",  # lisu letter da
+    "\ua4f0": "E",  # lisu letter e
+    "\ua4f2": "I",  # lisu letter i
+    "\ua4e1": "L",  # lisu letter la
+    "\ua4e0": "N",  # lisu letter na
+    "\ua4f3": "O",  # lisu letter o
+    "\ua4ea": "W",  # lisu letter wa
 }
 _TABLE = str.maketrans(_LOOK_ALIKES)
 

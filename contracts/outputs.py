@@ -44,6 +44,18 @@ CONTENT_TYPE = "application/json"
 MAX_RECORD_BYTES = 1024 * 1024
 
 
+class RecordTooLarge(ValueError):
+    """``emit`` of a record over ``MAX_RECORD_BYTES`` as JSON (the service and ``orch.testing``
+    raise it alike)."""
+
+
+def check_record(text: str) -> str:
+    """A record's JSON text, or RecordTooLarge."""
+    if len(text.encode()) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"a record is at most {MAX_RECORD_BYTES} bytes as JSON")
+    return text
+
+
 def message_id(observer_id: uuid.UUID | str, seq: int) -> str:
     return f"{observer_id}:{seq}"
 

@@ -40,6 +40,11 @@ class Topology:
         #: Durable topic exchange of committed outputs, routed by kind (``contracts/outputs.py``).
         self.outputs_exchange = f"{prefix}.outputs"
 
+    def consumer_queue(self, name: str) -> str:
+        """A consumer's own queue of outputs: ``<p>.consumer.<name>``, the names the consumer
+        broker role may declare, and its length policy covers (``deploy/rabbitmq-users.sh``)."""
+        return f"{self.prefix}.consumer.{name}"
+
     def work_queue_of(self, pool: str) -> str:
         """The work queue of one pool: ``<p>.work`` for the default pool (as before pools),
         ``<p>.work.<pool>`` for the others."""

@@ -106,6 +106,7 @@ def configure(role: str, environ: Mapping[str, str], *, instance: str | None = N
     if instance is not None:
         attributes["service.instance.id"] = instance
     provider = TracerProvider(resource=Resource.create(attributes))
+    provider.add_span_processor(_scrubber())
     for name in names:
         exporter: SpanExporter = _otlp_exporter(environ) if name == "otlp" else _console_exporter()
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -113,6 +114,41 @@ def configure(role: str, environ: Mapping[str, str], *, instance: str | None = N
     _provider = provider
     _tracer = provider.get_tracer("observer-orchestrator", __version__)
     return True
+
+
+#: Request headers a caller's trace context comes in: heeded only from a caller whose token is
+#: known good (``for_traces``).
+_CONTEXT_HEADERS = frozenset({b"traceparent", b"tracestate", b"baggage"})
+
+
+def for_traces(scope: Mapping[str, Any], *, trusted: bool) -> dict[str, Any]:
+    """An HTTP request's ASGI scope as the request's server span may see it: without the
+    ``Host`` header (a client's word: the span names the socket's own address instead), and,
+    unless the caller is ``trusted`` (its token known good, or auth off), without a trace
+    context to continue (an unknown caller starts no span under a trace id of its choosing)."""
+    drop = {b"host"} if trusted else {b"host", *_CONTEXT_HEADERS}
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in drop]
+    return {**scope, "headers": headers}
+
+
+def _redacted_query(query: str) -> str:
+    """A query string with every value ``REDACTED``: its names alone are exported."""
+    names = [part.split("=", 1)[0] for part in query.split("&") if part]
+    return "&".join(f"{name[:100]}=REDACTED" for name in names[:50])
+
+
+def _scrubber() -> Any:
+    """A span processor that runs before the exporters': no span leaves with a query string's
+    values (``url.query``: a token, a secret …)."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Scrub(SpanProcessor):
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            query = (span.attributes or {}).get("url.query")
+            if isinstance(query, str):
+                span.set_attribute("url.query", _redacted_query(query))
+
+    return Scrub()
 
 
 def _otlp_exporter(environ: Mapping[str, str]) -> Any:

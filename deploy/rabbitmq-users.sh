@@ -12,6 +12,11 @@
 #   MANAGER_PASSWORD  password
 #   SERVICE_USER      the user the observer services connect as (default: orch-service), its
 #   SERVICE_PASSWORD  password
+#   CONSUMER_USER     a consumer of outputs (optional), its
+#   CONSUMER_PASSWORD password
+#   CONSUMER_QUEUE_MAX_LENGTH, CONSUMER_QUEUE_MAX_BYTES
+#                     the length policy of every <p>.consumer.* queue (1,000,000 messages,
+#                     256 MiB; the oldest dropped first)
 #   OPERATOR_USER     an existing user given every permission on the vhost, for
 #                     `orch broker-policy` and people (optional)
 #
@@ -60,8 +65,16 @@ user "$service" "$SERVICE_PASSWORD"
 rabbitmqctl -q set_permissions -p "$vhost" "$service" \
     "^($shared|$own)\$" "^(amq\\.default|$shared|$own)\$" "^($shared|$own)\$"
 
-# A consumer of outputs (optional): reads <p>.outputs through queues of its own named
-# <p>.consumer.<anything>, which it declares and binds.
+# Every <p>.consumer.* queue keeps at most CONSUMER_QUEUE_MAX_LENGTH messages and
+# CONSUMER_QUEUE_MAX_BYTES bytes, the oldest dropped first (a consumer's reader sees the gap): a
+# stalled consumer never grows until the broker's alarm blocks every publisher.
+rabbitmqctl -q set_policy -p "$vhost" "$prefix-consumer-limit" "^$p\.consumer\." \
+    "{\"max-length\": ${CONSUMER_QUEUE_MAX_LENGTH:-1000000}, \"max-length-bytes\": ${CONSUMER_QUEUE_MAX_BYTES:-268435456}, \"overflow\": \"drop-head\"}" \
+    --apply-to queues --priority 10
+
+# A consumer of outputs (optional): reads <p>.outputs (a passive declaration of the exchange,
+# no permission needed, then a binding: read on it) through queues of its own named
+# <p>.consumer.<anything>, which it declares, binds and consumes (``orch outputs tail`` too).
 if [ -n "${CONSUMER_USER:-}" ]; then
     : "${CONSUMER_PASSWORD:?set CONSUMER_PASSWORD}"
     user "$CONSUMER_USER" "$CONSUMER_PASSWORD"

@@ -12,12 +12,20 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
+from starlette.types import Receive, Scope, Send
 
-from contracts import __version__
+from contracts import __version__, tracing
 from manager import problems
 from manager.api import console, health, observers, services, views
 from manager.auth import Authenticator, parse_tokens
-from manager.http import BodyLimit, HeadAsGet, Measure, RelativeRedirects, TokenFirst
+from manager.http import (
+    BodyLimit,
+    HeadAsGet,
+    Measure,
+    RelativeRedirects,
+    TokenFirst,
+    bearer,
+)
 from manager.metrics import ManagerMetrics
 from manager.runtime import ManagerRuntime
 from manager.settings import ManagerSettings
@@ -30,6 +38,19 @@ Every call but `/healthz`, `/readyz`, `/metrics` (unless `ORCH_METRICS_AUTH=toke
 before its body is read when it has no valid token. Every error is a problem document
 (RFC 9457): `type`, `title`, `status`, `detail`, and `errors` with the field paths of a
 validation error."""
+
+
+class ManagerApp(FastAPI):
+    """The API, whose request spans (FastAPI's own, when tracing is on) see a request as
+    ``tracing.for_traces`` leaves it: a caller's trace continued only once its token is known
+    good, and never the Host it claims."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if tracing.enabled() and scope["type"] in ("http", "websocket"):
+            auth: Authenticator = self.state.auth
+            trusted = not auth.enabled or auth.identify(bearer(scope)) is not None
+            scope = tracing.for_traces(scope, trusted=trusted)
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -51,7 +72,7 @@ def create_app(
         finally:
             await rt.stop()
 
-    app = FastAPI(
+    app = ManagerApp(
         title="observer-orchestrator",
         version=__version__,
         description=DESCRIPTION,

@@ -22,13 +22,32 @@ def _v(status: ObserverStatus | Event) -> str:
 
 
 # ---------------------------------------------------------------------- who can run what
+def advertised(s: str) -> str:
+    """SQL: what service row ``s`` advertised of its kinds as an object, ``{}`` (no kind) for an
+    advert that is not one: a services row is another process's input, never a reason for a
+    statement of the manager's to fail (``contracts.adverts``)."""
+    return f"CASE WHEN jsonb_typeof({s}.kinds) = 'object' THEN {s}.kinds ELSE '{{}}'::jsonb END"
+
+
+def versions_of(s: str) -> str:
+    """SQL: the kinds service row ``s`` runs, each with its version, as a flat object (NULL: a
+    service of a release before adverts, which runs every kind); never the adverts themselves,
+    which may be nested as deep as their writer liked."""
+    return (
+        f"CASE WHEN {s}.kinds IS NOT NULL THEN COALESCE((SELECT jsonb_object_agg(k.key, "
+        f"COALESCE(left(k.value ->> 'version', 64), '1')) FROM jsonb_each({advertised(s)}) k), "
+        "'{}'::jsonb) END"
+    )
+
+
 def runs(r: str, o: str) -> str:
     """SQL: service ``r`` runs observer ``o``: its pool, its kind, and the version it is pinned
     to, if any (a service of a release before kinds were advertised runs every kind, but no
     pinned observer: it cannot tell versions)."""
     return (
         f"{r}.pool = {o}.pool AND CASE WHEN {r}.kinds IS NULL THEN {o}.kind_version IS NULL "
-        f"ELSE {r}.kinds ? {o}.kind AND ({o}.kind_version IS NULL "
+        f"ELSE jsonb_typeof({r}.kinds) = 'object' AND {r}.kinds ? {o}.kind AND "
+        f"({o}.kind_version IS NULL "
         f"OR {r}.kinds -> {o}.kind ->> 'version' = {o}.kind_version) END"
     )
 
@@ -92,8 +111,8 @@ OBSERVER_COLUMNS = (
 SERVICE_COLUMNS = (
     "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
     "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, s.pool, "
-    "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys(s.kinds) ORDER BY 1) "
-    "END AS kinds, "
+    "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys("
+    f"{advertised('s')}) ORDER BY 1) END AS kinds, "
     f"{held_by('s.id')} AS running"
 )
 
@@ -216,7 +235,7 @@ SELECT DISTINCT COALESCE(CAST(:pool AS text), o.pool) AS pool, o.kind,
 # hands over those their holder cannot run any more, and forgets the others.
 MOVING = f"""
 SELECT o.id, o.status, o.service_id, o.pool, o.kind, o.kind_version,
-       s.pool AS holder_pool, s.kinds AS holder_kinds,
+       s.pool AS holder_pool, {versions_of("s")} AS holder_kinds,
        COALESCE({live_service("s")}, false) AS holder_live
   FROM observers o LEFT JOIN services s ON s.id = o.service_id
  WHERE o.moved_at IS NOT NULL ORDER BY o.moved_at LIMIT :n
@@ -352,19 +371,27 @@ RETURNING o.id, o.dispatch_id
 NEEDS_OF = "SELECT id, pool, kind, kind_version FROM observers WHERE id = ANY(:ids)"
 # The pool of each of these services, and the kinds it runs with their versions (the adverts):
 # NULL for a service of an earlier release (every kind).
-KINDS_RUN = "SELECT s.id, s.pool, s.kinds FROM services s WHERE s.id = ANY(:ids)"
-# What each live service advertised of its kinds (NULL: an earlier release, every kind).
-LIVE_ADVERTS = (
-    f"SELECT s.name, s.pool, s.kinds FROM services s WHERE {live_service('s')} ORDER BY s.name"
+KINDS_RUN = (
+    f"SELECT s.id, s.pool, {versions_of('s')} AS kinds FROM services s WHERE s.id = ANY(:ids)"
 )
+# What each live service advertised of its kinds (NULL: an earlier release, every kind), each
+# advert as text: read as untrusted input (``contracts.adverts``).
+LIVE_ADVERTS = f"""
+SELECT s.name, s.pool, s.kinds IS NULL AS every, k.key AS kind, k.value::text AS advert
+  FROM services s LEFT JOIN LATERAL jsonb_each({advertised("s")}) AS k ON true
+ WHERE {live_service("s")} ORDER BY s.name, k.key
+"""
 # Every kind and version each pool's services ever advertised (while their rows are kept): the
-# advert of the newest service of the pool that runs it, a live one first.
+# advert of the newest service of the pool that runs it, a live one first, as text.
 ADVERTS = f"""
-SELECT DISTINCT ON (s.pool, k.key, k.value ->> 'version') s.pool, k.key AS name,
-       k.value AS advert, {live_service("s")} AS live, s.created_at
-  FROM services s, jsonb_each(s.kinds) AS k
+SELECT DISTINCT ON (s.pool, k.key, k.value ->> 'version') s.pool, k.key AS name, s.name AS
+       service, k.value::text AS advert, {live_service("s")} AS live, s.created_at
+  FROM services s, jsonb_each({advertised("s")}) AS k
  ORDER BY s.pool, k.key, k.value ->> 'version', {live_service("s")} DESC, s.created_at DESC
 """
+# The kinds each service runs (while its row is kept), with their versions: whose advert tells
+# a held observer's secrets.
+HOLDER_KINDS = f"SELECT s.id, {versions_of('s')} AS kinds FROM services s"
 # Every pool some service joined (while its row is kept), and whether one of its services runs
 # every kind (an earlier release).
 POOLS = "SELECT pool, bool_or(kinds IS NULL) AS every FROM services GROUP BY pool ORDER BY pool"

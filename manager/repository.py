@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from contracts.errors import Conflict, NameTaken, NotFound, NotLeading
-from contracts.kinds import DEFAULT_VERSION
 from contracts.messages import (
     CONTROL_MESSAGE,
     CancelMessage,
@@ -575,17 +574,10 @@ class Runs:
         return needs.kind in self.kinds and needs.version in (None, self.kinds[needs.kind])
 
     @classmethod
-    def of(cls, pool: str, adverts: dict[str, Any] | None) -> Runs:
-        """From a service's row: its pool and its advertised kinds (``services.kinds``)."""
-        if adverts is None:
-            return cls(pool, None)
-        return cls(pool, {name: advert_version(a) for name, a in adverts.items()})
-
-
-def advert_version(advert: Any) -> str:
-    """The version a kind's advert names (an advert from before versions: the default)."""
-    version = advert.get("version") if isinstance(advert, dict) else None
-    return str(version) if version else DEFAULT_VERSION
+    def of(cls, pool: str, versions: dict[str, str] | None) -> Runs:
+        """From a service's row: its pool and the kinds it runs with their versions
+        (``queries.versions_of``)."""
+        return cls(pool, None if versions is None else dict(versions))
 
 
 async def kinds_run(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Runs]:
@@ -594,27 +586,31 @@ async def kinds_run(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Runs]:
     return {r.id: Runs.of(r.pool, r.kinds) for r in rows}
 
 
+async def holder_kinds(tx: Tx) -> dict[uuid.UUID, dict[str, str] | None]:
+    """The kinds each service runs (while its row is kept), with their versions (None: a
+    service of a release before adverts)."""
+    return {r.id: r.kinds for r in await tx.rows(q.HOLDER_KINDS)}
+
+
 @dataclass(frozen=True)
 class Advert:
     """What one pool's services advertised of one version of one kind: the newest advert, a live
-    one first."""
+    one first, as the JSON text ``service`` wrote (read by ``contracts.adverts.read_advert``)."""
 
     pool: str
     kind: str
-    advert: dict[str, Any]
+    service: str
+    text: str
     live: bool
     created_at: datetime
-
-    @property
-    def version(self) -> str:
-        return advert_version(self.advert)
 
 
 async def adverts(tx: Tx) -> list[Advert]:
     """Of each kind each pool's services ever advertised (while their rows are kept), the
     advert of the newest service that runs it (a live one first)."""
     return [
-        Advert(r.pool, r.name, r.advert, r.live, r.created_at) for r in await tx.rows(q.ADVERTS)
+        Advert(r.pool, r.name, r.service, r.advert, r.live, r.created_at)
+        for r in await tx.rows(q.ADVERTS)
     ]
 
 
@@ -624,10 +620,24 @@ async def pools(tx: Tx) -> dict[str, bool]:
     return {r.pool: bool(r.every) for r in await tx.rows(q.POOLS)}
 
 
-async def live_adverts(tx: Tx) -> list[tuple[str, str, dict[str, Any] | None]]:
-    """What each live service advertised of its kinds, by service name and pool (None: an
-    earlier release, which runs every kind)."""
-    return [(r.name, r.pool, r.kinds) for r in await tx.rows(q.LIVE_ADVERTS)]
+@dataclass(frozen=True)
+class LiveAdvert:
+    """One kind a live service advertised (``kind`` None: it advertised none, or, ``every``, it
+    is of a release before adverts and runs every kind), its advert as the JSON text it wrote."""
+
+    service: str
+    pool: str
+    every: bool
+    kind: str | None
+    text: str | None
+
+
+async def live_adverts(tx: Tx) -> list[LiveAdvert]:
+    """What each live service advertised of its kinds, one row a kind, by service name."""
+    return [
+        LiveAdvert(r.name, r.pool, bool(r.every), r.kind, r.advert)
+        for r in await tx.rows(q.LIVE_ADVERTS)
+    ]
 
 
 @dataclass(frozen=True)

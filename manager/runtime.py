@@ -11,13 +11,16 @@ import io
 import logging
 import math
 import time
+import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.adverts import read_advert
 from contracts.clock import Clock
-from contracts.errors import NameTaken, Transient, UnknownKind
+from contracts.errors import AdvertRefused, NameTaken, Transient, UnknownKind
 from contracts.kinds import KindSpec, get_kind, load_kinds
+from contracts.logs import safe_text
 from contracts.pools import DEFAULT_POOL
 from manager import background, database_facts
 from manager import repository as repo
@@ -47,6 +50,13 @@ FOLD_EVERY = 2.0
 VACUUM_AFTER = 1000
 
 
+@functools.lru_cache(maxsize=128)  # its keys are texts of up to 256 KiB
+def advertised_spec(kind: str, text: str) -> KindSpec:
+    """A kind from the JSON text of its advert, read once per text (the adverts are read again
+    every few seconds, mostly unchanged). Raises AdvertRefused (never cached)."""
+    return KindSpec.from_advert(kind, read_advert(text))
+
+
 @dataclass
 class Offer:
     """The kinds one pool's services advertised, each with its versions; ``every``: one of
@@ -74,6 +84,11 @@ class ManagerRuntime:
         self.advertised: dict[str, KindSpec] = {}
         #: Each advertised version of each kind, known from the adverts alone.
         self.versions: dict[tuple[str, str], KindSpec] = {}
+        #: Every distinct advert of each version of each kind (what masks an observer's params).
+        self._all_versions: dict[tuple[str, str], list[KindSpec]] = {}
+        #: The kinds each service runs, with their versions (None: a release before adverts).
+        self.holders: dict[uuid.UUID, dict[str, str] | None] = {}
+        self._logged_refusals: set[tuple[str, str, str]] = set()
         #: What each pool's services advertised: a create names one of its pool's kinds.
         self.offered: dict[str, Offer] = {}
         #: When the last read of the adverts began (monotonic).
@@ -175,30 +190,82 @@ class ManagerRuntime:
     async def read_adverts(self) -> None:
         """What the services advertised of their kinds: for those this manager has no code
         for, of each kind the advert of the newest service that runs it (a live one first),
-        and of each version of each kind; and what each pool offers."""
+        and of each version of each kind; what each pool offers; and what each service runs.
+        An advert is another process's input: one that cannot be read (``adverts.read_advert``)
+        is logged, naming its service, and left out; it never stops the manager."""
         began = time.monotonic()
         async with self.store.autocommit() as tx:
-            adverts = await repo.adverts(tx)
+            found = await repo.adverts(tx)
             pools = await repo.pools(tx)
+            holders = await repo.holder_kinds(tx)
         advertised: dict[str, KindSpec] = {}
-        versions: dict[tuple[str, str], KindSpec] = {}
+        versions: dict[tuple[str, str], list[KindSpec]] = {}
         offered = {pool: Offer(every) for pool, every in pools.items()}
-        for a in sorted(adverts, key=lambda a: (a.live, a.created_at), reverse=True):
-            offered.setdefault(a.pool, Offer()).kinds.setdefault(a.kind, set()).add(a.version)
-            if (a.kind, a.version) in versions:
-                continue
+        for a in sorted(found, key=lambda a: (a.live, a.created_at), reverse=True):
             try:
-                spec = KindSpec.from_advert(a.kind, a.advert)
-            except (ValueError, TypeError, AttributeError) as exc:  # a later or broken advert
-                log.warning("kind %r: its advert cannot be read here, left out: %s", a.kind, exc)
+                spec = advertised_spec(a.kind, a.text)
+            except AdvertRefused as exc:
+                self._refused(a.service, a.kind, exc)
                 continue
-            versions[(a.kind, a.version)] = spec
+            offered.setdefault(a.pool, Offer()).kinds.setdefault(a.kind, set()).add(spec.version)
+            same = versions.setdefault((a.kind, spec.version), [])
+            if all(
+                s.params_schema != spec.params_schema or s.secret_params != spec.secret_params
+                for s in same
+            ):
+                same.append(spec)  # two adverts of one version that differ: both mask
             if a.kind not in self.kinds:
                 advertised.setdefault(a.kind, spec)
         self.advertised = advertised
-        self.versions = versions
+        self.versions = {key: specs[0] for key, specs in versions.items()}
+        self._all_versions = versions
+        self.holders = holders
         self.offered = offered
         self._adverts_read = began
+
+    def _refused(self, service: str, kind: str, exc: AdvertRefused) -> None:
+        """Log a refused advert once per service, kind and reason (read again every 5 s)."""
+        key = (service, kind, str(exc))
+        if len(self._logged_refusals) > 10_000:
+            self._logged_refusals.clear()
+        if key not in self._logged_refusals:
+            self._logged_refusals.add(key)
+            log.warning(
+                "service %s: its advert of kind %r is left out: %s", safe_text(service), kind, exc
+            )
+
+    async def know_holders(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Read the adverts again if one of ``rows`` is held by a service not known yet (it
+        joined since the last read): its advert tells that observer's secrets."""
+        holders = {r.get("service_id") for r in rows} - {None}
+        if not holders.issubset(self.holders):
+            # A read that began within the last second will do: a holder still unknown then
+            # (its row pruned, say) is masked whole, and a burst of reads makes one query.
+            await self._adverts_since(time.monotonic() - 1.0)
+
+    def secrets_of(self, row: dict[str, Any]) -> list[KindSpec] | None:
+        """What tells which params of observer ``row`` are secret: its own kind and version,
+        that is the advert of the service that holds it, else of the version it is pinned
+        to, else (nobody holds it, nor is it pinned) every version known of its kind; None
+        where nothing tells (no advert read, a holder of a release before adverts, an
+        advert refused), and the caller masks every value."""
+        kind = row["kind"]
+        holder = row.get("service_id")
+        version = row.get("kind_version")
+        if holder is not None:
+            runs = self.holders.get(holder)
+            version = runs.get(kind) if runs is not None else None
+            if version is None:
+                return None
+        if version is not None:
+            found = list(self._all_versions.get((kind, version), ()))
+            own = self.kinds.get(kind)
+            if own is not None and own.version == version and not found:
+                found.append(own)
+            return found or None
+        every = [s for (k, _), specs in self._all_versions.items() if k == kind for s in specs]
+        own = self.kinds.get(kind)
+        return [*every, own] if own is not None else every or None
 
     async def _create_rows(
         self, new: Sequence[repo.NewObserver]

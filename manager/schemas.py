@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import datetime
 from enum import StrEnum
@@ -37,21 +38,33 @@ def clean_text(value: str) -> str:
     return value
 
 
+#: The largest integer a param may be (a double's exact integers, and JavaScript's): a larger
+#: one would reach a reader as infinity, or as another number.
+MAX_INT = 2**53
+
+
 def clean_params(value: dict[str, Any]) -> dict[str, Any]:
-    """Every string (keys too) clean, and nested no deeper than MAX_PARAMS_DEPTH."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    """Every string (keys too) clean, every number finite and an integer within ±2^53 (the
+    error names where), and nested no deeper than MAX_PARAMS_DEPTH."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "params")]
     while stack:
-        item, depth = stack.pop()
+        item, depth, where = stack.pop()
         if depth > MAX_PARAMS_DEPTH:
             raise ValueError(f"nested deeper than {MAX_PARAMS_DEPTH} levels")
         if isinstance(item, str):
             clean_text(item)
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int) and abs(item) > MAX_INT:
+            raise ValueError(f"{where}: an integer must be within ±2^53 ({MAX_INT})")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{where}: a number must be finite (not NaN, Infinity or 1e400)")
         elif isinstance(item, dict):
             for k, v in item.items():
                 clean_text(k)
-                stack.append((v, depth + 1))
+                stack.append((v, depth + 1, f"{where}.{str(k)[:100]}"))
         elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(item))
     return value
 
 

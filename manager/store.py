@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -96,10 +98,38 @@ def _json_text(value: str) -> str:
     return value  # the manager writes JSON it has already encoded (``repository.to_json``)
 
 
+#: The largest integer a JSON number may be and keep its value everywhere (a double's
+#: integers, JavaScript's too): the API refuses larger ones (``schemas.clean_params``).
+MAX_EXACT_INT = 2**53
+
+
+def _number_int(text: str) -> int | str:
+    value = int(text) if len(text) <= 20 else None
+    return value if value is not None and abs(value) <= MAX_EXACT_INT else text
+
+
+def _number_float(text: str) -> float | str:
+    value = float(text)
+    return value if math.isfinite(value) else text
+
+
+def _json_value(text: str) -> Any:
+    """A JSON column's value. A number no double holds (a row an earlier release stored with a
+    400-digit integer) comes back as its digits, a string, and JSON nested past what a reader
+    follows as its text: the row stays readable, listable and deletable."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(text, parse_int=_number_int, parse_float=_number_float)
+        except (ValueError, RecursionError):
+            return text
+
+
 async def _prepare(conn: asyncpg.Connection) -> None:
     for name in ("json", "jsonb"):
         await conn.set_type_codec(
-            name, schema="pg_catalog", encoder=_json_text, decoder=orjson.loads, format="text"
+            name, schema="pg_catalog", encoder=_json_text, decoder=_json_value, format="text"
         )
 
 

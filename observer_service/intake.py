@@ -391,6 +391,7 @@ class Intake:
             write=lambda item: self._save(copy, item, first),
             commit_every=spec.commit_every,
             to_json=checkpoint_json,
+            budget=self.host.outputs.budget,
         )
         ctx = ObserverContext(
             observer_id=taken.observer_id,

@@ -154,6 +154,7 @@ async def serve(
             shutdown_timeout=settings.shutdown_timeout,
             check_every=settings.check_every,
             loop_stall=settings.loop_stall,
+            output_buffer_bytes=settings.output_buffer_bytes,
             broker_advice=settings.broker_advice,
             pool=settings.pool,
         ),

@@ -32,7 +32,7 @@ from typing import Any
 from contracts import aio
 from contracts.backoff import Backoff
 from contracts.errors import BrokerUnavailable, Transient
-from contracts.outputs import MAX_RECORD_BYTES, Committed
+from contracts.outputs import Committed, check_record
 from observer_service.metrics import ServiceMetrics
 from observer_service.ports import BrokerSession, Checkpoint, Store
 
@@ -40,12 +40,42 @@ log = logging.getLogger(__name__)
 
 #: Records a copy may have staged or unconfirmed before ``emit`` waits.
 LIMIT = 10_000
+#: Bytes of records a service holds across its copies, staged or unconfirmed, by default.
+DEFAULT_BUFFER_BYTES = 256 << 20
 #: Records published in one round at most (a backlog goes out in several).
 ROUND = 5_000
 
 
 class TooManyStaged(Exception):
-    """A copy that commits with its checkpoints staged ``LIMIT`` records without one."""
+    """A copy that commits with its checkpoints staged ``LIMIT`` records without one (or more
+    bytes than the service's ``OutputBudget`` leaves it)."""
+
+
+class OutputBudget:
+    """The bytes of records this service holds, staged or committed and not yet confirmed by
+    the broker, across all its copies: an ``emit`` past ``limit`` waits until commits and
+    confirms make room (a copy that holds nothing may always emit one record, so each copy
+    goes on)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._given = aio.Event()
+
+    def full(self, size: int) -> bool:
+        return self.held + size > self.limit
+
+    def take(self, size: int) -> None:
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held = max(0, self.held - size)
+        self._given.set()
+
+    async def room(self) -> None:
+        """Wait until some bytes are given back (the caller looks again)."""
+        self._given.clear()
+        await self._given.wait()
 
 
 class CopyOutputs:
@@ -62,6 +92,7 @@ class CopyOutputs:
         write: Callable[[Checkpoint], Awaitable[None]],
         commit_every: float | None,
         to_json: Callable[[Any], str],
+        budget: OutputBudget | None = None,
     ) -> None:
         self.observer_id = observer_id
         self.epoch = epoch
@@ -77,6 +108,11 @@ class CopyOutputs:
         self._staged: list[str] = []
         #: Records committed and not yet confirmed by the broker.
         self.unconfirmed = 0
+        self._budget = budget if budget is not None else OutputBudget(1 << 62)
+        #: The sizes of the records committed and not yet confirmed, oldest first.
+        self._unconfirmed_sizes: deque[int] = deque()
+        #: Bytes this copy holds against the budget (staged and unconfirmed).
+        self.held_bytes = 0
         self._lock = asyncio.Lock()
         self._room = aio.Event()
         self._room.set()
@@ -94,9 +130,15 @@ class CopyOutputs:
         return len(self._staged)
 
     async def emit(self, record: Any) -> None:
-        text = self._to_json(record)
-        if len(text) > MAX_RECORD_BYTES:
-            raise ValueError(f"a record is at most {MAX_RECORD_BYTES} bytes as JSON")
+        text = check_record(self._to_json(record))
+        while self.held_bytes and self._budget.full(len(text)):
+            if self.commit_every is None and self._staged:
+                raise TooManyStaged(
+                    f"this service holds {self._budget.held} bytes of records, its limit "
+                    "(ORCH_OUTPUT_BUFFER_BYTES): checkpoint more often, or declare the kind "
+                    "with commit_every"
+                )
+            await self._budget.room()
         while len(self._staged) + self.unconfirmed >= LIMIT:
             if self.commit_every is None and len(self._staged) >= LIMIT:
                 raise TooManyStaged(
@@ -106,7 +148,17 @@ class CopyOutputs:
             self._room.clear()
             await self._room.wait()
         self._staged.append(text)
+        self._hold(len(text))
         self._pending.set()
+
+    def _hold(self, size: int) -> None:
+        self.held_bytes += size
+        self._budget.take(size)
+
+    def _let_go(self, size: int) -> None:
+        size = min(size, self.held_bytes)
+        self.held_bytes -= size
+        self._budget.give(size)
 
     async def commit(self, state_json: str | None) -> None:
         """Commit ``state_json`` (None: unchanged) with every record staged so far; raises what
@@ -153,6 +205,7 @@ class CopyOutputs:
 
     def _landed(self, records: tuple[str, ...], first: int) -> None:
         del self._staged[: len(records)]
+        self._unconfirmed_sizes.extend(len(r) for r in records)
         if not self._staged:
             self._pending.clear()
         self.last_seq = first - 1 + len(records)
@@ -161,13 +214,22 @@ class CopyOutputs:
 
     def discard_staged(self) -> None:
         """Forget what is staged: the run that staged it ended without committing it."""
+        self._let_go(sum(len(r) for r in self._staged))
         self._staged.clear()
         self._pending.clear()
         self._wake()
 
     def confirmed(self, count: int) -> None:
         self.unconfirmed = max(0, self.unconfirmed - count)
+        sizes = self._unconfirmed_sizes
+        self._let_go(sum(sizes.popleft() for _ in range(min(count, len(sizes)))))
         self._wake()
+
+    def release_budget(self) -> None:
+        """The copy ended: what it still holds no longer counts against the service's budget
+        (its commits are published from the database's copy, by whoever does)."""
+        self._unconfirmed_sizes.clear()
+        self._let_go(self.held_bytes)
 
     def _wake(self) -> None:
         if len(self._staged) + self.unconfirmed < LIMIT:
@@ -210,8 +272,11 @@ class OutputPublisher:
         store: Store,
         session: Callable[[], BrokerSession | None],
         metrics: ServiceMetrics,
+        budget: OutputBudget | None = None,
     ) -> None:
         self.store = store
+        #: The bytes of records the service's copies hold, all together.
+        self.budget = budget if budget is not None else OutputBudget(DEFAULT_BUFFER_BYTES)
         self._session = session
         self.metrics = metrics
         metrics.outputs_unconfirmed.set_function(lambda: self.unconfirmed)
@@ -254,6 +319,7 @@ class OutputPublisher:
         self._owners[(owner.observer_id, owner.epoch)] = owner
 
     def unregister(self, owner: CopyOutputs) -> None:
+        owner.release_budget()
         self._owners.pop((owner.observer_id, owner.epoch), None)
         self._looked.discard((owner.observer_id, owner.epoch))
 

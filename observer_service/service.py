@@ -46,7 +46,7 @@ from observer_service.intake import Intake
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import DIRECTED, Queued
-from observer_service.outputs import OutputPublisher
+from observer_service.outputs import DEFAULT_BUFFER_BYTES, OutputBudget, OutputPublisher
 from observer_service.ports import (
     Broker,
     BrokerSession,
@@ -76,6 +76,8 @@ class ServiceConfig:
     check_every: float = 30.0
     #: A step of kind code longer than this, seconds, is a stall (``stalls.py``).
     loop_stall: float = 2.0
+    #: Bytes of records the service holds across its copies (``outputs.OutputBudget``).
+    output_buffer_bytes: int = DEFAULT_BUFFER_BYTES
     #: Warn at the first broker session when the broker is too old for the per-queue consumer
     #: timeout (off where someone else already said so: ``orch up``).
     broker_advice: bool = True
@@ -123,7 +125,9 @@ class ObserverService:
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
         self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
-        self.outputs = OutputPublisher(store, lambda: self.session, self.metrics)
+        self.outputs = OutputPublisher(
+            store, lambda: self.session, self.metrics, OutputBudget(config.output_buffer_bytes)
+        )
         self.checks = ControlChecks(store)
         self.marks = QueuedMarks(store.mark_queued)
         #: Directed starts read from the database: (observer, dispatch) -> when (newest kept).

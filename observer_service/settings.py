@@ -27,6 +27,9 @@ class ServiceSettings(CommonSettings):
     #: A step of kind code that blocks the event loop longer than this, seconds, is a stall: it
     #: counts against the copy's restart budget (one past the lease fails it at once).
     loop_stall: float = Field(default=2.0, gt=0)
+    #: Bytes of records (as JSON) the service holds across all its copies, emitted and not
+    #: yet confirmed by the broker: an ``emit`` past it waits for room.
+    output_buffer_bytes: int = Field(default=256 << 20, ge=4 << 20)
     #: Verify mode: record what kind code did in this directory (``contracts/witness.py``).
     witness_dir: str | None = None
     #: Serve Prometheus metrics on this port (off when unset).

@@ -1,8 +1,9 @@
 """``orch outputs tail``: what observers emit, as it is published, for people.
 
-An exclusive queue of its own, bound to ``<prefix>.outputs`` (one kind, or ``#``), gone when the
-command ends; one line per record, and one for each gap the reader sees (``contracts.reader``:
-it joins a running stream, so the first record of each observer starts its count).
+An exclusive queue of its own, ``<prefix>.consumer.tail-<random>`` (a name the consumer broker
+role may declare), bound to ``<prefix>.outputs`` (one kind, or ``#``), gone when the command
+ends; one line per record, and one for each gap the reader sees (``contracts.reader``: it joins
+a running stream, so the first record of each observer starts its count).
 """
 
 from __future__ import annotations
@@ -74,10 +75,14 @@ async def tail(
     try:
         with broker_errors():
             channel = await connection.channel()
-            exchange = await channel.declare_exchange(
-                topology.outputs_exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            # Passive: the consumer role may read the exchange, not declare it; and a queue
+            # of its own names, not the broker's ``amq.gen-…``.
+            exchange = await channel.get_exchange(topology.outputs_exchange)
+            queue = await channel.declare_queue(
+                topology.consumer_queue(f"tail-{uuid.uuid4().hex[:12]}"),
+                exclusive=True,
+                auto_delete=True,
             )
-            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
             await queue.bind(exchange, routing_key=kind or "#")
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:

@@ -39,8 +39,10 @@ from typing import Any
 
 from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, get_kind, load_kinds
+from contracts.outputs import check_record
 from observer_service.context import ObserverContext
 from observer_service.guard import guarded
+from observer_service.intake import checkpoint_json
 
 
 class VirtualClock:
@@ -189,6 +191,7 @@ class KindRun:
         if self.fenced:
             self.writes_after_fence.append("emit")
             raise Fenced("emit refused: another copy holds a newer epoch")
+        check_record(checkpoint_json(record))  # the service's limit: RecordTooLarge
         if self.spec.commit_every is not None:
             self.outputs.append(record)  # committed on their own (at once here)
         else:

@@ -462,6 +462,16 @@ MUTANTS = [
         "if False:",
         (f"{PLACEMENT}::test_a_new_leader_leaves_a_fleet_within_the_tolerance_alone",),
     ),
+    Mutant(
+        "HTTP fence: a stale token let through to the receiver's app",
+        "observer_service/sinks.py",
+        "if seen is not None and found.epoch < seen:",
+        "if False:",
+        (
+            "tests/integration/test_sinks.py::test_an_http_write_is_fenced_at_the_write_not_at_its_headers",
+            "tests/acceptance/test_sinks_frozen.py::test_a_write_on_the_wire_of_a_frozen_copy_is_refused_by_the_store[http]",
+        ),
+    ),
 ]
 
 

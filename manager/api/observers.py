@@ -20,7 +20,7 @@ from contracts.errors import (
     Transient,
     split_error,
 )
-from contracts.kinds import mask_params, secret_values
+from contracts.kinds import mask_as, mask_text_in, secret_values
 from contracts.masking import mask
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
@@ -73,27 +73,30 @@ PoolFilter = Annotated[PoolName | None, Query(description="only observers of thi
 
 def shown(state: ManagerRuntime, row: dict[str, Any], raw: bool) -> dict[str, Any]:
     """An observer as the caller may see it: for a ``read`` token its secret params are
-    ``***``, and so are, in its last error and its traceback, their values and the passwords
-    and secret query values of URLs. The service masked the error so when it wrote it; masking
-    it again here covers an error written before (or by an older service). A console view row
-    carries its params only when it has an error (``queries.VIEW_OBSERVERS``), for this
-    alone."""
+    ``***`` (those of its own kind and version, ``ManagerRuntime.secrets_of``; every value
+    where nothing tells), and so are, in its last error, its traceback and its checkpoint,
+    their values and the passwords and secret query values of URLs. The service masked the
+    error so when it wrote it; masking it again here covers an error written before (or by an
+    older service). A console view row carries its params only when it has an error
+    (``queries.VIEW_OBSERVERS``), for this alone."""
     if row.get("last_error"):
         row = dict(row)
         row["last_error"], row["traceback"] = split_error(row["last_error"])
     if raw:
         return row
     masked = dict(row)
-    spec = state.kind_spec(row["kind"])
     params = (row["params"] or {}) if "params" in row else None
     if params is not None:
-        masked["params"] = mask_params(params, spec)
-    if row.get("last_error"):
-        # The secret values are looked for only where an error could quote them.
-        values = secret_values(params, spec, masked["params"]) if params else []
-        masked["last_error"] = mask(row["last_error"], secrets=values, keep_user=False)
-        if row["traceback"]:
-            masked["traceback"] = mask(row["traceback"], secrets=values, keep_user=False)
+        masked["params"] = mask_as(params, state.secrets_of(row))
+    if row.get("last_error") or row.get("checkpoint") is not None:
+        # The secret values are looked for only where something could quote them.
+        values = secret_values(params, None, masked["params"]) if params else []
+        if row.get("last_error"):
+            masked["last_error"] = mask(row["last_error"], secrets=values, keep_user=False)
+            if row["traceback"]:
+                masked["traceback"] = mask(row["traceback"], secrets=values, keep_user=False)
+        if row.get("checkpoint") is not None:
+            masked["checkpoint"] = mask_text_in(row["checkpoint"], values)
     return masked
 
 
@@ -333,6 +336,8 @@ async def list_observers(
             limit=limit,
             offset=offset,
         )
+    if not raw:
+        await state.know_holders(items)
     return {
         "items": [shown(state, item, raw) for item in items],
         "limit": limit,
@@ -354,7 +359,10 @@ async def get_observer(
     """One observer: where it runs (service, epoch), its checkpoint, its last error. Secret
     params are `***` unless the token is an admin's."""
     async with state.store.autocommit() as tx:
-        return shown(state, await repo.get_observer(tx, observer_id), raw)
+        row = await repo.get_observer(tx, observer_id)
+    if not raw:
+        await state.know_holders([row])
+    return shown(state, row, raw)
 
 
 @router.get(
@@ -372,7 +380,9 @@ async def observer_events(
         row, events = await repo.list_events(tx, observer_id)
     if raw:
         return events
-    values = secret_values(row["params"] or {}, state.kind_spec(row["kind"]))
+    await state.know_holders([row])
+    params = row["params"] or {}
+    values = secret_values(params, None, mask_as(params, state.secrets_of(row)))
     return [
         {
             **e,

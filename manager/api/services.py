@@ -7,11 +7,14 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from contracts.errors import AdvertRefused
+from contracts.kinds import KindSpec
 from manager import repository as repo
 from manager.api.deps import RuntimeDep
 from manager.auth import ADMIN, READ
 from manager.leader import current_leader
 from manager.problems import responses
+from manager.runtime import advertised_spec
 from manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
@@ -78,25 +81,42 @@ async def list_kinds(state: RuntimeDep) -> list[dict[str, Any]]:
     services that run them: those this manager knows, and those the services advertise."""
     async with state.store.autocommit() as tx:
         adverts = await repo.live_adverts(tx)
-    kinds: dict[str, dict[str, Any]] = {
-        k.name: {**k.advert(), "name": k.name, "services": [], "pools": [], "versions": []}
-        for k in state.kinds.values()
-    }
-    for _, _, advertised in adverts:
-        for name, advert in (advertised or {}).items():
-            kinds.setdefault(
-                name, {**advert, "name": name, "services": [], "pools": [], "versions": []}
-            )
-    for service, pool, advertised in adverts:
+    kinds: dict[str, dict[str, Any]] = {k.name: _entry(k) for k in state.kinds.values()}
+    runs: dict[str, set[str] | None] = {}  # service: the kinds it runs (None: every kind)
+    for a in adverts:
+        found = runs.setdefault(a.service, None if a.every else set())
+        spec = _advertised(a)
+        if spec is None or found is None:
+            continue
+        found.add(spec.name)
+        kinds.setdefault(spec.name, _entry(spec))["versions"].append(spec.version)
+    pools = {a.service: a.pool for a in adverts}
+    for service, found in runs.items():
         for name, kind in kinds.items():
-            if advertised is None or name in advertised:
+            if found is None or name in found:
                 kind["services"].append(service)
-                if pool not in kind["pools"]:
-                    kind["pools"].append(pool)
-                version = repo.advert_version(advertised[name]) if advertised else None
-                if version is not None and version not in kind["versions"]:
-                    kind["versions"].append(version)
+                if pools[service] not in kind["pools"]:
+                    kind["pools"].append(pools[service])
+    for kind in kinds.values():
+        kind["versions"] = sorted(set(kind["versions"]))
     return [kinds[name] for name in sorted(kinds)]
+
+
+def _entry(spec: KindSpec) -> dict[str, Any]:
+    """A kind as ``GET /kinds`` lists it: the fields of this release alone (an advert of a
+    later or earlier release may carry others)."""
+    return {**spec.advert(), "name": spec.name, "services": [], "pools": [], "versions": []}
+
+
+def _advertised(a: repo.LiveAdvert) -> KindSpec | None:
+    """The kind one live service advertised, or None (none, or one that cannot be read:
+    ``ManagerRuntime.read_adverts`` logs it)."""
+    if a.kind is None or a.text is None:
+        return None
+    try:
+        return advertised_spec(a.kind, a.text)
+    except AdvertRefused:
+        return None
 
 
 @router.get(
@@ -124,14 +144,14 @@ async def list_pools(state: RuntimeDep) -> list[dict[str, Any]]:
             "unheld": unheld.get(name, 0),
             "kinds": [],
         }
-    for _, pool, advertised in adverts:
-        entry = pools.get(pool)
+    for a in adverts:
+        entry = pools.get(a.pool)
         if entry is None or entry["kinds"] is None:
             continue
-        if advertised is None:
+        if a.every:
             entry["kinds"] = None
-        else:
-            entry["kinds"] = sorted({*entry["kinds"], *advertised})
+        elif a.kind is not None:
+            entry["kinds"] = sorted({*entry["kinds"], a.kind})
     return list(pools.values())
 
 

@@ -267,6 +267,8 @@ async def view_observers(
     items = []
     now = None
     kinds = state.all_kinds()
+    if not raw:
+        await state.know_holders([dict(r) for r in rows])
     for r in rows:
         row = dict(r)
         now = row.pop("now")

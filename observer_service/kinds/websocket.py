@@ -9,7 +9,8 @@ on their own every 5 ms (``commit_every``): a subscription has nothing to resume
 crash loses at most the records of those last milliseconds, and never delivers one twice.
 
 A connection that drops, a server that stops answering pings (``ping_interval``,
-``ping_timeout``), a frame over ``max_size`` bytes: each closes the connection, and it connects
+``ping_timeout``), a frame over ``max_size`` bytes (at most ``MAX_FRAME``, 768 KiB: the largest
+binary frame whose base64 record ``emit`` carries): each closes the connection, and it connects
 again after a backoff with jitter (``reconnect_base`` doubling to ``reconnect_max``, back to the
 base after a connection that lasted a minute). A server that stays open and sends nothing is
 caught by a ``progress_timeout`` in the observer's restart policy, when it declares one.
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 from pydantic_core import Url
 
 from contracts.kinds import from_client, observer_kind
+from contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 from observer_service import egress
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressRefused
@@ -79,6 +81,11 @@ def frame(item: str | dict[str, Any] | list[Any]) -> str:
     return item if isinstance(item, str) else json.dumps(item)
 
 
+#: The largest frame whose record ``emit`` carries: a binary frame is emitted base64-encoded,
+#: 4 bytes for every 3, in a record of at most ``MAX_RECORD_BYTES`` (less its other fields).
+MAX_FRAME = (MAX_RECORD_BYTES - 256) // 4 * 3
+
+
 def record(message: str | bytes) -> dict[str, Any]:
     now = time.time()
     if isinstance(message, bytes):
@@ -111,7 +118,7 @@ async def websocket(ctx: ObserverContext) -> None:
                 additional_headers={k: v.get_secret_value() for k, v in p.headers.items()},
                 ping_interval=p.ping_interval,
                 ping_timeout=p.ping_timeout,
-                max_size=p.max_size,
+                max_size=min(p.max_size, MAX_FRAME),
                 compression="deflate" if p.compression else None,
                 open_timeout=p.open_timeout,
                 close_timeout=p.ping_timeout,  # a server that stopped answering is left then
@@ -125,7 +132,7 @@ async def websocket(ctx: ObserverContext) -> None:
                         await ws.send(frame(item))
                     ctx.logger.info("subscribed (%d frames sent)", len(p.subscribe))
                     async for message in ws:
-                        await ctx.emit(record(message))
+                        await _emit(ctx, message)
                 finally:
                     forget()
         except EgressRefused as exc:
@@ -136,3 +143,16 @@ async def websocket(ctx: ObserverContext) -> None:
             delay = p.reconnect_base
         await ctx.sleep(delay + random.uniform(0, p.reconnect_base))
         delay = min(p.reconnect_max, delay * 2)
+
+
+async def _emit(ctx: ObserverContext, message: str | bytes) -> None:
+    """Emit a message's record; one that is over the record limit once encoded (a text frame
+    of control characters, each escaped in six bytes) is left out, with a warning and a record
+    saying so, rather than failing the observer."""
+    try:
+        await ctx.emit(record(message))
+    except RecordTooLarge:
+        ctx.logger.warning(
+            "a message of %d bytes is over the record limit once encoded: left out", len(message)
+        )
+        await ctx.emit({"received_at": time.time(), "left_out": True, "bytes": len(message)})

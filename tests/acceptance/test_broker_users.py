@@ -5,6 +5,7 @@ The vhost and users are deleted afterwards, whatever happened."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import uuid
@@ -17,7 +18,9 @@ import aio_pika
 import pytest
 from aiormq.exceptions import ChannelAccessRefused
 
+from contracts.settings import CommonSettings
 from contracts.topology import Topology
+from orch.outputs_tail import tail
 from orch_bench.ticklog import overlap_seconds, read_ticks
 from tests.conftest import Servers
 from tests.support.cluster import Cluster, wait_for
@@ -33,6 +36,8 @@ class Accounts:
     service_url: str
     #: The test's own view of the vhost (guest, every permission there).
     operator_url: str
+    #: A consumer of outputs.
+    consumer_url: str = ""
 
 
 def _url(base: str, user: str, password: str, vhost: str) -> str:
@@ -60,6 +65,9 @@ def accounts(servers: Servers, prefix: str) -> Iterator[Accounts]:
         "SERVICE_USER": service,
         "SERVICE_PASSWORD": f"s-{tag}",
         "OPERATOR_USER": operator,
+        "CONSUMER_USER": f"orch-consumer-{tag}",
+        "CONSUMER_PASSWORD": f"c-{tag}",
+        "CONSUMER_QUEUE_MAX_LENGTH": "5",
     }
     try:
         done = subprocess.run(
@@ -71,11 +79,13 @@ def accounts(servers: Servers, prefix: str) -> Iterator[Accounts]:
             _url(servers.amqp_url, manager, f"m-{tag}", vhost),
             _url(servers.amqp_url, service, f"s-{tag}", vhost),
             _url(servers.amqp_url, operator, password, vhost),
+            _url(servers.amqp_url, f"orch-consumer-{tag}", f"c-{tag}", vhost),
         )
     finally:
         _ctl("delete_vhost", vhost)
         _ctl("delete_user", manager)
         _ctl("delete_user", service)
+        _ctl("delete_user", f"orch-consumer-{tag}")
 
 
 @pytest.fixture
@@ -151,3 +161,64 @@ async def test_a_role_cannot_reach_beyond_its_names(
     # The default vhost: no access (the broker closes the connection as it opens).
     with pytest.raises(aio_pika.exceptions.AMQPError):
         await aio_pika.connect(url.rsplit("/", 1)[0] + "/")
+
+
+async def test_the_consumer_role_runs_the_documented_consumer_and_tail(
+    accounts: Accounts, prefix: str
+) -> None:
+    """As docs/outputs.md's consumer does (the exchange found passively, a durable queue of its
+    own bound and consumed) and as ``orch outputs tail`` does; and its queues keep only the
+    newest messages the length policy allows (5 here)."""
+    topology = Topology(prefix)
+    operator = await aio_pika.connect(accounts.operator_url)
+    consumer = await aio_pika.connect(accounts.consumer_url)
+    try:
+        publish = await operator.channel()
+        outputs = await publish.declare_exchange(
+            topology.outputs_exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        channel = await consumer.channel()
+        exchange = await channel.get_exchange(topology.outputs_exchange)
+        queue = await channel.declare_queue(topology.consumer_queue("changes"), durable=True)
+        await queue.bind(exchange, routing_key="changes")
+        for n in range(8):
+            await outputs.publish(aio_pika.Message(str(n).encode()), routing_key="changes")
+
+        async def capped() -> bool:
+            seen = await channel.declare_queue(topology.consumer_queue("changes"), passive=True)
+            return seen.declaration_result.message_count == 5
+
+        await wait_for(capped, timeout=10, what="the length policy's cap")
+        first = await queue.get(timeout=5)
+        assert first.body == b"3", "the oldest were dropped"
+        await first.ack()
+
+        lines: list[str] = []
+        stop = asyncio.Event()
+
+        def show(text: str) -> None:
+            lines.append(text)
+            stop.set()
+
+        settings = CommonSettings(
+            database_url="postgresql://unused@127.0.0.1/unused",
+            amqp_url=accounts.consumer_url,
+            prefix=prefix,
+        )
+        tailing = asyncio.create_task(
+            tail(settings, kind=None, observer=None, show=show, json_lines=False, stop=stop)
+        )
+
+        async def shown() -> bool:
+            if tailing.done():
+                tailing.result()  # raises what stopped it (ACCESS_REFUSED, say)
+            await outputs.publish(aio_pika.Message(b"x"), routing_key="any")
+            return bool(lines)
+
+        await wait_for(shown, timeout=10, what="orch outputs tail's first line")
+        async with asyncio.timeout(10):
+            await tailing
+        assert "not an output message" in lines[0]
+    finally:
+        await consumer.close()
+        await operator.close()

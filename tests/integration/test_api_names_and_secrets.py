@@ -118,6 +118,9 @@ LOOK_ALIKES = [
     ("Greek capital rho", "\u03a1aypal"),
     ("fullwidth", "\uff50\uff41\uff59\uff50\uff41\uff4c"),
     ("case", "PayPal"),
+    ("Latin alpha", "p\u0251ypal"),
+    ("small capitals", "\u1d18\u1d00\u028f\u1d18\u1d00\u029f"),
+    ("Lisu letters", "\ua4d1AYPA\ua4e1"),
 ]
 
 

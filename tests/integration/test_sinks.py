@@ -144,3 +144,117 @@ async def test_an_http_receiver_refuses_a_stale_token_and_the_client_raises_fenc
     finally:
         server.should_exit = True
         await serving
+
+
+@contextlib.asynccontextmanager
+async def receiver(middleware: Any) -> AsyncIterator[int]:
+    """``middleware`` served by uvicorn on a port of its own."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            middleware, host="127.0.0.1", port=port, log_level="error", timeout_keep_alive=60
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_for(lambda: asyncio.sleep(0, result=server.started), timeout=10, what="uvicorn")
+        yield port
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def applying(applied: list[int]) -> Any:
+    """A receiver's app: reads the body, then applies the epoch it names."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        applied.append(int(body))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+async def post(port: int, token: str, body: bytes, *, stall: asyncio.Event | None = None) -> int:
+    """A raw HTTP/1.1 POST carrying ``token``; with ``stall``, the head and half the body are
+    sent, and the rest only once ``stall`` is set (a copy frozen with a write on the wire)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /write HTTP/1.1\r\nHost: receiver\r\nOrch-Fencing-Token: {token}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    half = len(body) // 2
+    writer.write(head + body[:half])
+    await writer.drain()
+    if stall is not None:
+        await stall.wait()
+    writer.write(body[half:])
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    writer.close()
+    return status
+
+
+async def test_an_http_write_is_fenced_at_the_write_not_at_its_headers() -> None:
+    """Epoch 1 sends its headers and stalls; epoch 2 writes; then epoch 1's body arrives: it is
+    refused, never applied last."""
+    applied: list[int] = []
+    heads: dict[str, asyncio.Event] = {}
+    fenced = FencingMiddleware(applying(applied))
+
+    async def seen_heads(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """In front of the middleware: tells when a request's head is in."""
+        token = dict(scope.get("headers") or []).get(b"orch-fencing-token", b"").decode()
+        heads.setdefault(token, asyncio.Event()).set()
+        await fenced(scope, receive, send)
+
+    async with receiver(seen_heads) as port:
+        oid = uuid.uuid4()
+        stall = asyncio.Event()
+        old = asyncio.create_task(post(port, f"{oid}:1", b"0001", stall=stall))
+        async with asyncio.timeout(5):
+            await heads.setdefault(f"{oid}:1", asyncio.Event()).wait()
+        assert await post(port, f"{oid}:2", b"0002") == 200
+        stall.set()
+        assert await old == 409
+        assert applied == [2], f"applied in this order: {applied}"
+
+
+@pytest.mark.parametrize(
+    "form", ["upper", "braces", "urn"], ids=["upper case", "{uuid}", "urn:uuid:"]
+)
+async def test_an_http_fence_keys_on_the_canonical_observer_id(form: str) -> None:
+    applied: list[int] = []
+    async with receiver(FencingMiddleware(applying(applied))) as port:
+        oid = uuid.uuid4()
+        assert await post(port, f"{oid}:2", b"2") == 200
+        other = {"upper": str(oid).upper(), "braces": f"{{{oid}}}", "urn": oid.urn}[form]
+        assert await post(port, f"{other}:1", b"1") == 409
+        assert await post(port, f"{oid}:+3", b"3") == 400, "an epoch is plain digits"
+        assert applied == [2]
+
+
+async def test_a_shared_epoch_store_compares_and_sets_atomically() -> None:
+    """Two replicas sharing a Redis store advance one observer from many concurrent writes:
+    the fence ends at the newest epoch (never lowered), and no two writes were admitted on the
+    same sight of it (a get then a set admits both)."""
+    from observer_service.sinks import RedisEpochs
+
+    async with redis_client() as one, redis_client() as two:
+        prefix = f"orch-test:{uuid.uuid4()}:"
+        replicas = [RedisEpochs(one, prefix), RedisEpochs(two, prefix)]
+        oid = str(uuid.uuid4())
+        epochs = [e for pair in zip(range(1, 101), range(200, 100, -1), strict=True) for e in pair]
+        seen = await asyncio.gather(*(replicas[e % 2].advance(oid, e) for e in epochs))
+        try:
+            assert int(await one.get(prefix + oid)) == 200, "never lowered"
+            admitted = [s for e, s in zip(epochs, seen, strict=True) if s is None or e > s]
+            assert len(admitted) == len(set(admitted)), "two writes admitted on one sight"
+        finally:
+            await one.delete(prefix + oid)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +21,8 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from contracts.errors import InvalidParams
 from contracts.kinds import load_kinds
+from contracts.outputs import check_record
+from observer_service.intake import checkpoint_json
 from observer_service.kinds.websocket import WebsocketParams, websocket
 from orch.cluster import free_port, wait_for
 from orch_verify.proxy import Proxy
@@ -39,7 +40,7 @@ class Ctx:
         self.stopping = asyncio.Event()
 
     async def emit(self, record: Any) -> None:
-        json.dumps(record)  # what the orchestrator would refuse
+        check_record(checkpoint_json(record))  # what the orchestrator refuses, as it does
         self.records.append(record)
 
     def ensure_alive(self) -> None:
@@ -52,7 +53,7 @@ class Ctx:
         await asyncio.sleep(seconds)
 
     def data(self) -> list[Any]:
-        return [r["data"] for r in self.records]
+        return [r["data"] for r in self.records if "data" in r]
 
 
 class Server:
@@ -223,3 +224,31 @@ def test_a_url_the_egress_policy_refuses_is_a_4xx_at_create_without_the_url() ->
     assert "hunter2" not in str(info.value)
     with pytest.raises(InvalidParams, match="ws://host"):
         spec.validate_params({"url": "http://example.com/"})
+
+
+async def test_a_frame_under_max_size_whose_record_emit_refuses_never_fails_the_observer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An 800 KiB binary frame is under the default ``max_size`` (1 MiB) but over 1 MiB once
+    base64-encoded: the kind's frame limit is what ``emit`` carries, so the connection closes
+    and opens again (the observer goes on); a text frame that only grows past the limit once
+    JSON-escaped is left out with a record saying so."""
+    port = free_port()
+    allow(monkeypatch, port)
+    server = Server(port)
+    await server.start()
+    ctx = Ctx(_params(port))
+    try:
+        async with running(ctx) as task:
+            await _until(lambda: len(server.received) == 2, "subscribed")
+            await server.push(b"\x00" * (800 << 10))
+            await _until(lambda: len(server.received) == 4, "connected again after the frame")
+            await server.push("\x01" * (300 << 10))
+            await _until(lambda: any(r.get("left_out") for r in ctx.records), "left out")
+            await server.push("small")
+            await _until(lambda: "small" in ctx.data(), "the next message")
+            assert not task.done(), task
+        (left,) = [r for r in ctx.records if r.get("left_out")]
+        assert left["bytes"] == 300 << 10
+    finally:
+        await server.stop()

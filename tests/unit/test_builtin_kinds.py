@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from contracts.errors import Fenced, LeaseLost
+from contracts.kinds import RestartPolicy, observer_kind
+from contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 from orch.testing import KindRun, VirtualClock, run_kind
 
 KindRunner = Callable[..., contextlib.AbstractAsyncContextManager[KindRun]]
@@ -250,3 +252,17 @@ async def test_websocket_abandoned_on_a_lost_lease_closes_its_subscription(
         assert isinstance(run.error, LeaseLost)
         assert [o["data"] for o in run.outputs] == ["m1"]
         assert run.writes_after_fence == []
+
+
+@observer_kind("test_oversized_emitter", restart=RestartPolicy(max_restarts=0))
+async def _oversized(ctx: Any) -> None:
+    """Emits one record over the service's limit."""
+    await ctx.emit({"data": "x" * MAX_RECORD_BYTES})
+
+
+async def test_the_kit_refuses_a_record_the_service_would() -> None:
+    """``orch.testing`` enforces the service's record limit, so a kind's own tests meet it."""
+    async with run_kind("test_oversized_emitter", {}) as run:
+        await run.until(lambda: run.stopped)
+        assert isinstance(run.error, RecordTooLarge), run.error
+        assert run.outputs == []

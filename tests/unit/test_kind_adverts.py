@@ -4,10 +4,14 @@ secrets are masked, nested ones too, and an advert of a later release is read, n
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from contracts.errors import InvalidParams
+from contracts.adverts import read_advert
+from contracts.errors import AdvertRefused, InvalidParams
 from contracts.kinds import KindSpec, RestartPolicy, mask_params
 
 
@@ -68,3 +72,56 @@ def test_an_advert_of_a_later_release_is_read() -> None:
     advert["a_later_key"] = {"x": 1}
     spec = KindSpec.from_advert("feed", advert)
     assert spec.restart_policy.max_restarts == 3
+
+
+# ------------------------------------------------------------------ adverts as input
+REFUSED = [
+    ("not an object", '["x"]', "not an object"),
+    ("not JSON", "{", "not JSON"),
+    ("too deep", '{"a": ' + "[" * 100 + "]" * 100 + "}", "nested deeper"),
+    ("too large", '{"description": "' + "x" * (300 << 10) + '"}', "over"),
+    ("remote $ref", '{"params_schema": {"$ref": "http://127.0.0.1:9/s.json"}}', "outside"),
+    (
+        "file $ref",
+        '{"params_schema": {"properties": {"x": {"$ref": "file:///etc/passwd"}}}}',
+        "outside",
+    ),
+    ("a $id", '{"params_schema": {"$id": "http://example.com/s", "type": "object"}}', "$id"),
+    ("a dangling $ref", '{"params_schema": {"$ref": "#/$defs/none"}}', "points nowhere"),
+    ("look-around", '{"params_schema": {"properties": {"x": {"pattern": "(?=a)a"}}}}', "linear"),
+    ("back-reference", '{"params_schema": {"patternProperties": {"(a)\\\\1": {}}}}', "linear"),
+    (
+        "another dialect",
+        '{"params_schema": {"$schema": "http://json-schema.org/draft-03/schema#"}}',
+        "dialect",
+    ),
+    ("an invalid schema", '{"params_schema": {"type": 12}}', "not valid"),
+]
+
+
+@pytest.mark.parametrize(("what", "text", "reason"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_an_advert_that_cannot_be_read_safely_is_refused(what: str, text: str, reason: str) -> None:
+    with pytest.raises(AdvertRefused, match=re.escape(reason)):
+        KindSpec.from_advert("k", read_advert(text))
+
+
+def test_a_pattern_is_matched_in_linear_time() -> None:
+    spec = KindSpec.from_advert(
+        "k", read_advert('{"params_schema": {"properties": {"v": {"pattern": "^(a+)+$"}}}}')
+    )
+    began = time.perf_counter()
+    with pytest.raises(InvalidParams, match="v: fails 'pattern'"):
+        spec.validate_params({"v": "a" * 5000 + "!"})
+    assert time.perf_counter() - began < 0.1
+    assert spec.validate_params({"v": "aaa"}) == {"v": "aaa"}
+
+
+def test_unique_items_is_checked_by_hashing_and_numbers_compare_as_json_does() -> None:
+    spec = KindSpec.from_advert(
+        "k", read_advert('{"params_schema": {"properties": {"v": {"uniqueItems": true}}}}')
+    )
+    with pytest.raises(InvalidParams, match="uniqueItems"):
+        spec.validate_params({"v": [1, 1.0]})
+    began = time.perf_counter()
+    spec.validate_params({"v": [{"n": i} for i in range(20_000)]})
+    assert time.perf_counter() - began < 1

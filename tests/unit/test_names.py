@@ -42,6 +42,9 @@ def test_a_refusal_names_the_class_and_the_position_not_the_name() -> None:
         "\u03a1\u0391YPAL",  # Greek capitals
         "\uff50\uff41\uff59\uff50\uff41\uff4c",  # fullwidth
         "\uff30\uff21\uff39\uff30\uff21\uff2c",  # fullwidth capitals
+        "p\u0251ypal",  # Latin small alpha
+        "\u1d18\u1d00\u028f\u1d18\u1d00\u029f",  # small capitals
+        "\ua4d1AYPA\ua4e1",  # Lisu P and L
     ],
 )
 def test_look_alikes_share_a_key(alike: str) -> None:

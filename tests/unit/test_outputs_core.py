@@ -16,7 +16,7 @@ from contracts.outputs import Committed
 from observer_service import outputs as outputs_module
 from observer_service.context import ObserverContext
 from observer_service.fakes import FakeSession
-from observer_service.outputs import LIMIT, CopyOutputs, TooManyStaged
+from observer_service.outputs import LIMIT, CopyOutputs, OutputBudget, TooManyStaged
 from observer_service.ports import Checkpoint
 from tests.unit.test_service_core import KINDS, harness, until
 
@@ -267,3 +267,44 @@ async def test_a_copy_new_while_another_lookup_is_in_flight_still_gets_its_older
         assert [seq for oid, seq in sent if oid == b] == [1, 2, 3]
     finally:
         running.cancel()
+
+
+def _copy(budget: OutputBudget, commit_every: float | None) -> CopyOutputs:
+    async def write(item: Checkpoint) -> None:
+        await asyncio.sleep(0)
+
+    return CopyOutputs(
+        observer_id=uuid.uuid4(),
+        epoch=1,
+        kind="k",
+        name="n",
+        last_seq=0,
+        write=write,
+        commit_every=commit_every,
+        to_json=str,
+        budget=budget,
+    )
+
+
+async def test_the_bytes_a_service_holds_are_bounded_across_its_copies() -> None:
+    """Two copies share one budget: past it an emit waits until a confirm makes room; a copy
+    that commits only with its checkpoints, and holds staged records, is told to checkpoint."""
+    budget = OutputBudget(1000)
+    a, b = _copy(budget, 0.01), _copy(budget, None)
+    await a.emit("a" * 600)
+    await b.emit("b" * 300)
+    assert budget.held == 900
+    waiting = asyncio.create_task(a.emit("a" * 200))
+    await asyncio.sleep(0.01)
+    assert not waiting.done(), "over the budget: it waits"
+    with pytest.raises(TooManyStaged, match="ORCH_OUTPUT_BUFFER_BYTES"):
+        await b.emit("b" * 200)
+    await a.commit(None)
+    a.unconfirmed = 1  # what the publisher counts for the commit
+    a.confirmed(1)
+    async with asyncio.timeout(1):
+        await waiting
+    assert budget.held == 500
+    b.release_budget()
+    a.release_budget()
+    assert budget.held == 0

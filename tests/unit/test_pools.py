@@ -36,9 +36,6 @@ def test_a_start_pinned_to_a_version_goes_only_where_that_version_is() -> None:
     free = {a: 9, b: 1, c: 9}
     assert place(free, [Needs("eu", "ws", "2")] * 2, runs) == [b, None]
     assert place(free, [Needs("eu", "ws", "3")], runs) == [None]
-    assert Runs.of("eu", {"ws": {"description": ""}}).kinds == {"ws": "1"}, (
-        "an advert before versions"
-    )
 
 
 def test_rebalance_evens_each_pool_alone() -> None:

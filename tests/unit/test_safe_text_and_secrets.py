@@ -16,7 +16,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
 from contracts import logs
 from contracts.errors import split_error, stored_error
-from contracts.kinds import KindSpec, mask_params
+from contracts.kinds import KindSpec, mask_params, secret_values
 from contracts.logs import safe_text
 from contracts.masking import mask
 from observer_service.context import ObserverContext
@@ -288,7 +288,7 @@ def test_an_observers_own_secret_query_names_are_masked_too() -> None:
 def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     row = {
         "kind": SPEC.name,
         "params": SPEC.validate_params(RAW),
@@ -303,7 +303,7 @@ def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
 def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)
     secret = str(params["token"])
     line = f"Refused: bad token {secret}"
@@ -324,7 +324,7 @@ def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
 def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
     from manager.api.observers import shown
 
-    state: Any = SimpleNamespace(kinds={SPEC.name: SPEC}, kind_spec={SPEC.name: SPEC}.get)
+    state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)
     secret = str(params["token"])
     row = {"kind": SPEC.name, "params": params, "last_error": f"Refused: bad token {secret}!"}
@@ -403,3 +403,41 @@ def test_an_observer_logger_hides_its_secret_values(capsys: pytest.CaptureFixtur
     assert "t0p-secret" not in err
     assert "key ***" in err
     assert "named ***" in err
+
+
+def test_secret_values_of_any_shape_are_what_the_service_masks_in_errors_and_logs() -> None:
+    """A list of secrets, a dict of them (``websocket``'s ``headers``), a secret number, a
+    nested model: each value is one the service masks in an observer's errors and ``ctx.logger``
+    lines (``intake`` gives ``secret_values`` to the runner)."""
+    from pydantic import Secret
+
+    class Login(BaseModel):
+        user: str
+        password: SecretStr
+
+    class Shapes(BaseModel):
+        keys: list[SecretStr] = []
+        headers: dict[str, SecretStr] = {}
+        pin: Secret[int] | None = None
+        logins: list[Login] = []
+
+    spec = KindSpec("shapes", _noop, params_model=Shapes)
+    params = spec.validate_params(
+        {
+            "keys": ["K3y-one", "K3y-two"],
+            "headers": {"Authorization": "Bearer-H34der"},
+            "pin": 98765,
+            "logins": [{"user": "bob", "password": "L0gin-pw"}],
+        }
+    )
+    values = secret_values(params, spec)
+    for secret in ("K3y-one", "K3y-two", "Bearer-H34der", "98765", "L0gin-pw"):
+        assert secret in values
+    assert "Authorization" not in values, "a dict's keys are no secret"
+    line = mask(f"failed with {params!r}", secrets=values)
+    for secret in ("K3y-one", "K3y-two", "Bearer-H34der", "98765", "L0gin-pw"):
+        assert secret not in line
+
+
+async def _noop(ctx: object) -> None:
+    pass
