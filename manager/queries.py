@@ -127,6 +127,12 @@ EVENTS_EACH = (
     "INSERT INTO observer_events (observer_id, event, detail) "
     "SELECT i, :event, d FROM unnest(CAST(:ids AS uuid[]), CAST(:details AS text[])) AS x(i, d)"
 )
+# :ids, :event, :detail, :services (one event, the service each was sent to; NULL: none)
+EVENTS_TO = (
+    "INSERT INTO observer_events (observer_id, event, detail, service_id) "
+    "SELECT i, :event, :detail, s FROM unnest(CAST(:ids AS uuid[]), CAST(:services AS uuid[])) "
+    "AS x(i, s)"
+)
 # The service's name too, for services long gone (their rows stay, deleted).
 LIST_EVENTS = (
     "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, e.detail "

@@ -537,7 +537,14 @@ async def new_dispatches(
         return []
     to = targets or {}
     rows = await tx.rows(q.REDISPATCH, ids=ids, targets=[to.get(i) for i in ids])
-    await record_events(tx, [r.id for r in rows], Event.REDISPATCHED, why)
+    # Each with the service it was sent to (none: its pool's work queue).
+    await tx.rows(
+        q.EVENTS_TO,
+        ids=[r.id for r in rows],
+        event=Event.REDISPATCHED.value,
+        detail=why,
+        services=[to.get(r.id) for r in rows],
+    )
     return [StartMessage(observer_id=r.id, dispatch_id=r.dispatch_id) for r in rows]
 
 

@@ -26,8 +26,9 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
 - while no service can take work (each killed, stopped, draining, frozen, or with its broker or
   database link cut, reset or slow; the next still starting), a gap waits for one, and
   ``RECOVERY`` more (``Lives.takers``);
-- a process that took the observer in the gap (as the database recorded it) held it there,
-  though no step of its copy was seen: a fault on it counts as one on its holder;
+- a process the observer was placed on in the gap (taken by it, or a start directed to it, as
+  the database recorded it) held it there, though no step of its copy was seen: a fault on it
+  counts as one on its holder;
 - a queue deleted while the observer was between two holders took its start: recovery counts
   from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
@@ -152,21 +153,36 @@ class Lives:
     #: and when it was frozen meanwhile. While none took work, a gap waits for one.
     takers: dict[int, tuple[float, float]] = field(default_factory=dict)
     paused: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
-    #: Observer -> each take the database recorded: when, by which service process. A process
-    #: that took the observer in a gap held it there, though no step of its copy was seen.
-    takes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    #: Observer -> each time the database placed it on a service process: taken by it, or a
+    #: start directed to it (when, which process). A process it was placed on in a gap held
+    #: it there, though no step of its copy was seen.
+    placed: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
     def taker_after(self, start: float, until: float) -> float | None:
         """If no service took work at some moment in [``start``, ``until``], the first moment
-        after it when one did (inf: none ever did again); else None."""
+        after it when one did (inf: none ever did again), and again while none did in the
+        ``RECOVERY`` after that one (a taker that came, then froze, took nothing); else
+        None."""
         if not self.takers:
             return None
         edges = [t for w in self.takers.values() for t in w]
         edges += [t for ws in self.paused.values() for w in ws for t in w]
-        for t in sorted({start, *(t for t in edges if start < t < until)}):
-            if not self._taking_at(t):
-                return self._next_taking(t)
-        return None
+        found: float | None = None
+        while True:
+            idle = next(
+                (
+                    t
+                    for t in sorted({start, *(t for t in edges if start < t < until)})
+                    if not self._taking_at(t)
+                ),
+                None,
+            )
+            if idle is None:
+                return found
+            found = self._next_taking(idle)
+            if found == float("inf"):
+                return found
+            start, until = found, found + RECOVERY
 
     def _taking_at(self, t: float) -> bool:
         return any(
@@ -454,7 +470,7 @@ class _Judge:
         pids = {p for p in (gap.before, gap.after) if p is not None}
         pids |= {
             pid
-            for at, pid in self.lives.takes.get(gap.observer, [])
+            for at, pid in self.lives.placed.get(gap.observer, [])
             if gap.start - TOLERANCE <= at <= gap.end
         }
         used: list[Fault] = []
@@ -619,14 +635,15 @@ class Inputs:
     def load(cls, path: Path) -> Inputs:
         data = json.loads(path.read_text())
         lives = data.pop("lives")
+        lives.setdefault("placed", lives.pop("takes", {}))  # its name in the first saves
         by_pid = ("takers", "paused")
         return cls(
             lives=Lives(
-                **{k: v for k, v in lives.items() if k not in (*by_pid, "policies", "takes")},
+                **{k: v for k, v in lives.items() if k not in (*by_pid, "policies", "placed")},
                 policies={k: RestartPolicy(**v) for k, v in lives["policies"].items()},
                 takers={int(pid): (a, b) for pid, (a, b) in lives["takers"].items()},
                 paused={int(pid): [tuple(w) for w in ws] for pid, ws in lives["paused"].items()},
-                takes={o: [(at, pid) for at, pid in ts] for o, ts in lives["takes"].items()},
+                placed={o: [(at, pid) for at, pid in ts] for o, ts in lives["placed"].items()},
             ),
             faults=[Fault(**f) for f in data.pop("faults")],
             **data,

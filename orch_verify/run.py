@@ -287,21 +287,21 @@ async def _availability(
 ) -> Inputs:
     """What the second half of the promise is judged on (``orch_verify/availability.py``),
     besides the witness: the faults applied, the observers' lives, their own restarts and
-    the takes the database recorded."""
+    where the database placed each observer (taken by, or directed to)."""
     end = time.time()
     events = await cluster.q(
         "SELECT e.observer_id, e.event, extract(epoch FROM e.at) AS at, s.pid "
         "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
-        "WHERE e.event IN ('restarted', 'failed', 'taken') ORDER BY e.at"
+        "WHERE e.event IN ('restarted', 'failed', 'taken', 'redispatched') ORDER BY e.at"
     )
     restarts: dict[str, list[float]] = {}
     failed: dict[str, float] = {}
-    takes: dict[str, list[tuple[float, int]]] = {}
+    placed: dict[str, list[tuple[float, int]]] = {}  # taken by, or directed to
     for e in events:
         oid = str(e["observer_id"])
-        if e["event"] == "taken":
+        if e["event"] in ("taken", "redispatched"):
             if e["pid"] is not None:
-                takes.setdefault(oid, []).append((float(e["at"]), int(e["pid"])))
+                placed.setdefault(oid, []).append((float(e["at"]), int(e["pid"])))
             continue
         if e["event"] == "failed":
             failed.setdefault(oid, float(e["at"]))
@@ -318,7 +318,7 @@ async def _availability(
         policies={name: spec.restart_policy for name, spec in specs.items()},
         takers={pid: (a, b) for pid, (a, b) in campaign.takers.items()},
         paused=_not_taking(campaign),
-        takes=takes,
+        placed=placed,
     )
     return Inputs(
         kinds={str(o): k for o, k in campaign.kinds.items()},

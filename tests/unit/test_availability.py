@@ -169,6 +169,10 @@ def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
     assert judged(records, takers={**takers, 30: (3.0, float("inf"))}, paused=frozen).held
     # The one that came needs a new lease session (or its start) to take it: RECOVERY, not more.
     assert judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.4, 10.0)], takers=takers).held
+    # One that came and froze at once took nothing: the wait goes on until it thawed.
+    thawed = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 11.4, 12.0)]
+    assert judged(thawed, takers=takers, paused={30: [(7.55, 9.5)]}).held
+    assert not judged(thawed, takers=takers).held
     assert not judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.7, 10.0)], takers=takers).held
 
 
@@ -179,8 +183,8 @@ def test_a_fault_on_a_process_that_took_the_observer_in_the_gap_explains_it() ->
     records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 3, 14.0, 15.0)]
     faults = [Fault("kill", 5.05, 5.05, pid=10), Fault("kill", 9.5, 9.5, pid=20)]
     assert not judged(records, faults).held
-    assert judged(records, faults, takes={OID: [(9.0, 20)]}).held
-    assert not judged(records, faults, takes={OID: [(2.0, 20)]}).held  # before the gap
+    assert judged(records, faults, placed={OID: [(9.0, 20)]}).held
+    assert not judged(records, faults, placed={OID: [(2.0, 20)]}).held  # before the gap
 
 
 def test_a_run_is_judged_again_from_its_saved_inputs(tmp_path: Path) -> None:
@@ -193,7 +197,7 @@ def test_a_run_is_judged_again_from_its_saved_inputs(tmp_path: Path) -> None:
             policies={"k": RestartPolicy(max_restarts=3)},
             takers={10: (0.0, float("inf"))},
             paused={10: [(1.0, 2.0)]},
-            takes={OID: [(9.0, 20)]},
+            placed={OID: [(9.0, 20)]},
         ),
         faults=[Fault("kill", 5.05, 5.05, pid=10), Fault("kill", 9.5, 9.5, pid=20)],
         ttl=TTL,
