@@ -1,8 +1,13 @@
 """The clocks that lease deadlines are measured on.
 
-``Clock.now()`` counts time while the machine is suspended (``CLOCK_BOOTTIME`` on Linux): a VM
-or laptop that sleeps past its lease must find the lease gone when it wakes. The plain monotonic
-clock stops during a suspend, so a deadline measured on it would still look valid.
+``Clock.now()`` trusts no single local clock. It advances by the most any of three clocks
+advanced since it was last read: ``CLOCK_BOOTTIME`` (counts time while the machine is
+suspended: a VM or laptop that sleeps past its lease must find the lease gone when it wakes),
+the monotonic clock (which stops during a suspend) and the wall clock (which a hypervisor steps
+forward after it stunned a guest). A clock stepped back counts as not advancing; one stepped
+forward ends the lease early (a move, never a second copy). A pause that stops every local
+clock (a live migration, a stun with the clocks frozen) is seen by none of them: the lease
+renewal compares the database's clock with ours (``observer_service/lease.py``).
 
 A suspend cannot be produced in a test, so a clock can be given a *hook*: a file holding one
 float, the seconds that ``monotonic()`` did not count (as if the machine had been suspended that
@@ -14,26 +19,43 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 
 
+def _readings() -> tuple[float, ...]:
+    boot = time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+    return (boot, time.monotonic(), time.time())
+
+
 class Clock:
-    def __init__(self, hook: Path | None = None) -> None:
+    def __init__(
+        self, hook: Path | None = None, *, read: Callable[[], tuple[float, ...]] = _readings
+    ) -> None:
         self._hook: mmap.mmap | None = None
         if hook is not None:
             if not hook.exists() or hook.stat().st_size < 8:
                 hook.write_bytes(struct.pack("d", 0.0))
             with hook.open("r+b") as f:
                 self._hook = mmap.mmap(f.fileno(), 8)
+        self._read = read
+        self._lock = threading.Lock()  # read from the stall watch's thread too
+        self._last = read()
+        self._now = self._last[0]
 
     def now(self) -> float:
-        """Seconds on a clock that also counts suspended time; for deadlines."""
-        if _BOOTTIME is None:  # not Linux: the best there is
-            return time.monotonic()
-        return time.clock_gettime(_BOOTTIME)
+        """Seconds on the most pessimistic of the local clocks (see the module's docstring);
+        never goes back. For deadlines."""
+        with self._lock:
+            readings = self._read()
+            step = max(b - a for a, b in zip(self._last, readings, strict=True))
+            self._last = readings
+            self._now += max(0.0, step)
+            return self._now
 
     def monotonic(self) -> float:
         """Seconds on the monotonic clock, which stops while the machine is suspended."""

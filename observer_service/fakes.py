@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -441,7 +442,12 @@ class FakeLeaseSession:
                 if r.directed_to == store.me and r.service_id is None and r.status in LIVE
             ]
         )
-        return Renewal(deleting=deleting, draining=self.db.draining, directed=directed)
+        return Renewal(
+            deleting=deleting,
+            draining=self.db.draining,
+            directed=directed,
+            database_time=self.db.time(),
+        )
 
     async def held(self, timeout: float) -> set[Copy]:
         self._up()
@@ -479,6 +485,12 @@ class FakeLeaseDatabase:
         self.stalled = False
         self.left: bool | None = None
         self.sessions: list[FakeLeaseSession] = []
+        #: Seconds the database's clock ran ahead of ours (a pause our clocks did not see).
+        self.unseen = 0.0
+
+    def time(self) -> float:
+        """The database's clock: ours, plus what ours did not see."""
+        return time.monotonic() + self.unseen
 
     @property
     def draining(self) -> bool:

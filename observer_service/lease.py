@@ -98,6 +98,8 @@ class LeaseKeeper:
         self._timer: asyncio.TimerHandle | None = None
         #: What each renewal learned, consumed by the service's own task.
         self.renewals: asyncio.Queue[Renewal] = asyncio.Queue()
+        #: The last renewal that told the database's time: when we sent it, and that time.
+        self._last_told: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ what others consult
     def state(self) -> LeaseState:
@@ -160,6 +162,7 @@ class LeaseKeeper:
             return
         self._fenced = True
         self._bridging = False
+        self._last_told = None
         self.deadline.expire()
         log.warning("lease lost (%s): stopping every observer of this service", reason)
         for fut in list(self._waiters):
@@ -311,10 +314,34 @@ class LeaseKeeper:
             return 0.0
         if not self._fence_if_due():  # the deadline passed while we waited: do not extend
             return 0.0
+        if self._unseen_pause(sent, renewal.database_time):
+            return 0.0
         self._backoff.reset()
         self._confirmed(sent)
         self.renewals.put_nowait(renewal)
         return 0.0
+
+    def _unseen_pause(self, sent: float, database_time: float | None) -> bool:
+        """Whether the database's clock saw more time pass between two renewals than ours
+        could have (from the earlier one's send to this one's answer), by more than the
+        margin: a pause that stopped every local clock (a stun, a live migration), in which
+        our deadline went on looking valid. Then the lease is let go at once (it may have
+        been about to end for all we know); the residual is kind code run between the resume
+        and this answer, at most one renewal period and its round trip."""
+        if database_time is None:
+            return False
+        last, self._last_told = self._last_told, (sent, database_time)
+        if last is None:
+            return False
+        ours = self.clock.now() - last[0]
+        theirs = database_time - last[1]
+        if theirs - ours <= self.timings.margin:
+            return False
+        self.fence(
+            f"the database's clock saw {theirs:.1f}s pass where ours saw {ours:.1f}s: "
+            "a pause our clocks could not see"
+        )
+        return True
 
     async def close(self, *, deleted: bool) -> None:
         """Leave: mark the service deleted (graceful stop) and end the session."""

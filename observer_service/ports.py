@@ -170,6 +170,8 @@ class Renewal:
     deleting: list[uuid.UUID]
     draining: bool
     directed: list[StartMessage] = field(default_factory=list)
+    #: The database's clock when it renewed (seconds; None: not told).
+    database_time: float | None = None
 
 
 @dataclass(frozen=True)

@@ -368,7 +368,8 @@ RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
           (SELECT coalesce(json_agg(json_build_array(o.id, o.dispatch_id)), '[]')::text
              FROM observers o
             WHERE o.directed_to = $1 AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
-              AND o.modified_at < clock_timestamp() - make_interval(secs => $5))
+              AND o.modified_at < clock_timestamp() - make_interval(secs => $5)),
+          extract(epoch FROM clock_timestamp())::float8
 """
 
 LEAVE = """

@@ -423,6 +423,7 @@ class PgLeaseSession:
                 StartMessage(observer_id=uuid.UUID(o), dispatch_id=uuid.UUID(d))
                 for o, d in json.loads(row[2])
             ],
+            database_time=row[3],
         )
 
     async def held(self, timeout: float) -> set[Copy]:

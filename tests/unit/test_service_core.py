@@ -498,6 +498,26 @@ async def test_a_start_meeting_a_copy_whose_row_is_not_ours_stops_it_before_the_
 
 
 # --------------------------------------------------------------------------- the lease
+async def test_a_pause_every_local_clock_missed_is_seen_at_the_next_renewal() -> None:
+    """Paused with its clocks frozen (a stun, a live migration): no local clock shows the time
+    that passed, the deadline still looks valid. The database's clock in the renewal's answer
+    does: the lease is let go at once, the copies stop, the service comes back on a new session.
+    A drift within the margin is no pause."""
+    async with harness() as h:
+        row, _ = await h.started()
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals + 1)
+        assert not h.lease.fenced
+        h.lease_db.unseen += h.lease.timings.margin / 2
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals + 1)
+        assert not h.lease.fenced, "a drift within the margin fenced"
+        joins = len(h.lease_db.joins)
+        h.lease_db.unseen += 10.0
+        await until(lambda: row.id not in h.service.runners)
+        await until(lambda: len(h.lease_db.joins) > joins)
+
+
 async def test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours() -> None:
     """pg_terminate_backend, a pooler, a database restart: the copies pause at once, and go on
     once a renewal on a new session (a new lock key) shows nothing was taken meanwhile."""

@@ -1,0 +1,48 @@
+"""``contracts.clock.Clock.now()``: the most pessimistic of the local clocks, never going back."""
+
+from __future__ import annotations
+
+import pytest
+
+from contracts.clock import Clock
+
+
+class Readings:
+    """Boot time, monotonic and wall clock, set by hand."""
+
+    def __init__(self) -> None:
+        self.values = [100.0, 50.0, 1_000_000.0]
+
+    def advance(self, boot: float, mono: float, wall: float) -> None:
+        self.values = [v + d for v, d in zip(self.values, (boot, mono, wall), strict=True)]
+
+    def __call__(self) -> tuple[float, ...]:
+        return tuple(self.values)
+
+
+def test_now_advances_by_the_clock_that_advanced_most_and_never_goes_back() -> None:
+    r = Readings()
+    clock = Clock(read=r)
+    start = clock.now()
+    r.advance(1.0, 1.0, 1.0)
+    assert clock.now() == pytest.approx(start + 1.0)
+    r.advance(0.0, -30.0, 0.0)  # the monotonic clock stepped back: it counts as still
+    assert clock.now() == pytest.approx(start + 1.0)
+    r.advance(1.0, 1.0, 1.0)  # and goes on from where it stepped to
+    assert clock.now() == pytest.approx(start + 2.0)
+    r.advance(0.5, 0.5, -3600.0)  # the wall clock stepped back an hour
+    assert clock.now() == pytest.approx(start + 2.5)
+
+
+def test_a_pause_any_one_clock_saw_counts() -> None:
+    """A suspend (only boot time counts it) or a stun the hypervisor made up for by stepping
+    the wall clock (monotonic and boot time frozen with the guest): the lease is gone."""
+    r = Readings()
+    clock = Clock(read=r)
+    start = clock.now()
+    r.advance(8.0, 0.0, 0.0)
+    assert clock.now() == pytest.approx(start + 8.0)
+    r.advance(0.0, 0.0, 8.0)
+    assert clock.now() == pytest.approx(start + 16.0)
+    r.advance(0.0, 0.0, 0.0)  # every clock frozen: nothing local can tell (the renewal can)
+    assert clock.now() == pytest.approx(start + 16.0)
