@@ -1,13 +1,16 @@
 """The clocks that lease deadlines are measured on.
 
-``Clock.now()`` trusts no single local clock. It advances by the most any of three clocks
+``Clock.now()`` trusts no single local clock. It advances by the most any of four clocks
 advanced since it was last read: ``CLOCK_BOOTTIME`` (counts time while the machine is
 suspended: a VM or laptop that sleeps past its lease must find the lease gone when it wakes),
-the monotonic clock (which stops during a suspend) and the wall clock (which a hypervisor steps
-forward after it stunned a guest). A clock stepped back counts as not advancing; one stepped
-forward ends the lease early (a move, never a second copy). A pause that stops every local
-clock (a live migration, a stun with the clocks frozen) is seen by none of them: the lease
-renewal compares the database's clock with ours (``observer_service/lease.py``).
+the monotonic clock (which stops during a suspend), the wall clock (which a hypervisor steps
+forward after it stunned a guest) and the kernel's tick count since boot (``times(2)``, read by
+another path than ``clock_gettime``: a process whose clocks were stepped back, by a faulty
+hypervisor or by ``libfaketime``, still sees its time pass). A clock stepped back counts as not
+advancing; one stepped forward ends the lease early (a move, never a second copy). A pause
+that stops every local clock (a live migration, a stun with the clocks frozen) is seen by none
+of them: the lease renewal compares the database's clock with ours
+(``observer_service/lease.py``).
 
 A suspend cannot be produced in a test, so a clock can be given a *hook*: a file holding one
 float, the seconds that ``monotonic()`` did not count (as if the machine had been suspended that
@@ -18,6 +21,7 @@ as though no time passed, while ``now()`` is the true one.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import threading
 import time
@@ -29,7 +33,7 @@ _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 
 def _readings() -> tuple[float, ...]:
     boot = time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
-    return (boot, time.monotonic(), time.time())
+    return (boot, time.monotonic(), time.time(), os.times().elapsed)
 
 
 class Clock:

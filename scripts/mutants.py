@@ -311,7 +311,7 @@ MUTANTS = [
         "suspend: deadlines on the monotonic clock",
         "contracts/clock.py",
         "            readings = self._read()",
-        "            readings = (self.monotonic(),) * 3",
+        "            readings = (self.monotonic(),) * 4",
         (f"{FAULTS}::test_suspend_past_the_lease_fences",),
     ),
     Mutant(

@@ -8,13 +8,14 @@ from contracts.clock import Clock
 
 
 class Readings:
-    """Boot time, monotonic and wall clock, set by hand."""
+    """Boot time, monotonic, wall clock and tick count, set by hand."""
 
     def __init__(self) -> None:
-        self.values = [100.0, 50.0, 1_000_000.0]
+        self.values = [100.0, 50.0, 1_000_000.0, 90.0]
 
-    def advance(self, boot: float, mono: float, wall: float) -> None:
-        self.values = [v + d for v, d in zip(self.values, (boot, mono, wall), strict=True)]
+    def advance(self, boot: float, mono: float, wall: float, ticks: float = 0.0) -> None:
+        steps = (boot, mono, wall, ticks)
+        self.values = [v + d for v, d in zip(self.values, steps, strict=True)]
 
     def __call__(self) -> tuple[float, ...]:
         return tuple(self.values)
@@ -46,3 +47,11 @@ def test_a_pause_any_one_clock_saw_counts() -> None:
     assert clock.now() == pytest.approx(start + 16.0)
     r.advance(0.0, 0.0, 0.0)  # every clock frozen: nothing local can tell (the renewal can)
     assert clock.now() == pytest.approx(start + 16.0)
+
+
+def test_clocks_all_stepped_back_still_see_time_pass_in_the_tick_count() -> None:
+    r = Readings()
+    clock = Clock(read=r)
+    start = clock.now()
+    r.advance(-30.0, -30.0, -30.0, 2.0)
+    assert clock.now() == pytest.approx(start + 2.0)
