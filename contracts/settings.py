@@ -28,6 +28,9 @@ class CommonSettings(BaseSettings):
     prefix: str = Field(default="orch", pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
     #: Comma-separated import paths of modules that define observer kinds.
     kind_modules: str = ""
+    #: Refuse to start unless the database replicates synchronously (``contracts/durability``):
+    #: a failover then loses no acknowledged write.
+    require_synchronous_replication: bool = False
     #: AMQP heartbeat, seconds: the broker requeues a silent consumer's deliveries after about
     #: one or two of them, and the client notices a dead broker after about three.
     amqp_heartbeat: int = Field(default=5, ge=1, le=600)

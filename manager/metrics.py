@@ -25,6 +25,7 @@ from contracts import __version__
 from contracts.errors import Transient
 from contracts.metrics import Metrics
 from manager import repository as repo
+from manager.database_facts import DatabaseFacts
 from manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,39 @@ class ManagerMetrics(Metrics):
         self.moves = m.counter(
             "orch_moves_total", "Observers asked to move, by reason (rebalance, drain)", "reason"
         )
+        self.durability = m.gauge(
+            "orch_database_durability",
+            "1 for what a failover of the database can lose: synchronous (nothing acknowledged), "
+            "asynchronous (the standbys' lag), single (no standby), standby (read-only)",
+            "mode",
+        )
+        self.replication_lag = m.gauge(
+            "orch_database_replication_lag_seconds",
+            "How far the slowest standby's replay lags (-1: no standby, or unknown)",
+        )
+        self.timeline = m.gauge(
+            "orch_database_timeline", "The database's WAL timeline (a failover raises it)"
+        )
+        self.lost_creates = m.counter(
+            "orch_failover_lost_creates_total",
+            "Acknowledged creates a failover of the database lost (manager/journal.py)",
+        )
         self.swept = m.counter(
             "orch_services_swept_total",
             "Services the sweeper found dead, by how (lease_expired, process_gone)",
             "how",
         )
+
+    def database(self, facts: DatabaseFacts) -> None:
+        """What a failover of the database can lose, as last read (``database_facts``)."""
+        r = facts.replication
+        if r is None:
+            return
+        self.durability.clear()
+        self.durability.labels(r.durability).set(1)
+        self.replication_lag.set(-1 if r.lag is None else r.lag)
+        if r.timeline is not None:
+            self.timeline.set(r.timeline)
 
     def observe_request(self, route: str, method: str, code: int, seconds: float) -> None:
         self.http.labels(route, method, str(code)).observe(seconds)

@@ -552,6 +552,8 @@ LEADER = (
 )
 
 PING = "SELECT 1"
+# The status of each of these observers that has a row.
+STATUSES = "SELECT id, status FROM observers WHERE id = ANY(:ids)"
 # The server's settings the orchestrator shows (``manager/database_facts.py``).
 AUTOVACUUM = "SELECT current_setting('autovacuum')"
 

@@ -744,6 +744,12 @@ async def unheld_stuck(tx: Tx, grace: float, pools: list[str]) -> dict[uuid.UUID
     return {r.id: r.pool for r in await tx.rows(q.UNHELD_STUCK, g=grace, pools=pools)}
 
 
+async def statuses(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, ObserverStatus]:
+    """The status of each of ``ids`` that has a row."""
+    rows = await tx.rows(q.STATUSES, ids=ids) if ids else []
+    return {r.id: ObserverStatus(r.status) for r in rows}
+
+
 async def unsent(tx: Tx, ids: list[uuid.UUID]) -> set[uuid.UUID]:
     """Of ``ids``, those whose start is still in the outbox (not published yet)."""
     return set(await tx.values(q.UNSENT, ids=[str(i) for i in ids])) if ids else set()

@@ -22,10 +22,11 @@ from contracts.errors import AdvertRefused, NameTaken, Transient, UnknownKind
 from contracts.kinds import KindSpec, get_kind, load_kinds
 from contracts.logs import safe_text
 from contracts.pools import DEFAULT_POOL
-from manager import background, database_facts
+from manager import background, database_facts, journal
 from manager import repository as repo
 from manager.database_facts import DatabaseFacts
 from manager.intake import GroupCommit
+from manager.journal import Journal
 from manager.leader import LEADER_NAME, Leadership, Loop, new_holder_id
 from manager.metrics import ManagerMetrics
 from manager.moves import Mover
@@ -110,6 +111,8 @@ class ManagerRuntime:
         )
         #: What the database server's settings mean for the promise (``/healthz``).
         self.database = DatabaseFacts()
+        #: What this replica acknowledged lately, made good after a failover that lost it.
+        self.journal = Journal(self.store, self.outbox, on_lost=self.metrics.lost_creates.inc)
         #: Set when a supervised task died; ``error`` says why.
         self.fatal = asyncio.Event()
         self.error: BaseException | None = None
@@ -355,6 +358,10 @@ class ManagerRuntime:
 
     async def start(self) -> None:
         await self.store.open()
+        if self.settings.require_synchronous_replication:
+            await self._read_database()
+            assert self.database.replication is not None
+            self.database.replication.require(synchronous=True)
         await self.publisher.start()
         self._spawn(self.creates.run(), "group-commit")
         self._spawn(
@@ -368,6 +375,7 @@ class ManagerRuntime:
             background.every(database_facts.EVERY, self._read_database, "database facts")(),
             "database-facts",
         )
+        self._spawn(background.every(journal.EVERY, self.journal.once, "timeline")(), "timeline")
         if self.settings.metrics:
             self._spawn(self.metrics.keep_fresh(self.store), "metrics")
         if self.settings.background:
@@ -375,6 +383,7 @@ class ManagerRuntime:
 
     async def _read_database(self) -> None:
         self.database = await database_facts.read(self.store)
+        self.metrics.database(self.database)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)

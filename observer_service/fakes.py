@@ -447,6 +447,7 @@ class FakeLeaseSession:
             draining=self.db.draining,
             directed=directed,
             database_time=self.db.time(),
+            timeline=self.db.timeline,
         )
 
     async def held(self, timeout: float) -> set[Copy]:
@@ -487,6 +488,8 @@ class FakeLeaseDatabase:
         self.sessions: list[FakeLeaseSession] = []
         #: Seconds the database's clock ran ahead of ours (a pause our clocks did not see).
         self.unseen = 0.0
+        #: The database's timeline (a failover raises it).
+        self.timeline = 1
 
     def time(self) -> float:
         """The database's clock: ours, plus what ours did not see."""

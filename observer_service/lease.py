@@ -63,9 +63,10 @@ class Listener(Protocol):
         """Kind code blocked the event loop lately (the renewal keeps the service marked)."""
         ...
 
-    def superseded(self, copies: Collection[Copy]) -> None:
-        """These copies were taken by another service while the lease session was down: stop
-        them before they resume."""
+    def superseded(self, copies: Collection[Copy], held: Collection[Copy] = ()) -> None:
+        """These copies' rows no longer name them (``held``: the rows that name us): taken by
+        another service while the lease session was down, or gone back to an earlier epoch
+        of ours (a failover). Stop them before they resume."""
 
 
 class LeaseKeeper:
@@ -250,7 +251,7 @@ class LeaseKeeper:
             log.warning(
                 "%d observers were taken by others while the lease session was down", len(taken)
             )
-            self.listener.superseded(taken)
+            self.listener.superseded(taken, held)
         if self._fence_if_due():
             self._bridging = False
             log.info("lease back on a new session: %d observers go on", len(before & held))

@@ -16,6 +16,7 @@ import asyncpg
 from contracts import __version__, logs, pgconnect
 from contracts.backoff import Backoff
 from contracts.clock import Clock
+from contracts.durability import REPLICATION, Replication
 from contracts.errors import DatabaseUnavailable, StartupError, database_errors, timed_out
 from contracts.kinds import KindSpec
 from contracts.settings import default_host, where
@@ -93,6 +94,16 @@ async def _open_pool(
             await asyncio.sleep(delay)
 
 
+async def _durability(pool: asyncpg.Pool, require_synchronous: bool) -> None:
+    """Say what a failover of the database can lose (``contracts/durability.py``); refuse to
+    start on less than synchronous replication where it is required."""
+    with database_errors():
+        replication = Replication.of(await pool.fetchrow(REPLICATION))
+    for warning in replication.warnings():
+        log.warning("%s", warning)
+    replication.require(synchronous=require_synchronous)
+
+
 async def _warm(pool: asyncpg.Pool, n: int) -> None:
     """Open ``n`` connections and prepare the statements of a takeover on each, in the
     background: a takeover after a crash finds them ready, and the start does not wait for
@@ -132,6 +143,7 @@ async def serve(
     # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
     size = settings.db_pool_max or min(20, 2 + settings.worker_count)
     pool = await _open_pool(settings, size, timings.ttl, wait_until)
+    await _durability(pool, settings.require_synchronous_replication)
     lease_database = PgLeaseDatabase(
         settings.asyncpg_dsn,
         service_id=service_id,

@@ -172,6 +172,8 @@ class Renewal:
     directed: list[StartMessage] = field(default_factory=list)
     #: The database's clock when it renewed (seconds; None: not told).
     database_time: float | None = None
+    #: The database's WAL timeline (a failover raises it; None: not told).
+    timeline: int | None = None
 
 
 @dataclass(frozen=True)

@@ -142,12 +142,21 @@ def _seen(lock: str) -> str:
                       AND s.lock_key = ({v} ->> 'holder_key')::bigint {lock}))"""
 
 
+# The next fencing token: one more, and above every token of the timelines before this one
+# (a promotion raises the timeline: a failover that lost the last takes, with an asynchronous
+# standby, never hands out a token lower than one a sink has seen). The first timeline's count
+# from 1 as ever; a timeline holds 2^32 takes of an observer.
+_NEXT_EPOCH = (
+    "greatest(o.epoch + 1, (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))"
+    "::bit(32)::bigint - 1) << 32)"
+)
+
 TAKE = skipping_locked(
     _seen,
-    f"status = {_PROCESSING}, service_id = $2, epoch = o.epoch + 1, started_at = now(), "
+    f"status = {_PROCESSING}, service_id = $2, epoch = {_NEXT_EPOCH}, started_at = now(), "
     f"dispatch_id = ({_AS_SEEN} ->> 'take_dispatch')::uuid, directed_to = NULL, "
     "handoff_to = NULL, committed_at = NULL, waiting = NULL, modified_at = now(), "
-    f"queued_epoch = CASE WHEN ({_AS_SEEN} ->> 'queued')::boolean THEN o.epoch + 1 END",
+    f"queued_epoch = CASE WHEN ({_AS_SEEN} ->> 'queued')::boolean THEN {_NEXT_EPOCH} END",
     f"{_AS_SEEN} ->> 'detail' AS detail, o.checkpoint, o.output_seq",
     events=(event(Event.TAKEN), "u.detail"),
 )
@@ -369,7 +378,8 @@ RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
              FROM observers o
             WHERE o.directed_to = $1 AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
               AND o.modified_at < clock_timestamp() - make_interval(secs => $5)),
-          extract(epoch FROM clock_timestamp())::float8
+          extract(epoch FROM clock_timestamp())::float8,
+          ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
 """
 
 LEAVE = """

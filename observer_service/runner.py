@@ -44,6 +44,9 @@ class StopReason(Enum):
     SUPERSEDED = "taken by another service"
     #: It met the limits of this process (descriptors, memory): another service runs it.
     RESOURCES = "out of this service's resources"
+    #: Its row went back to an earlier epoch of ours (a database failover lost the take): the
+    #: row is let go at that epoch and the observer taken again under a new token.
+    ROLLED_BACK = "its row went back (a database failover)"
 
 
 class ObserverReturned(Exception):
@@ -79,6 +82,8 @@ class Runner:
     superseded: bool = False
     #: What it emits and commits.
     outputs: CopyOutputs | None = None
+    #: Rolled back: the epoch its row names now (the one let go).
+    row_epoch: int | None = None
 
     @property
     def observer_id(self) -> uuid.UUID:

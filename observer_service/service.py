@@ -23,7 +23,7 @@ from contracts.backoff import Backoff
 from contracts.batching import LINGER, Batcher
 from contracts.clock import Clock
 from contracts.deadline import LeaseTimings
-from contracts.errors import BrokerUnavailable
+from contracts.errors import BrokerUnavailable, Transient
 from contracts.kinds import KindSpec
 from contracts.messages import (
     CONTROL_MESSAGE,
@@ -140,7 +140,11 @@ class ObserverService:
             writes=thread_writes,
         )
         self.settler = Settler(
-            release=self.release_copy, blame=store.blame, session=self.broker, metrics=self.metrics
+            release=self.release_copy,
+            blame=store.blame,
+            session=self.broker,
+            metrics=self.metrics,
+            went_back=self._went_back,
         )
         self.intake = Intake(
             self,
@@ -531,14 +535,44 @@ class ObserverService:
     def stalled_lately(self) -> bool:
         return self.stalls.stalled_lately()
 
-    def superseded(self, copies: Collection[Copy]) -> None:
+    async def _went_back(self, copy: Copy) -> int | None:
+        """The epoch of ours this copy's row names, where it is earlier than the copy's (a
+        failover lost the copy's take); None otherwise, or when the database cannot say."""
+        try:
+            facts = await self.store.control_facts([copy.observer_id])
+        except Transient:
+            return None
+        row = facts.observers.get(copy.observer_id)
+        if row is None or row.holder != self.id or row.epoch >= copy.epoch:
+            return None
+        return row.epoch
+
+    def superseded(self, copies: Collection[Copy], held: Collection[Copy] = ()) -> None:
         gone = set(copies)
-        self._stop_where(lambda r: r.copy in gone, StopReason.SUPERSEDED)
+        ours = {c.observer_id: c.epoch for c in held}
+        back = [
+            r
+            for r in self.runners.values()
+            if r.copy in gone and ours.get(r.observer_id, r.epoch) < r.epoch
+        ]
+        for r in back:
+            r.row_epoch = ours[r.observer_id]
+        if back:
+            log.error(
+                "%d rows went back to an earlier epoch of ours (the database failed over and "
+                "lost their takes): their copies stop, and they are taken again",
+                len(back),
+            )
+            self._stop_where(lambda r: r in back, StopReason.ROLLED_BACK)
+        self._stop_where(lambda r: r.copy in gone and r not in back, StopReason.SUPERSEDED)
 
     async def _renewals(self) -> None:
         """What renewals learn: own observers being deleted (a missed broadcast), a drain or an
-        undrain; and now and then, whether the rows we hold are the copies we run."""
+        undrain; and now and then, whether the rows we hold are the copies we run: at once,
+        copy by copy, when the database's timeline changed (a failover, which may have lost
+        its last writes: rows gone back to an earlier epoch, or to no holder)."""
         checked = self.clock.now()
+        timeline: int | None = None
         while True:
             renewal = await self.lease.renewals.get()
             for oid in renewal.deleting:
@@ -548,9 +582,17 @@ class ObserverService:
                 self.drain()
             elif not renewal.draining and self.draining and not self._lately(self._drained_at):
                 self.undrain()  # its broadcast was missed: the row says so all the same
-            if self.clock.now() - checked >= self.config.check_every:
+            failed_over = timeline is not None and renewal.timeline not in (None, timeline)
+            if renewal.timeline is not None:
+                timeline = renewal.timeline
+            if failed_over:
+                log.warning(
+                    "the database failed over (timeline %s): checking every copy against its row",
+                    timeline,
+                )
+            if failed_over or self.clock.now() - checked >= self.config.check_every:
                 checked = self.clock.now()
-                await self._check_held()
+                await self._check_held(every=failed_over)
 
     def _directed_by_database(self, starts: list[StartMessage]) -> None:
         """Starts directed to this service that nobody took (the directed start lost with a
@@ -581,23 +623,29 @@ class ObserverService:
         the database confirms them.)"""
         return since is not None and self.clock.now() - since < self.lease.timings.ttl
 
-    async def _check_held(self) -> None:
+    async def _check_held(self, *, every: bool = False) -> None:
         """Whether the rows this service holds are the copies it runs, both ways: rows held
         but not run are let go; copies run whose row no longer names them (a stop answered
         while the take that made them was committing, say) are stopped as taken by another,
-        even if they never write (a write of theirs would be fenced)."""
+        even if they never write (a write of theirs would be fenced). The rows are read one
+        by one when fewer are held than run, or ``every`` time (after a failover, a row may
+        name us at an earlier epoch than our copy's)."""
         held = await until_done(self.store.held_count, "counting held observers")
         running = [
             r
             for r in self.runners.values()
             if r.stop_reason is None and r.task is not None and not r.task.done()
         ]
-        if held < len(running):
+        if every or held < len(running):
             rows = await until_done(self.store.held_copies, "reading held observers")
             stray = {r.copy for r in running if r.copy not in rows}
             if stray:
                 log.error("%d copies run here whose rows are not ours: stopped", len(stray))
-                self.superseded(stray)
+                self.superseded(stray, rows)
+                if every:  # their rows, held at an earlier epoch, are let go once they ended
+                    ending = [r.finished.wait() for r in running if r.copy in stray]
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.gather(*ending), self.lease.timings.ttl)
         if held <= len(self.runners) + self.admission.in_flight:
             return
         log.warning("the database says we hold %d observers; we run %d", held, len(self.runners))

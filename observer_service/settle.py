@@ -40,6 +40,12 @@ class Settlement(Enum):
 
 Release = Callable[[Copy, str], Awaitable[ObserverStatus | None]]
 Blame = Callable[[uuid.UUID, str], Awaitable[bool]]
+#: The epoch a fenced copy's row names, where it names this service at an earlier one.
+WentBack = Callable[[Copy], Awaitable[int | None]]
+
+
+async def _never(copy: Copy) -> int | None:
+    return None
 
 
 class Settler:
@@ -50,9 +56,11 @@ class Settler:
         blame: Blame,
         session: Callable[[], BrokerSession | None],
         metrics: ServiceMetrics,
+        went_back: WentBack = _never,
     ) -> None:
         self._release = release
         self._blame = blame
+        self._went_back = went_back
         self._session = session
         self.metrics = metrics
 
@@ -71,9 +79,16 @@ class Settler:
             await self._fail_blamed(runner, runner.blame)
             return
         if isinstance(exc, Fenced):
-            runner.ctx.logger.warning("fenced (%s): stopped", exc)
-            await self.settle(start, origin, Settlement.ACK)
-            return
+            # Taken by another, as a rule: its start is theirs. But a row gone back to an
+            # earlier take of ours (a database failover lost the later one) is let go and
+            # its start requeued, or nobody would take it again.
+            back = await self._went_back(runner.copy)
+            if back is None:
+                runner.ctx.logger.warning("fenced (%s): stopped", exc)
+                await self.settle(start, origin, Settlement.ACK)
+                return
+            runner.row_epoch = back
+            runner.stop_reason = runner.stop_reason or StopReason.ROLLED_BACK
         if not task.cancelled() and exc is None:  # the restart budget is spent: row failed
             runner.ctx.logger.error("failed after its last restart: %s", task.result())
             await self.settle(start, origin, Settlement.DEAD_LETTER)
@@ -86,8 +101,11 @@ class Settler:
             if not isinstance(exc, LeaseLost):
                 runner.ctx.logger.error("copy ended unexpectedly: %r", exc)
             reason = StopReason.LEASE_LOST
+        copy = runner.copy
+        if reason is StopReason.ROLLED_BACK and runner.row_epoch is not None:
+            copy = Copy(runner.observer_id, runner.row_epoch)  # the take the row still has
         status = await until_done(
-            lambda: self._release(runner.copy, reason.value),
+            lambda: self._release(copy, reason.value),
             f"letting go of observer {runner.observer_id}",
         )
         runner.ctx.logger.info("stopped (%s): %s", reason.value, status or "fenced")

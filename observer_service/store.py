@@ -424,6 +424,7 @@ class PgLeaseSession:
                 for o, d in json.loads(row[2])
             ],
             database_time=row[3],
+            timeline=row[4],
         )
 
     async def held(self, timeout: float) -> set[Copy]:

@@ -114,7 +114,7 @@ MUTANTS = [
     Mutant(
         "held check: a copy whose row is not ours runs on",
         "observer_service/service.py",
-        "        if held < len(running):",
+        "        if every or held < len(running):",
         "        if False:",
         (f"{CORE}::test_a_copy_whose_row_is_not_ours_is_stopped_even_if_it_never_writes",),
     ),
@@ -247,7 +247,7 @@ MUTANTS = [
     Mutant(
         "lease session ended: copies taken meanwhile resume",
         "observer_service/lease.py",
-        "            self.listener.superseded(taken)",
+        "            self.listener.superseded(taken, held)",
         "            pass",
         (
             f"{CORE}::test_a_copy_taken_while_the_lease_session_was_down_never_resumes",

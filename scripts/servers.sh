@@ -124,6 +124,16 @@ ensure_browser() {  # the console's browser test drives Debian's chromium
   fi
 }
 
+ensure_faketime() {  # the clock tests shift a service's clocks with Debian's libfaketime
+  [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] && return 0
+  if can_apt; then
+    apt_install faketime
+  else
+    echo "libfaketime is not installed; the clock tests need it (apt-get install faketime)" >&2
+    return 1
+  fi
+}
+
 install_venv() {  # marker pip-target: (re)install the project into .venv when it is stale
   if [ ! -x .venv/bin/orch ] || [ ! -e ".venv/$1" ] || [ pyproject.toml -nt ".venv/$1" ]; then
     [ -x .venv/bin/python ] || python3 -m venv .venv

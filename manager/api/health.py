@@ -23,7 +23,7 @@ async def healthz(state: RuntimeDep) -> dict[str, object]:
     return {
         "status": "ok",
         "database": state.database.shown(),
-        "warnings": state.database.warnings(),
+        "warnings": state.database.warnings() + state.journal.warnings(),
     }
 
 
@@ -59,6 +59,11 @@ async def readyz(state: RuntimeDep) -> JSONResponse:
     except Transient as exc:
         checks["database"] = f"unreachable: {exc}"
     checks["broker"] = "ok" if state.publisher.connected else "unreachable"
+    if state.settings.require_synchronous_replication:
+        durability = state.database.durability
+        checks["replication"] = (
+            "ok" if durability == "synchronous" else f"required synchronous, is {durability}"
+        )
     ready = all(v == "ok" for v in checks.values())
     body = {
         "status": "ready" if ready else "not ready",

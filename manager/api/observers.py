@@ -124,7 +124,9 @@ async def _new(state: ManagerRuntime, body: ObserverCreate) -> repo.NewObserver:
 async def create_observer(body: ObserverCreate, state: RuntimeDep) -> dict[str, Any]:
     """Start an observer. It is `created` at once and `processing` when a service takes it."""
     # Written with the creates that arrive meanwhile: one statement, one publish (intake.py).
-    return await state.creates.create(await _new(state, body))
+    row = await state.creates.create(await _new(state, body))
+    state.journal.made([row])
+    return row
 
 
 @router.post(
@@ -162,6 +164,7 @@ async def create_observers(body: ObserverBatch, state: RuntimeDep) -> dict[str, 
                 items.append(_refused(i, row))
             else:
                 items.append({"index": i, "status": 201, "observer": row})
+                state.journal.made([row])
     await state.outbox.publish_now(pending)
     items.sort(key=lambda item: item["index"])
     return {"created": len(pending), "failed": len(items) - len(pending), "items": items}
@@ -206,6 +209,7 @@ async def act_on_observers(body: ObserverAction, state: RuntimeDep) -> dict[str,
                 items.append({"id": oid, "status": status_of(exc), "problem": problem_for(exc)})
                 continue
             pending += published
+            state.journal.changed(oid, body.action.value)
             items.append({"id": oid, "status": 200, "observer": row})  # an admin's: as it is
     finally:  # what was done is published, whatever stopped the rest
         state.outbox.publish_soon(pending)
@@ -398,8 +402,13 @@ async def _change(state: RuntimeDep, change: repo.Change, observer_id: uuid.UUID
     """One state change: the row and its outbox records in one transaction, then published."""
     async with state.store.transaction() as tx:
         row, pending = await change(tx, observer_id)
+    state.journal.changed(observer_id, _JOURNALED.get(change, ""))
     state.outbox.publish_soon(pending)
     return row
+
+
+#: The changes a failover that lost them is made good for (``manager/journal.py``).
+_JOURNALED: dict[repo.Change, str] = {repo.delete_observer: "delete", repo.pause_observer: "pause"}
 
 
 def _route(method: str, suffix: str, change: repo.Change, code: int, op: str, doc: str) -> None:

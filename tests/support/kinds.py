@@ -326,3 +326,31 @@ async def versioned(ctx: ObserverContext) -> None:
         write_tick(p.dir, ctx, count)
         await ctx.checkpoint({"count": count})
         await ctx.sleep(p.interval)
+
+
+class PulseParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str
+    #: A TCP server that sends a line now and then (the test's own).
+    port: int
+    checkpoint_every: int = 20
+
+
+@observer_kind("pulse", params=PulseParams)
+async def pulse(ctx: ObserverContext) -> None:
+    """Ticks once for every line a server sends it, as a subscription does for every message:
+    no timer of its own (its loop's clock may stand still while messages keep coming)."""
+    p: PulseParams = ctx.params
+    count = int((ctx.last_checkpoint or {}).get("count", 0))
+    first = count + 1
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+    try:
+        while await reader.readline():
+            ctx.ensure_alive()
+            count += 1
+            write_tick(p.dir, ctx, count)
+            if count == first or count % p.checkpoint_every == 0:
+                await ctx.checkpoint({"count": count})
+    finally:
+        writer.close()

@@ -497,6 +497,21 @@ async def test_a_start_meeting_a_copy_whose_row_is_not_ours_stops_it_before_the_
         await h.running(row)
 
 
+async def test_after_a_failover_a_copy_whose_row_went_back_is_stopped_and_let_go() -> None:
+    """The database failed over to a standby that had not replayed the last take: the row
+    names this service at the epoch before the copy's. No copy may run on a token the database
+    never issued (the next take's may be the same number): the copy stops, its row is let go,
+    its start goes back to the queue for a take under a new token."""
+    async with harness(check_every=3600) as h:  # no periodic check: the failover's
+        row, delivery = await h.started("tick")
+        assert row.epoch == 1
+        row.epoch = 0  # as the standby had it: taken by us before, at the epoch before
+        h.lease_db.timeline += 1
+        await until(lambda: row.id not in h.service.runners)
+        await until(lambda: row.service_id is None)
+        await until(lambda: delivery.outcome == "requeue")
+
+
 # --------------------------------------------------------------------------- the lease
 async def test_a_pause_every_local_clock_missed_is_seen_at_the_next_renewal() -> None:
     """Paused with its clocks frozen (a stun, a live migration): no local clock shows the time

@@ -1,0 +1,159 @@
+"""What this manager acknowledged lately, kept to make it good after a database failover that
+lost the last writes (an asynchronous standby promoted: ``contracts/durability.py``).
+
+Each replica keeps, for ``KEEP`` seconds, the deletes and pauses it answered and the observers
+it created. It reads the database's timeline every ``EVERY`` seconds; a promotion raises it.
+Then:
+
+- a delete or a pause the new primary lacks is applied again (the row is live again, its copy
+  may be running): the observer is stopped as it was promised, within a timeline read and a
+  cancel of the failover;
+- a create the new primary lacks is reported: logged, counted
+  (``orch_failover_lost_creates_total``) and shown by ``/healthz`` for an hour, with the ids
+  and names. Its client may create it again under the same name.
+
+The journal is in memory: a replica that crashes with the database loses its part. Under
+synchronous replication there is nothing to make good; this is the best an asynchronous one
+allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.errors import OrchError
+from contracts.statuses import ObserverStatus
+from manager import repository as repo
+from manager.outbox import Outbox, Pending
+from manager.store import ManagerStore, Tx
+
+log = logging.getLogger(__name__)
+#: Seconds an acknowledged change is kept (far more than any standby's lag).
+KEEP = 600.0
+#: Seconds between two reads of the timeline.
+EVERY = 1.0
+#: Seconds a report of lost creates stays in ``/healthz``.
+SHOWN = 3600.0
+
+TIMELINE = "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
+
+Change = Callable[[Tx, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
+#: The statuses each kept change leaves the row in (or is on its way to).
+_DONE = {
+    "delete": frozenset({ObserverStatus.ON_DELETING, ObserverStatus.DELETED}),
+    "pause": frozenset(
+        {
+            ObserverStatus.PAUSING,
+            ObserverStatus.PAUSED,
+            ObserverStatus.ON_DELETING,
+            ObserverStatus.DELETED,
+        }
+    ),
+}
+_APPLY: dict[str, Change] = {"delete": repo.delete_observer, "pause": repo.pause_observer}
+
+
+@dataclass
+class Journal:
+    store: ManagerStore
+    outbox: Outbox
+    #: Observer -> (the change acknowledged, when; monotonic).
+    changes: dict[uuid.UUID, tuple[str, float]] = field(default_factory=dict)
+    #: Observer -> (its name, when; monotonic).
+    created: dict[uuid.UUID, tuple[str, float]] = field(default_factory=dict)
+    timeline: int | None = None
+    #: Creates lost in the last failover: (when; wall time, id, name).
+    lost: list[tuple[float, uuid.UUID, str]] = field(default_factory=list)
+    on_lost: Callable[[int], None] = lambda n: None
+
+    def changed(self, observer_id: uuid.UUID, what: str) -> None:
+        """A delete or a pause of ``observer_id`` was acknowledged."""
+        if what in _APPLY:
+            self.changes[observer_id] = (what, time.monotonic())
+
+    def made(self, rows: list[dict[str, Any]]) -> None:
+        """These observers' creates were acknowledged."""
+        now = time.monotonic()
+        for row in rows:
+            self.created[uuid.UUID(str(row["id"]))] = (str(row["name"]), now)
+
+    def warnings(self) -> list[str]:
+        recent = [(at, oid, name) for at, oid, name in self.lost if time.time() - at < SHOWN]
+        if not recent:
+            return []
+        shown = ", ".join(f"{name} ({oid})" for _, oid, name in recent[:20])
+        more = f" and {len(recent) - 20} more" if len(recent) > 20 else ""
+        return [
+            f"a failover of the database lost {len(recent)} acknowledged creates: {shown}{more}; "
+            "create them again"
+        ]
+
+    async def once(self) -> None:
+        """Read the timeline; after a change, make good what this replica acknowledged."""
+        self._forget(time.monotonic())
+        async with self.store.autocommit() as tx:
+            timeline = int(await tx.value(TIMELINE))
+        before, self.timeline = self.timeline, timeline
+        if before is None or timeline == before:
+            return
+        log.warning(
+            "the database failed over (timeline %d to %d): checking what this manager "
+            "acknowledged lately",
+            before,
+            timeline,
+        )
+        await self._reapply()
+        await self._report_lost()
+
+    def _forget(self, now: float) -> None:
+        self.changes = {o: c for o, c in self.changes.items() if now - c[1] < KEEP}
+        self.created = {o: c for o, c in self.created.items() if now - c[1] < KEEP}
+
+    async def _reapply(self) -> None:
+        async with self.store.autocommit() as tx:
+            statuses = await repo.statuses(tx, list(self.changes))
+        again = [
+            (oid, what)
+            for oid, (what, _) in self.changes.items()
+            if oid in statuses and statuses[oid] not in _DONE[what]
+        ]
+        pending: list[Pending] = []
+        for oid, what in again:
+            try:
+                async with self.store.transaction() as tx:
+                    _, published = await _APPLY[what](tx, oid)
+            except OrchError as exc:  # a transient error goes up: the next read retries
+                log.warning("observer %s: its %s could not be applied again: %s", oid, what, exc)
+                continue
+            pending += published
+        if again:
+            log.error(
+                "the failover lost %d deletes or pauses this manager had acknowledged: "
+                "applied again (%s)",
+                len(again),
+                ", ".join(f"{what} {oid}" for oid, what in again[:20]),
+            )
+        self.outbox.publish_soon(pending)
+
+    async def _report_lost(self) -> None:
+        async with self.store.autocommit() as tx:
+            statuses = await repo.statuses(tx, list(self.created))
+        lost = [(oid, name) for oid, (name, _) in self.created.items() if oid not in statuses]
+        if not lost:
+            return
+        now = time.time()
+        self.lost += [(now, oid, name) for oid, name in lost]
+        for oid, _ in lost:
+            self.created.pop(oid, None)
+        self.on_lost(len(lost))
+        log.error(
+            "the failover lost %d creates this manager had acknowledged (their clients may "
+            "create them again): %s",
+            len(lost),
+            ", ".join(f"{name} ({oid})" for oid, name in lost[:20]),
+        )
