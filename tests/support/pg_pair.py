@@ -6,6 +6,11 @@ own (the machine's own server is never touched). ``switchover()`` is a planned s
 primary is stopped cleanly, the standby is checked to have replayed everything the primary
 wrote, then promoted. ``close()`` stops both servers and removes every file, whatever state they
 are in. Servers refuse to run as root: as root, every binary runs as the ``postgres`` user.
+
+``PgPair(synchronous=False, lag=2.0)`` is the common asynchronous setup instead: the standby
+streams through a proxy of this process that holds what the primary sends for ``lag`` seconds
+(a replica behind by that much), and ``crash()`` kills the primary and the proxy with what it
+held, the way a lost machine takes its unsent WAL with it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class PgPair:
     primary_port: int = field(default_factory=free_port)
     standby_port: int = field(default_factory=free_port)
     user: str = "postgres"
+    synchronous: bool = True
+    #: Seconds the proxy holds what the primary sends the standby (asynchronous only).
+    lag: float = 0.0
 
     def __post_init__(self) -> None:
         self._as_postgres = os.getuid() == 0
@@ -76,6 +84,7 @@ class PgPair:
         self.primary = self.base / "primary"
         self.standby = self.base / "standby"
         self.sockets = self.base / "sockets"
+        self.proxy: LagProxy | None = None
 
     # ------------------------------------------------------------------------------ URLs
     def url(self, database: str, *, hosts: str = "primary,standby") -> str:
@@ -97,10 +106,9 @@ class PgPair:
         )
         self._configure(self.primary, self.primary_port)
         with (self.primary / "postgresql.conf").open("a") as f:
-            f.write(
-                "wal_level = replica\nmax_wal_senders = 4\n"
-                f"synchronous_standby_names = '{STANDBY_NAME}'\nsynchronous_commit = on\n"
-            )
+            f.write("wal_level = replica\nmax_wal_senders = 4\n")
+            if self.synchronous:
+                f.write(f"synchronous_standby_names = '{STANDBY_NAME}'\nsynchronous_commit = on\n")
         (self.primary / "pg_hba.conf").write_text(
             "local all all trust\n"
             "host all all 127.0.0.1/32 trust\n"
@@ -112,10 +120,14 @@ class PgPair:
             "pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary_port), "-U", self.user,
             "-D", self.standby, "-R", "-X", "stream", "--no-sync",
         )  # fmt: skip
+        upstream = self.primary_port
+        if self.lag > 0:
+            self.proxy = await LagProxy(self.primary_port, self.lag).start()
+            upstream = self.proxy.port
         with (self.standby / "postgresql.auto.conf").open("a") as f:
             f.write(
                 f"port = {self.standby_port}\n"
-                f"primary_conninfo = 'host=127.0.0.1 port={self.primary_port} user={self.user} "
+                f"primary_conninfo = 'host=127.0.0.1 port={upstream} user={self.user} "
                 f"application_name={STANDBY_NAME}'\n"
                 # Once promoted it has no standby of its own: waiting for one would hang every
                 # commit.
@@ -124,6 +136,24 @@ class PgPair:
         await self._pg_ctl("start", self.standby)
         await self._wait_sync()
         return self
+
+    async def crash(self) -> float:
+        """SIGKILL the primary and every process of it, drop what the proxy held; the time."""
+        pid = _postmaster_pid(self.primary)
+        assert pid is not None, "the primary is not running"
+        for child in [pid, *_children(pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        at = time.time()
+        if self.proxy is not None:
+            self.proxy.close()
+        (self.primary / "postmaster.pid").unlink(missing_ok=True)
+        return at
+
+    async def promote(self) -> float:
+        """Promote the standby (after a crash); the time it accepts writes."""
+        await self._pg_ctl("promote", self.standby)
+        return time.time()
 
     async def switchover(self, *, catch_up_timeout: float = 10.0) -> Switchover:
         """Stop the primary cleanly, check the standby replayed all it wrote, promote it."""
@@ -153,6 +183,8 @@ class PgPair:
 
     def close(self) -> None:
         """Stop both servers (immediately; a stuck one is killed) and remove every file."""
+        if self.proxy is not None:
+            self.proxy.close()
         for data in (self.standby, self.primary):
             if not (data / "postmaster.pid").exists():
                 continue
@@ -176,16 +208,17 @@ class PgPair:
 
     async def _wait_sync(self) -> None:
         primary = await asyncpg.connect(self.dsn(self.primary_port))
+        want = "sync" if self.synchronous else "async"
         try:
 
-            async def synchronous() -> bool:
+            async def replicating() -> bool:
                 state = await primary.fetchval(
                     "SELECT sync_state FROM pg_stat_replication WHERE application_name = $1",
                     STANDBY_NAME,
                 )
-                return bool(state == "sync")
+                return bool(state == want)
 
-            await wait_for(synchronous, timeout=30, what="the standby to replicate synchronously")
+            await wait_for(replicating, timeout=30, what=f"the standby to replicate ({want})")
         finally:
             await primary.close()
 
@@ -231,3 +264,70 @@ def _postmaster_pid(data: Path) -> int | None:
         return int((data / "postmaster.pid").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a postmaster's backends), read from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+class LagProxy:
+    """A TCP proxy to ``port`` that holds every chunk from the server ``lag`` seconds before it
+    passes it on (what a client sends goes at once)."""
+
+    def __init__(self, port: int, lag: float) -> None:
+        self.upstream = port
+        self.lag = lag
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> LagProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            client_w.close()
+            return
+        self._writers += [client_w, server_w]
+        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def up() -> None:
+            while data := await client_r.read(65536):
+                server_w.write(data)
+                await server_w.drain()
+
+        async def down_read() -> None:
+            while data := await server_r.read(65536):
+                held.put_nowait((time.monotonic() + self.lag, data))
+
+        async def down_write() -> None:
+            while True:
+                due, data = await held.get()
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                client_w.write(data)
+                await client_w.drain()
+
+        for coro in (up(), down_read(), down_write()):
+            task = asyncio.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        """Stop: every connection cut, whatever was held dropped."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for writer in self._writers:
+            writer.transport.abort()
