@@ -153,7 +153,7 @@ async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_repo
     end = time.time()
     ticks = read_ticks(cluster.tick_dir)
     assert overlap_seconds(ticks) == {}, "two copies of an observer ran at the same time"
-    before = {}
+    before: dict[str, int] = {}
     for t in ticks:
         if t.at < crashed:
             before[t.observer] = max(before.get(t.observer, 0), t.epoch)
