@@ -468,11 +468,12 @@ class _Judge:
                 until = max(until, at + backoff + TOLERANCE)
         initial = gap.before is None
         pids = {p for p in (gap.before, gap.after) if p is not None}
-        pids |= {
-            pid
+        placed = [
+            (at, pid)
             for at, pid in self.lives.placed.get(gap.observer, [])
             if gap.start - TOLERANCE <= at <= gap.end
-        }
+        ]
+        pids |= {pid for _, pid in placed}
         used: list[Fault] = []
         taken = False
         changed = True
@@ -481,7 +482,7 @@ class _Judge:
             for f in self.faults:
                 if f in used or f.start > until or f.end + self.ttl + RECOVERY < gap.start:
                     continue
-                bound = self._bound(f, gap, pids, initial=initial, taken=taken)
+                bound = self._bound(f, gap, pids, placed, initial=initial, taken=taken)
                 if bound is None:
                     continue
                 used.append(f)
@@ -502,7 +503,14 @@ class _Judge:
         ]
 
     def _bound(
-        self, f: Fault, gap: Gap, pids: set[int], *, initial: bool, taken: bool
+        self,
+        f: Fault,
+        gap: Gap,
+        pids: set[int],
+        placed: Sequence[tuple[float, int]],
+        *,
+        initial: bool,
+        taken: bool,
     ) -> float | None:
         """Until when ``f`` explains ``gap`` (None: it does not)."""
         recovered = self.ttl + RECOVERY
@@ -521,6 +529,14 @@ class _Judge:
             return f.start + self.shutdown_timeout + RECOVERY
         if f.name in TAKE_THE_START and gap.start <= f.start <= gap.end:
             return f.start + recovered
+        if f.name in CANNOT_TAKE:
+            # Its start went (a new observer's, to any consumer) or was directed to a process
+            # cut off from taking it: it waits there until the fault ends or the manager's
+            # audit sends it elsewhere.
+            sent = [gap.start] if initial else []
+            sent += [at for at, pid in placed if pid == f.pid]
+            waits = [min(f.end, at + self.ttl) + RECOVERY for at in sent if f.start <= at <= f.end]
+            return max(waits, default=None)
         if f.name in BLOCK_RECOVERY and taken:
             return f.end + recovered
         if f.name in BLOCK_PUBLISH and initial:

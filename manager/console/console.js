@@ -569,10 +569,23 @@ function totals(cluster, page) {
   $("#totals").replaceChildren(all, ...chips);
 }
 
+// What a failover of the database can lose, as the manager last read it (/healthz).
+function durability(node, health) {
+  const db = health.database || {};
+  const mode = db.durability;
+  const lag = db.replication_lag_seconds;
+  node.textContent = !mode ? "" : mode === "asynchronous" && lag != null
+    ? `database: asynchronous (a failover can lose the last ${lag.toFixed(1)} s)`
+    : `database: ${mode}`;
+  node.title = (health.warnings || []).join("\n");
+  node.className = mode === "synchronous" || !mode ? "muted" : "warn";
+}
+
 async function renderOverview() {
-  const [services, leader, cluster, act_, page] = await Promise.all([
+  const [services, leader, health, cluster, act_, page] = await Promise.all([
     api("GET", "/services"),
     api("GET", "/leader"),
+    api("GET", "/healthz"),
     api("GET", "/views/totals"),
     api("GET", "/views/activity", { minutes: 30 }),
     state.lists.observers.load(),
@@ -583,6 +596,7 @@ async function renderOverview() {
   activity($("#activity"), act_);
   state.services = new Map(services.map((s) => [s.id, s]));
   $("#leader").textContent = leader.holder ? `leader: ${leader.holder}` : "no leader";
+  durability($("#durability"), health);
   $("#services tbody").replaceChildren(...services.map((s) => {
     const bar = el("span", null, "bar");
     const fill = el("span");

@@ -208,6 +208,8 @@ async def test_capacity_waiting_charts_tracebacks_a_whole_filter_and_a_phone(
     await page.wait_for_selector("#capacity [data-figure=waiting]")
     await wait_for(capacity_shown, timeout=20, what="2 slots, 2 running, 0 free, 2 waiting")
     assert "warn" in (await page.get_attribute("#capacity [data-figure=waiting]", "class") or "")
+    # What a failover of the database could lose: here a server with no standby.
+    await page.wait_for_selector("#durability:text-is('database: single')")
     await page.wait_for_selector("#totals [data-status=failed] strong:text-is('1')")
     statuses = [await _cell(page, oid, "status") for oid in tickers]
     assert sorted(statuses) == ["processing", "processing", "waiting", "waiting"], statuses

@@ -159,3 +159,30 @@ async def test_a_trace_exporter_it_does_not_have_is_one_line(command: str) -> No
     assert ended.lines == [
         "error: OTEL_TRACES_EXPORTER='jaeger': jaeger not supported (use otlp or console, or none)"
     ], ended.output
+
+
+@pytest.mark.parametrize("command", ["service", "manager"])
+async def test_a_database_without_synchronous_replication_is_refused_when_required(
+    servers: Servers, database_url: str, prefix: str, command: str
+) -> None:
+    """ORCH_REQUIRE_SYNCHRONOUS_REPLICATION: a server a failover could lose acknowledged writes
+    on (here one with no standby at all) is refused in one line, at once."""
+    ended = await _orch(
+        command,
+        env={
+            "ORCH_DATABASE_URL": database_url,
+            "ORCH_AMQP_URL": servers.amqp_url,
+            "ORCH_PREFIX": prefix,
+            "ORCH_REQUIRE_SYNCHRONOUS_REPLICATION": "true",
+            "ORCH_WAIT": "30",
+            "ORCH_AUTH": "disabled",
+            "ORCH_PORT": str(free_port()),
+        },
+    )
+    assert ended.code != 0, ended.output
+    assert "Traceback" not in ended.output, ended.output
+    assert ended.lines[-1].startswith(
+        "error: ORCH_REQUIRE_SYNCHRONOUS_REPLICATION is set, and the database's durability is "
+        "single"
+    ), ended.output
+    assert ended.seconds < 15, ended.seconds

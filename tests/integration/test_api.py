@@ -11,6 +11,7 @@ import asyncpg
 import httpx
 import pytest
 
+from contracts.durability import REPLICATION, Replication
 from contracts.settings import asyncpg_dsn
 from manager.app import create_app
 from manager.settings import ManagerSettings
@@ -474,7 +475,7 @@ async def test_a_connection_never_given_back_does_not_hang_the_managers_shutdown
         await asyncio.gather(holder, return_exceptions=True)
 
 
-async def test_healthz_says_when_autovacuum_is_off_on_the_database_server(
+async def test_healthz_says_what_the_database_server_risks_autovacuum_and_replication(
     api: httpx.AsyncClient, database_url: str
 ) -> None:
     """A server with autovacuum off (some images ship so) lets the orchestrator's tables grow:
@@ -482,6 +483,7 @@ async def test_healthz_says_when_autovacuum_is_off_on_the_database_server(
     conn = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         expected = await conn.fetchval("SHOW autovacuum")
+        replication = Replication.of(await conn.fetchrow(REPLICATION))
     finally:
         await conn.close()
 
@@ -492,4 +494,6 @@ async def test_healthz_says_when_autovacuum_is_off_on_the_database_server(
     body = await wait_for(read, timeout=10, what="the database's settings read")
     assert body["status"] == "ok"
     assert body["database"]["autovacuum"] == expected
-    assert bool(body["warnings"]) == (expected == "off")
+    assert body["database"]["durability"] == replication.durability
+    assert body["database"]["timeline"] == replication.timeline
+    assert bool(body["warnings"]) == (expected == "off" or bool(replication.warnings()))

@@ -187,6 +187,29 @@ def test_a_fault_on_a_process_that_took_the_observer_in_the_gap_explains_it() ->
     assert not judged(records, faults, placed={OID: [(2.0, 20)]}).held  # before the gap
 
 
+def test_a_start_sent_to_a_process_cut_off_from_taking_waits_for_the_audit() -> None:
+    """A start that went to a process cut off from the broker (a new observer's, which any
+    consumer may have had; or one directed there) waits until the cut ends or the audit sends
+    it elsewhere: a lease TTL at most."""
+    late = ticks(20, 1, 3.5, 5.0)
+    cut = Fault("amqp_partition", 0.0, 4.0, pid=10)
+    assert not judged(late, created=0.5).held
+    (gap,) = judged(late, [cut], created=0.5).gaps
+    assert gap.explained_until == pytest.approx(min(4.0, 0.5 + TTL) + 2.0)
+    long_cut = Fault("amqp_partition", 0.0, 60.0, pid=10)
+    (gap,) = judged(ticks(20, 1, 9.0, 10.0), [long_cut], created=0.5).gaps
+    assert gap.explained_until == pytest.approx(0.5 + TTL + 2.0)
+    # A holder's gap: only a cut process the observer was placed on explains it.
+    moved = [*ticks(30, 1, 0.1, 2.0), *ticks(20, 2, 5.0, 6.0)]
+    kill = Fault("kill", 2.05, 2.05, pid=30)
+    assert judged(moved, [kill], created=0.0).held
+    slow = [*ticks(30, 1, 0.1, 2.0), *ticks(20, 2, 11.0, 12.0)]
+    cut = Fault("amqp_partition", 0.0, 20.0, pid=10)
+    assert not judged(slow, [kill, cut], created=0.0).held
+    (gap,) = judged(slow, [kill, cut], created=0.0, placed={OID: [(3.0, 10)]}).gaps
+    assert gap.explained_until == pytest.approx(3.0 + TTL + 2.0)
+
+
 def test_a_run_is_judged_again_from_its_saved_inputs(tmp_path: Path) -> None:
     """What a run saves beside its witness (``INPUTS``) gives the same verdict offline."""
     records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 3, 14.0, 15.0)]
