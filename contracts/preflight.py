@@ -14,6 +14,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from contracts import pgconnect
 from contracts.amqp import connect_first
+from contracts.durability import REPLICATION, Replication
 from contracts.errors import StartupError
 from contracts.settings import CommonSettings, split_urls, where
 from contracts.topology import broker_version, declare_topology
@@ -39,6 +40,8 @@ async def check_database(settings: CommonSettings, *, need_schema: bool = True) 
             raise NotYet(
                 f"the database {where(settings.database_url)} has no schema: run `orch migrate`"
             )
+        if settings.require_synchronous_replication:
+            Replication.of(await conn.fetchrow(REPLICATION)).require(synchronous=True)
     finally:
         await conn.close()
 
