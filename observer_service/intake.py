@@ -125,6 +125,7 @@ class Intake:
         )
         self.departed = Departed()
         self._probes: dict[int, asyncio.Future[bool]] = {}
+        self._admissions: set[asyncio.Task[None]] = set()
 
     async def on_start(self, delivery: Delivery) -> None:
         try:
@@ -133,7 +134,18 @@ class Intake:
             log.error("malformed start message sent to the error queue: %s", exc)
             await delivery.reject()
             return
-        await self.admit(start, Queued(delivery), trace=delivery.trace)
+        # The client library cancels a consumer's callbacks when its session closes: an
+        # admission cut off there may have committed its take and never start the copy (the
+        # row held, nothing running it, until the periodic check). It is a task of its own,
+        # which the callback waits for, shielded; cut off from its session, the delivery
+        # settles nothing and the copy runs as directed.
+        admission = asyncio.create_task(
+            self.admit(start, Queued(delivery), trace=delivery.trace),
+            name=f"admit-{start.observer_id}",
+        )
+        self._admissions.add(admission)
+        admission.add_done_callback(self._admissions.discard)
+        await asyncio.shield(admission)
 
     async def admit(
         self, start: StartMessage, origin: Origin, *, trace: Carrier | None = None

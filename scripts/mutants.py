@@ -245,6 +245,13 @@ MUTANTS = [
         (f"{CORE}::test_an_ended_lease_session_pauses_copies_until_a_new_one_shows_them_ours",),
     ),
     Mutant(
+        "admission: cancelled with its delivery's callback (a committed take never runs)",
+        "observer_service/intake.py",
+        "        await asyncio.shield(admission)",
+        "        await admission",
+        (f"{CORE}::test_a_take_whose_delivery_callback_was_cancelled_still_starts_its_copy",),
+    ),
+    Mutant(
         "lease session ended: copies taken meanwhile resume",
         "observer_service/lease.py",
         "            self.listener.superseded(taken, held)",

@@ -210,6 +210,15 @@ def test_a_start_sent_to_a_process_cut_off_from_taking_waits_for_the_audit() -> 
     assert gap.explained_until == pytest.approx(3.0 + TTL + 2.0)
 
 
+def test_a_drain_during_a_broker_restart_moves_once_the_broker_is_back() -> None:
+    """A drained holder hands its observers over through the broker: a restart of the broker
+    holds the move until it is back, as it holds a crashed holder's."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 22.0, 23.0)]
+    drain = Fault("drain", 5.0, 6.0, pid=10)
+    assert not judged(records, [drain]).held  # the shutdown timeout (10 s) and 2 s
+    assert judged(records, [drain, Fault("broker_restart", 4.0, 15.0)]).held
+
+
 def test_a_run_is_judged_again_from_its_saved_inputs(tmp_path: Path) -> None:
     """What a run saves beside its witness (``INPUTS``) gives the same verdict offline."""
     records = [*ticks(10, 1, 0.1, 5.0), *ticks(30, 3, 14.0, 15.0)]

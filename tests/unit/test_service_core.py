@@ -998,3 +998,18 @@ async def test_a_copy_whose_session_ended_is_marked_as_holding_no_delivery() -> 
         await h.run(row, redelivered=True)  # the requeued start comes back here: adopted
         await until(lambda: row.queued_epoch == row.epoch)
         assert row.epoch == 1, "adopted, not taken again"
+
+
+async def test_a_take_whose_delivery_callback_was_cancelled_still_starts_its_copy() -> None:
+    """When its broker session closes, the client library cancels every delivery callback
+    still running: one cut off while its take was committing held the row with nothing
+    running it, until the periodic check (23 s in a chaos run). The take is seen through."""
+    async with harness() as h:
+        row = h.store.add("tick")
+        taking = await h.take_held(row)
+        taking.cancel()  # as aiormq does to a consumer's callbacks when the channel closes
+        await asyncio.sleep(0)
+        assert h.store.hold is not None
+        h.store.hold.set()
+        await h.running(row)
+        assert h.store.rows[row.id].service_id == h.service.id
