@@ -19,6 +19,7 @@ observers' own tick logs:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import time
 import uuid
@@ -26,11 +27,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
 
 from orch_bench.ticklog import overlap_seconds, read_ticks
 from tests.conftest import Servers
-from tests.support.cluster import Cluster, wait_for
+from tests.support.cluster import Cluster, quiet, wait_for
+from tests.support.pg_auto_failover import AutoFailover
+from tests.support.pg_auto_failover import missing_binaries as missing_auto_failover
 from tests.support.pg_pair import PgPair, missing_binaries
 
 #: Seconds the standby is behind.
@@ -181,4 +185,158 @@ async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_repo
     print(
         f"\nasync failover (lag {LAG:.0f} s): promoted {promoted - crashed:.2f} s after the "
         f"crash; deleted or lost observers last ticked {last - promoted:+.2f} s after it"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# An automatic failover of a pg_auto_failover formation with a synchronous standby
+# (tests/support/pg_auto_failover.py): the primary's machine is lost under load, the monitor
+# promotes the standby by itself. A synchronous standby has every acknowledged write, so nothing
+# acknowledged may be lost; what must hold is judged from the observers' own tick logs.
+
+#: Creates the load makes (acknowledged ones: some before the kill, the rest after).
+LOAD = 15
+
+
+@pytest.fixture
+async def ha_stack() -> AsyncIterator[AutoFailover]:
+    why = missing_auto_failover()
+    if why is not None:
+        pytest.skip(why)
+    stack = AutoFailover()
+    try:
+        await stack.start()
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture
+async def ha_cluster(
+    ha_stack: AutoFailover, servers: Servers, prefix: str, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    cluster = Cluster(
+        database_url=ha_stack.url(), amqp_url=servers.amqp_url, prefix=prefix, workdir=tmp_path
+    )
+    try:
+        migrate = cluster.spawn("migrate", ["migrate"])
+        code = await asyncio.to_thread(migrate.popen.wait, 120)
+        assert code == 0, f"orch migrate failed:\n{migrate.tail()}"
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+async def _load(
+    cluster: Cluster, acked: list[tuple[uuid.UUID, float]], stop: asyncio.Event
+) -> None:
+    """Create recorders one after another until ``LOAD`` are acknowledged (201: the id and
+    when); a create that fails (the database is failing over) is not acknowledged."""
+    async with cluster.api() as c:
+        while len(acked) < LOAD and not stop.is_set():
+            name = f"load-{len(acked)}-{uuid.uuid4().hex[:6]}"
+            params = {"dir": str(cluster.tick_dir), "interval": 0.05}
+            try:
+                r = await c.post(
+                    "/observers", json={"name": name, "kind": "recorder", "params": params}
+                )
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 201:
+                acked.append((uuid.UUID(r.json()["id"]), time.time()))
+
+
+async def test_an_automatic_failover_to_a_synchronous_standby_loses_nothing_acknowledged(
+    ha_stack: AutoFailover, ha_cluster: Cluster
+) -> None:
+    cluster = ha_cluster
+    manager = await cluster.start_manager()
+    services = [await cluster.start_service(n, worker_count=20) for n in ("a", "b")]
+    kept = await cluster.create_recorders(10)
+    doomed = await _recorder(cluster, "doomed")
+    await cluster.wait_all_running([*kept, doomed], timeout=20)
+    async with cluster.api() as c:
+        shown = (await c.get("/healthz")).json()
+    assert shown["database"]["durability"] == "synchronous", shown
+
+    # Under load (creates going on, twenty recorders ticking), a delete is acknowledged and the
+    # primary's machine is lost right after.
+    acked: list[tuple[uuid.UUID, float]] = []
+    stop = asyncio.Event()
+    loader = asyncio.create_task(_load(cluster, acked, stop))
+    try:
+
+        async def under_way() -> bool:
+            return len(acked) >= 5
+
+        await wait_for(under_way, timeout=20, what="creates acknowledged")
+        async with cluster.api() as c:
+            r = await c.delete(f"/observers/{doomed}")
+        assert r.status_code < 300, r.text
+        if cluster.db is not None:  # the test's own pool would hold the dead server's connections
+            await cluster.db.close()
+            cluster.db = None
+        lost, crashed = await ha_stack.crash_primary()
+        failover = await ha_stack.wait_failover(lost, crashed)
+
+        async def taking_creates() -> bool:
+            return any(at > failover.writable for _, at in acked) or loader.done()
+
+        await wait_for(taking_creates, timeout=60, what="a create acknowledged after the failover")
+    finally:
+        stop.set()
+        await loader
+    states = await ha_stack.states()
+    assert states[failover.port][0] in ("wait_primary", "primary"), states
+
+    # Nothing acknowledged is lost: every create is there, the delete stays.
+    rows = {r["id"]: r["status"] for r in await cluster.q("SELECT id, status FROM observers")}
+    missing = [o for o, _ in acked if o not in rows]
+    assert not missing, f"acknowledged creates lost by the failover: {missing}"
+    assert rows[doomed] in ("on_deleting", "deleted"), f"the acknowledged delete was lost: {rows}"
+    live = [*kept, *(o for o, _ in acked)]
+    await cluster.wait_all_running(live, timeout=30)
+    await cluster.wait_status(doomed, "deleted", timeout=15)
+
+    await quiet(cluster.lease_ttl * 2 + 2.0, "a deleted observer ticking, a copy too many")
+    end = time.time()
+    ticks = read_ticks(cluster.tick_dir)
+    assert overlap_seconds(ticks) == {}, "two copies of an observer ran at the same time"
+    seen: dict[str, int] = {}
+    for t in ticks:  # oldest first
+        assert t.epoch >= seen.get(t.observer, 0), f"{t.observer}: its epoch went back"
+        seen[t.observer] = t.epoch
+    running_at_end = {t.observer for t in ticks if t.at > end - 1.0}
+    assert running_at_end == {str(o) for o in live}, "an observer is not running, or too many"
+
+    # The deleted observer runs on no later than its copy's lease lets it (it expires while
+    # the database is down, or the first renewal on the new primary stops it).
+    fenced = max(failover.writable, crashed + cluster.lease_ttl)
+    last_doomed = max(t.at for t in ticks if t.observer == str(doomed))
+    assert last_doomed <= fenced, (
+        f"the deleted observer ticked {last_doomed - failover.writable:+.2f}s after the failover"
+    )
+
+    # Every observer that ran before the kill runs again within the lease's TTL of the failover.
+    bound = cluster.lease_ttl + failover.seconds + 2.0
+    before = {str(o) for o in kept} | {str(o) for o, at in acked if at < crashed}
+    gap = 0.0
+    for oid in before:
+        times = [t.at for t in ticks if t.observer == oid]
+        around = [at for at in times if at >= crashed] + [max(at for at in times if at < crashed)]
+        around.sort()
+        gap = max(gap, *(b - a for a, b in itertools.pairwise(around)))
+        again = min(at for at in times if at > failover.writable)
+        assert again - crashed <= bound, (
+            f"{oid} ran again {again - crashed:.2f}s after the kill (bound {bound:.2f}s)"
+        )
+    assert gap <= bound, f"an observer stopped for {gap:.2f}s (bound {bound:.2f}s)"
+    assert manager.alive
+    assert all(s.alive for s in services)
+    print(
+        f"\npg_auto_failover: the standby took writes {failover.seconds:.2f} s after the "
+        f"primary was killed; largest tick gap {gap:.2f} s (bound {bound:.2f} s); "
+        f"{len(acked)} creates acknowledged ({sum(at < crashed for _, at in acked)} before the "
+        f"kill), none lost; the deleted observer last ticked "
+        f"{last_doomed - crashed:+.2f} s after the kill"
     )
