@@ -10,7 +10,6 @@ lost, no epoch went backwards.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +19,7 @@ import pytest
 
 from orch_bench.ticklog import largest_gaps, overlap_seconds, read_ticks
 from tests.conftest import Servers
-from tests.support.cluster import Cluster, quiet, wait_for
+from tests.support.cluster import Cluster, migrated_cluster, quiet, wait_for
 from tests.support.faults import LEASE_BACKEND
 from tests.support.pg_pair import PgPair, missing_binaries
 
@@ -44,19 +43,9 @@ async def pair_cluster(
 ) -> AsyncIterator[Cluster]:
     """The cluster's processes on the pair, the database made by ``orch migrate`` through the
     multi-host URL (in either order: ``target_session_attrs`` skips the standby)."""
-    cluster = Cluster(
-        database_url=pg_pair.url("orch_switchover", hosts=request.param),
-        amqp_url=servers.amqp_url,
-        prefix=prefix,
-        workdir=tmp_path,
-    )
-    try:
-        migrate = cluster.spawn("migrate", ["migrate"])
-        code = await asyncio.to_thread(migrate.popen.wait, 120)
-        assert code == 0, f"orch migrate failed:\n{migrate.tail()}"
+    url = pg_pair.url("orch_switchover", hosts=request.param)
+    async with migrated_cluster(url, servers.amqp_url, prefix, tmp_path) as cluster:
         yield cluster
-    finally:
-        await cluster.stop()
 
 
 async def _epochs(cluster: Cluster) -> dict[uuid.UUID, int]:

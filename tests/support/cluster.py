@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -162,3 +163,19 @@ class Cluster(FaultCluster):
 
 def _orch(env: dict[str, Any]) -> dict[str, str]:
     return {f"ORCH_{k.upper()}": str(v) for k, v in env.items()}
+
+
+@contextlib.asynccontextmanager
+async def migrated_cluster(
+    database_url: str, amqp_url: str, prefix: str, workdir: Path
+) -> AsyncIterator[Cluster]:
+    """A cluster on a database server of the test's own (a replicated pair, an HA stack),
+    its schema made by ``orch migrate`` through ``database_url``; stopped afterwards."""
+    cluster = Cluster(database_url=database_url, amqp_url=amqp_url, prefix=prefix, workdir=workdir)
+    try:
+        migrate = cluster.spawn("migrate", ["migrate"])
+        code = await asyncio.to_thread(migrate.popen.wait, 120)
+        assert code == 0, f"orch migrate failed:\n{migrate.tail()}"
+        yield cluster
+    finally:
+        await cluster.stop()

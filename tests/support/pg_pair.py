@@ -135,7 +135,32 @@ class PgPair:
             )
         await self._pg_ctl("start", self.standby)
         await self._wait_sync()
+        # Streaming starts with a few round trips, each held ``lag`` by the proxy: from then on
+        # the standby is ``lag`` behind. A write proves it has started.
+        await self.caught_up(timeout=4 * self.lag + 30, write=True)
         return self
+
+    async def caught_up(self, *, timeout: float, write: bool = False) -> None:
+        """Wait until the standby replayed all the primary wrote so far (``write``: after a
+        write of its own, so that the wait proves the standby streams)."""
+        primary = await asyncpg.connect(self.dsn(self.primary_port))
+        standby = await asyncpg.connect(self.dsn(self.standby_port))
+        try:
+            if write:
+                await primary.execute("CREATE TABLE IF NOT EXISTS streaming_started ()")
+            lsn = await primary.fetchval("SELECT pg_current_wal_lsn()::text")
+
+            async def replayed() -> bool:
+                return bool(
+                    await standby.fetchval(
+                        "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn", lsn
+                    )
+                )
+
+            await wait_for(replayed, timeout=timeout, what=f"the standby to replay up to {lsn}")
+        finally:
+            await primary.close()
+            await standby.close()
 
     async def crash(self) -> float:
         """SIGKILL the primary and every process of it, drop what the proxy held; the time."""
