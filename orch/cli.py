@@ -554,11 +554,11 @@ def verify(
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
     import asyncio
 
-    from contracts.errors import OrchError, StartupError
+    from contracts.errors import InvalidParams, OrchError, StartupError
     from contracts.kinds import load_kinds
     from observer_service.settings import ServiceSettings
     from orch_verify.campaign import ObserverSpec, parse_faults
-    from orch_verify.run import Options, new_seed, parse_observer
+    from orch_verify.run import Options, new_seed, params_hint, parse_observer
     from orch_verify.run import verify as run_verify
 
     settings = _settings(ServiceSettings)
@@ -578,7 +578,12 @@ def verify(
         for spec in specs:
             if spec.kind not in installed:
                 raise ValueError(f"unknown kind {spec.kind!r}; installed: {', '.join(installed)}")
-            installed[spec.kind].validate_params(spec.params)
+            try:
+                installed[spec.kind].validate_params(spec.params)
+            except InvalidParams as exc:
+                if observer:
+                    raise
+                raise InvalidParams(f"{exc}; {params_hint(installed[spec.kind], each)}") from exc
     except (OSError, ValueError, StartupError, OrchError) as exc:
         _fail(str(exc), 2)
     if not specs:
