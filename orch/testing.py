@@ -40,7 +40,7 @@ from typing import Any
 from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, get_kind, load_kinds
 from contracts.outputs import check_record
-from observer_service.context import ObserverContext
+from observer_service.context import ObserverContext, checked_delay
 from observer_service.guard import guarded
 from observer_service.intake import checkpoint_json
 
@@ -98,7 +98,7 @@ class _Context(ObserverContext):
     clock: VirtualClock
 
     async def sleep(self, seconds: float) -> None:
-        await self.clock.sleep(seconds)
+        await self.clock.sleep(checked_delay(seconds))
         self.ensure_alive()
 
 
