@@ -83,6 +83,11 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+def _seen(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _Captured(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -175,6 +180,9 @@ class KindRun:
         self.task = asyncio.create_task(
             self._run(guarded(self.spec.run(ctx), gate, None, ctx.abandoned))
         )
+        # How it ended is the test's to read (``error``): asyncio is told it was seen, so a
+        # copy fenced or cut off as the test meant is no "Task exception was never retrieved".
+        self.task.add_done_callback(_seen)
 
     async def _run(self, copy: Any) -> None:
         await copy

@@ -99,6 +99,7 @@ def test_the_readmes_kit_example_runs_as_written() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ticker passed\n"
+    assert done.stderr == "", "nothing more: no 'Task exception was never retrieved'"
 
 
 # ------------------------------------------------------------------------------ http_poll
