@@ -11,7 +11,7 @@ service, on a clock the test moves.
             assert run.checkpoints[-1] == {"count": 3}
             run.fence()                              # another copy took it over
             await run.advance(5)
-            assert run.stopped and run.writes_after_fence == []
+            assert run.stopped and run.writes_after_fence == ["checkpoint"]  # refused
 
 The kind runs exactly as a service runs it: its coroutine driven through the service's guard
 (``observer_service.guard``), so a lost lease abandons it without running another line of its
