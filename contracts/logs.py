@@ -159,7 +159,8 @@ def configure(level: str = "INFO", fmt: LogFormat = "text", **process: object) -
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    for noisy in ("aiormq", "aio_pika"):
+    # httpx logs a line per request at INFO: an ``http_poll`` observer's every poll.
+    for noisy in ("aiormq", "aio_pika", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     # Its pool logs a traceback for every failed reconnect; ours says the database is down.
     logging.getLogger("asyncpg.pool").setLevel(logging.ERROR)

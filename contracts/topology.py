@@ -349,7 +349,8 @@ def _refused(what: str, name: str, prefix: str) -> Iterator[None]:
 async def delete_topology(
     amqp_url: str, topology: Topology, pools: Iterable[str] = (), *, timeout: float = 30.0
 ) -> None:
-    """Delete the shared queues and exchanges of a prefix, and the work queues of ``pools``
+    """Delete the shared queues and exchanges of a prefix (outputs too: consumers' queues bound
+    to it lose their binding), and the work queues of ``pools``
     (tests and benchmarks clean up with it), within ``timeout`` seconds (TimeoutError past
     it). Per-service control queues are exclusive and vanish with their connections."""
     async with asyncio.timeout(timeout):
@@ -368,7 +369,12 @@ async def _delete_topology(amqp_url: str, topology: Topology, pools: Iterable[st
             channel = await connection.channel()  # a failed delete closes its channel
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
                 await channel.queue_delete(queue)
-        for exchange in (topology.dead_letter_exchange, topology.control_exchange):
+        exchanges = (
+            topology.dead_letter_exchange,
+            topology.control_exchange,
+            topology.outputs_exchange,
+        )
+        for exchange in exchanges:
             channel = await connection.channel()
             with contextlib.suppress(aio_pika.exceptions.AMQPError):
                 await channel.exchange_delete(exchange)

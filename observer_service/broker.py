@@ -94,6 +94,8 @@ class AmqpSession:
         self.generation = next(_generations)
         self.closed = asyncio.Event()
         self.close_reason = ""
+        #: We close it (``close``): its end is no trouble to warn of.
+        self._closing = False
         self.connection: AbstractConnection | None = None
         #: The node this session is on (one of ``ORCH_AMQP_URL``'s).
         self.url: str | None = None
@@ -111,12 +113,17 @@ class AmqpSession:
         return not self.closed.is_set()
 
     def _on_close(self, _sender: Any = None, exc: BaseException | None = None) -> None:
-        if not self.closed.is_set():
+        if self.closed.is_set():
+            return
+        if self._closing:  # its connection ends as we asked, whatever the callback says
+            self.close_reason = close_reason(None)
+            log.info("broker session %d closed", self.generation)
+        else:
             self.close_reason = close_reason(exc)
             log.warning(
                 "broker session %d closed (%s: %s)", self.generation, self.close_reason, exc
             )
-            self.closed.set()
+        self.closed.set()
 
     def _on_consumer_cancel(self, frame: spec.Basic.Cancel) -> None:
         """The broker cancelled our work consumer (its queue was deleted), the only one on the
@@ -244,6 +251,7 @@ class AmqpSession:
             log.warning("could not consume the work queue again: %s", exc)
 
     async def close(self) -> None:
+        self._closing = True
         for connection in (self._lookout, self.connection):
             if connection is not None and not connection.is_closed:
                 try:

@@ -121,6 +121,16 @@ class ObserverContext:
         self.last_checkpoint = state
 
     async def sleep(self, seconds: float) -> None:
-        """Sleep, woken by cancellation; afterwards, check that this copy still may run."""
-        await asyncio.sleep(seconds)
+        """Sleep, woken by cancellation; afterwards, check that this copy still may run.
+        ``seconds`` below 0, or NaN, raises ValueError, as ``time.sleep`` does: an interval
+        gone wrong is the kind's error (restarted with backoff, then failed), never a loop
+        that polls as fast as it can. 0 is one turn of the event loop."""
+        await asyncio.sleep(checked_delay(seconds))
         self.ensure_alive()
+
+
+def checked_delay(seconds: float) -> float:
+    """``seconds`` if ``ctx.sleep`` may wait that long; ValueError naming it otherwise."""
+    if not seconds >= 0:  # NaN compares false too
+        raise ValueError(f"ctx.sleep({seconds!r}): the seconds must be 0 or more")
+    return seconds

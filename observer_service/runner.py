@@ -49,6 +49,12 @@ class StopReason(Enum):
     ROLLED_BACK = "its row went back (a database failover)"
 
 
+#: Stops someone asked for, as against those the service was forced into.
+ASKED = frozenset(
+    {StopReason.DELETED_OR_PAUSED, StopReason.SHUTDOWN, StopReason.DRAIN, StopReason.HANDOFF}
+)
+
+
 class ObserverReturned(Exception):
     """An observer is meant to run until stopped; returning is treated as an error."""
 

@@ -58,7 +58,7 @@ from observer_service.ports import (
     Store,
 )
 from observer_service.retry import landed, until_done
-from observer_service.runner import ResourceShort, Runner, StopReason
+from observer_service.runner import ASKED, ResourceShort, Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
@@ -422,7 +422,9 @@ class ObserverService:
         for r in stopped:
             r.stop(reason)
         if stopped:
-            log.warning("stopping %d observers: %s", len(stopped), reason.value)
+            # Asked for (a stop, a drain, a delete) it is the ordinary course; forced, a warning.
+            level = logging.INFO if reason in ASKED else logging.WARNING
+            log.log(level, "stopping %d observers: %s", len(stopped), reason.value)
 
     # ----------------------------------------------------------------- control
     async def _on_control(self, body: bytes, trace: Carrier | None) -> None:

@@ -455,6 +455,7 @@ def outputs_tail(
         except ValueError:
             _fail("--observer must be an observer's id (a UUID)", 2)
     settings = _settings(CommonSettings)
+    piped = False  # whoever read our output went away (``| head -2``)
 
     async def main() -> int:
         import asyncio
@@ -464,22 +465,38 @@ def outputs_tail(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+
+        def show(text: str) -> None:
+            nonlocal piped
+            if piped:
+                return
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:
+                piped = True
+                stop.set()
+
         reader = await tail(
-            settings,
-            kind=kind,
-            observer=wanted,
-            show=lambda text: print(text, flush=True),
-            json_lines=json_lines,
-            stop=stop,
+            settings, kind=kind, observer=wanted, show=show, json_lines=json_lines, stop=stop
         )
-        gaps = f", {len(reader.gaps)} gap(s)" if reader.gaps else ""
-        err.print(f"{reader.delivered} record(s), {reader.repeats} repeat(s){gaps}")
+        if not piped:
+            gaps = f", {len(reader.gaps)} gap(s)" if reader.gaps else ""
+            err.print(f"{reader.delivered} record(s), {reader.repeats} repeat(s){gaps}")
         return 0
 
     try:
         asyncio.run(main())
     except BrokerUnavailable as exc:
         _fail(f"the broker is unavailable: {exc}")
+    if piped:
+        # As a Unix tool ends on a broken pipe: nothing said, 128 + SIGPIPE; what is left in
+        # stdout's buffer goes nowhere (Python would complain flushing it at exit).
+        import os
+        import signal
+        import sys
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(128 + signal.SIGPIPE)
 
 
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
@@ -554,11 +571,11 @@ def verify(
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
     import asyncio
 
-    from contracts.errors import OrchError, StartupError
+    from contracts.errors import InvalidParams, OrchError, StartupError
     from contracts.kinds import load_kinds
     from observer_service.settings import ServiceSettings
     from orch_verify.campaign import ObserverSpec, parse_faults
-    from orch_verify.run import Options, new_seed, parse_observer
+    from orch_verify.run import Options, new_seed, params_hint, parse_observer
     from orch_verify.run import verify as run_verify
 
     settings = _settings(ServiceSettings)
@@ -578,7 +595,12 @@ def verify(
         for spec in specs:
             if spec.kind not in installed:
                 raise ValueError(f"unknown kind {spec.kind!r}; installed: {', '.join(installed)}")
-            installed[spec.kind].validate_params(spec.params)
+            try:
+                installed[spec.kind].validate_params(spec.params)
+            except InvalidParams as exc:
+                if observer:
+                    raise
+                raise InvalidParams(f"{exc}; {params_hint(installed[spec.kind], each)}") from exc
     except (OSError, ValueError, StartupError, OrchError) as exc:
         _fail(str(exc), 2)
     if not specs:

@@ -11,7 +11,7 @@ service, on a clock the test moves.
             assert run.checkpoints[-1] == {"count": 3}
             run.fence()                              # another copy took it over
             await run.advance(5)
-            assert run.stopped and run.writes_after_fence == []
+            assert run.stopped and run.writes_after_fence == ["checkpoint"]  # refused
 
 The kind runs exactly as a service runs it: its coroutine driven through the service's guard
 (``observer_service.guard``), so a lost lease abandons it without running another line of its
@@ -40,7 +40,7 @@ from typing import Any
 from contracts.errors import Fenced, LeaseLost
 from contracts.kinds import KindSpec, get_kind, load_kinds
 from contracts.outputs import check_record
-from observer_service.context import ObserverContext
+from observer_service.context import ObserverContext, checked_delay
 from observer_service.guard import guarded
 from observer_service.intake import checkpoint_json
 
@@ -83,6 +83,11 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+def _seen(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _Captured(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -98,7 +103,7 @@ class _Context(ObserverContext):
     clock: VirtualClock
 
     async def sleep(self, seconds: float) -> None:
-        await self.clock.sleep(seconds)
+        await self.clock.sleep(checked_delay(seconds))
         self.ensure_alive()
 
 
@@ -175,6 +180,9 @@ class KindRun:
         self.task = asyncio.create_task(
             self._run(guarded(self.spec.run(ctx), gate, None, ctx.abandoned))
         )
+        # How it ended is the test's to read (``error``): asyncio is told it was seen, so a
+        # copy fenced or cut off as the test meant is no "Task exception was never retrieved".
+        self.task.add_done_callback(_seen)
 
     async def _run(self, copy: Any) -> None:
         await copy

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from contracts import witness
-from contracts.kinds import load_kinds
+from contracts.kinds import KindSpec, load_kinds
 from contracts.settings import CommonSettings
 from contracts.topology import Topology
 from manager.auth import Role, new_token
@@ -345,6 +345,21 @@ def _not_taking(campaign: Campaign) -> dict[int, list[tuple[float, float]]]:
 def digest(schedule: list[Planned]) -> str:
     """A short fingerprint of a schedule, to compare two runs at a glance."""
     return hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]
+
+
+def params_hint(spec: KindSpec, count: int) -> str:
+    """How to give ``spec``'s params to ``orch verify``, its required ones named: for a kind
+    created by default, with none."""
+    if spec.params_model is not None:
+        fields = spec.params_model.model_fields
+        required = [f.alias or name for name, f in fields.items() if f.is_required()]
+    else:
+        required = list((spec.params_schema or {}).get("required", []))
+    example = json.dumps({name: "…" for name in required}, ensure_ascii=False)
+    return (
+        f"give them with --observer '{spec.name}*{count}:{example}', or --params FILE (a JSON"
+        f' object {{"{spec.name}": {{…}}}}, for the kinds created by default)'
+    )
 
 
 def parse_observer(text: str) -> ObserverSpec:

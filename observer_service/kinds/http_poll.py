@@ -61,6 +61,12 @@ class HttpPollSettings(BaseSettings):
 #: A request the egress policy refuses (kept under its old name).
 NotAllowed = EgressRefused
 
+#: A create's refusal: the rule and what opens it, never the client's host echoed.
+REFUSED_AT_CREATE = (
+    f"{egress.REFUSED} (its host or its port): ORCH_HTTP_POLL_ALLOW, set alike for the manager "
+    "and the services, says what may be reached (by default public addresses, ports 80 and 443)"
+)
+
 
 class BodyTooLarge(Exception):
     pass
@@ -97,7 +103,7 @@ class HttpPollParams(BaseModel):
             HttpPollSettings().policy().check(url.host or "", url.port or 0)
         except EgressRefused as exc:
             if from_client(info):  # the rule, not the host: a client's input is not echoed
-                raise ValueError(f"{egress.REFUSED} (its host or its port)") from None
+                raise ValueError(REFUSED_AT_CREATE) from None
             raise ValueError(str(exc)) from None  # the observer's own error: where it went
         return url
 

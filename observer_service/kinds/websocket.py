@@ -29,10 +29,9 @@ from pydantic_core import Url
 
 from contracts.kinds import from_client, observer_kind
 from contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
-from observer_service import egress
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressRefused
-from observer_service.kinds.http_poll import HttpPollSettings
+from observer_service.kinds.http_poll import REFUSED_AT_CREATE, HttpPollSettings
 
 #: A connection that lasted this long resets the backoff.
 STEADY = 60.0
@@ -72,7 +71,7 @@ class WebsocketParams(BaseModel):
             HttpPollSettings().policy().check(url.host, port)
         except EgressRefused as exc:
             if from_client(info):
-                raise ValueError(f"{egress.REFUSED} (its host or its port)") from None
+                raise ValueError(REFUSED_AT_CREATE) from None
             raise ValueError(str(exc)) from None
         return value
 

@@ -62,6 +62,7 @@ async def test_an_observer_aimed_at_the_database_is_refused_and_never_connects(
         )
     assert refused.status_code == 422, refused.text
     assert REFUSED in refused.text
+    assert "ORCH_HTTP_POLL_ALLOW" in refused.text  # what opens it
 
     body = await cluster.create(
         "db", "http_poll", url=f"http://127.0.0.1:{db_port.port}/?api_key={SECRET}", interval=0.2

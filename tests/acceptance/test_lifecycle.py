@@ -150,6 +150,8 @@ async def test_sigterm_hands_observers_over_at_once(cluster: Cluster) -> None:
     await cluster.wait_all_running(ids, timeout=10)
     b = await cluster.start_service("b", worker_count=10)
     b_id = await cluster.service_id(b)
+    assert a.log is not None
+    logged = len(a.log.read_text(errors="replace"))
     start = time.monotonic()
     a.signal(signal.SIGTERM)
     # Well under the lease TTL: nobody waited for a lease to expire.
@@ -160,6 +162,10 @@ async def test_sigterm_hands_observers_over_at_once(cluster: Cluster) -> None:
     await asyncio.to_thread(a.popen.wait, 10)
     assert a.popen.returncode == 0
     assert await cluster.q("SELECT is_deleted FROM services WHERE pid = $1", a.pid, one=True)
+    # A clean stop warns of nothing: the broker session it closed itself is no trouble.
+    stop = a.log.read_text(errors="replace")[logged:]
+    warned = [line for line in stop.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not warned, warned
 
 
 async def test_duplicate_start_message_is_dropped(cluster: Cluster) -> None:

@@ -120,6 +120,63 @@ async def test_orch_outputs_tail_prints_records_once_and_gaps(
     assert "3 record(s), 1 repeat(s), 1 gap(s)" in stderr
 
 
+async def _tail_bound(prefix: str, kind: str) -> None:
+    for _ in range(100):
+        out = await asyncio.to_thread(
+            subprocess.run,
+            ["rabbitmqctl", "-q", "list_bindings", "source_name", "routing_key"],
+            capture_output=True,
+            text=True,
+        )
+        if any(
+            line.split("\t")[:2] == [f"{prefix}.outputs", kind] for line in out.stdout.splitlines()
+        ):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("orch outputs tail never bound its queue")
+
+
+async def test_orch_outputs_tail_ends_quietly_when_its_reader_goes(
+    servers: Servers, prefix: str
+) -> None:
+    """``orch outputs tail | head -2``: once ``head`` has its lines and goes, the next write
+    ends the command as a broken pipe ends any Unix tool (141, 128 + SIGPIPE), saying
+    nothing."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ORCH_AMQP_URL": servers.amqp_url,
+        "ORCH_PREFIX": prefix,
+    }
+    observer = uuid.uuid4()
+    await _publish(servers.amqp_url, prefix, observer, [])  # the exchange exists
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a process of its own, read from a thread
+        [sys.executable, "-m", "orch", "outputs", "tail", "--kind", "quotes"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        await _tail_bound(prefix, "quotes")
+        await _publish(servers.amqp_url, prefix, observer, [1, 2])
+        assert proc.stdout is not None
+        async with asyncio.timeout(15):
+            for _ in range(2):
+                assert " seq " in await asyncio.to_thread(proc.stdout.readline)
+        proc.stdout.close()  # head has its two lines
+        await _publish(servers.amqp_url, prefix, observer, [3, 4, 5])
+        code = await asyncio.to_thread(proc.wait, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        assert proc.stderr is not None
+        stderr = proc.stderr.read()
+        proc.wait()
+    assert code == 141, stderr
+    assert stderr == ""
+
+
 def test_orch_outputs_tail_refuses_an_observer_that_is_no_id() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "orch", "outputs", "tail", "--observer", "btc"],
@@ -131,3 +188,35 @@ def test_orch_outputs_tail_refuses_an_observer_that_is_no_id() -> None:
     assert proc.returncode == 2
     assert "--observer must be an observer's id" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _named(prefix: str, what: str) -> list[str]:
+    out = subprocess.run(
+        ["rabbitmqctl", "-q", f"list_{what}", "name"], capture_output=True, text=True, check=True
+    )
+    return [n for n in out.stdout.split() if n.startswith(f"{prefix}.")]
+
+
+async def test_delete_topology_leaves_nothing_of_its_prefix(servers: Servers, prefix: str) -> None:
+    """What ``orch verify``, ``orch bench`` and the tests clean up with: the outputs exchange
+    goes with the rest."""
+    from contracts.topology import (
+        Topology,
+        broker_version,
+        declare_topology,
+        delete_topology,
+    )
+
+    connection = await aio_pika.connect(servers.amqp_url)
+    async with connection:
+        await declare_topology(
+            await connection.channel(),
+            Topology(prefix),
+            version=broker_version(connection),
+            queue_type="classic",
+            consumer_timeout_ms=604_800_000,
+        )
+    assert f"{prefix}.outputs" in await asyncio.to_thread(_named, prefix, "exchanges")
+    await delete_topology(servers.amqp_url, Topology(prefix))
+    assert await asyncio.to_thread(_named, prefix, "exchanges") == []
+    assert await asyncio.to_thread(_named, prefix, "queues") == []

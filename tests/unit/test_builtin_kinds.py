@@ -99,6 +99,7 @@ def test_the_readmes_kit_example_runs_as_written() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ticker passed\n"
+    assert done.stderr == "", "nothing more: no 'Task exception was never retrieved'"
 
 
 # ------------------------------------------------------------------------------ http_poll
@@ -175,8 +176,13 @@ async def test_http_poll_refuses_a_host_the_egress_policy_does_not_open(
     from contracts.errors import InvalidParams
 
     monkeypatch.delenv("ORCH_HTTP_POLL_ALLOW", raising=False)
-    with pytest.raises(InvalidParams, match="its host or its port"):
+    with pytest.raises(InvalidParams, match="its host or its port") as refused:
         async with run_kind("http_poll", {"url": "http://127.0.0.1:8080/"}):
+            pass
+    assert "ORCH_HTTP_POLL_ALLOW" in str(refused.value), "says what would open it"
+    assert "127.0.0.1" not in str(refused.value), "a client's input is not echoed"
+    with pytest.raises(InvalidParams, match="ORCH_HTTP_POLL_ALLOW"):
+        async with run_kind("websocket", {"url": "ws://127.0.0.1:8080/"}):
             pass
 
 

@@ -151,3 +151,25 @@ async def test_context_refuses_to_continue_without_a_lease() -> None:
         await ctx.sleep(0)
     with pytest.raises(LeaseLost):
         await ctx.checkpoint({"x": 1})
+
+
+@pytest.mark.parametrize("seconds", [-5, -0.001, float("nan")])
+async def test_a_negative_or_nan_sleep_is_an_error_naming_it(seconds: float) -> None:
+    """As ``time.sleep`` refuses it: ``asyncio.sleep`` would return at once, and a kind that
+    sleeps a bad interval between polls would run hot."""
+    with pytest.raises(ValueError, match=f"ctx.sleep\\({seconds}\\)"):
+        await _ctx().sleep(seconds)
+    await _ctx().sleep(0)  # a turn of the loop, as ever
+
+
+@pytest.mark.parametrize("seconds", [-5, float("nan")])
+async def test_the_kit_refuses_a_negative_or_nan_sleep_as_a_service_does(seconds: float) -> None:
+    from contracts.kinds import KindSpec
+    from orch.testing import run_kind
+
+    async def bad(ctx: Any) -> None:
+        await ctx.sleep(seconds)
+
+    async with run_kind(KindSpec("unit_bad_sleep", bad)) as run:
+        assert run.stopped
+        assert isinstance(run.error, ValueError)

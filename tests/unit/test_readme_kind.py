@@ -73,3 +73,31 @@ def test_the_readme_says_where_a_kinds_module_is_imported_from() -> None:
     assert "ORCH_KIND_MODULES" in section
     assert "PYTHONPATH" in section
     assert "ctx.logger" in readme_kind_example()
+
+
+def test_the_readme_kind_refuses_an_interval_that_is_not_positive(tmp_path: Path) -> None:
+    """``-p interval=-5`` is refused at create (the manager checks params against the model, or
+    the schema the services advertise), not run as a hot loop."""
+    (tmp_path / "mykinds.py").write_text(readme_kind_example())
+    check = (
+        "from contracts.errors import InvalidParams\n"
+        "from contracts.kinds import KindSpec, load_kinds\n"
+        "spec = load_kinds(['mykinds'])['price_watch']\n"
+        "advertised = KindSpec.from_advert('price_watch', spec.advert())\n"
+        "for s in (spec, advertised):\n"
+        "    for interval in (-5, 0):\n"
+        "        try:\n"
+        "            s.validate_params({'symbol': 'BTC', 'interval': interval})\n"
+        "        except InvalidParams as exc:\n"
+        "            print(exc)\n"
+        "        else:\n"
+        "            print('accepted', interval)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    done = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "accepted" not in done.stdout
+    assert done.stdout.count("interval") == 4, done.stdout

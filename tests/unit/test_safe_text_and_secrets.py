@@ -441,3 +441,36 @@ def test_secret_values_of_any_shape_are_what_the_service_masks_in_errors_and_log
 
 async def _noop(ctx: object) -> None:
     pass
+
+
+async def test_httpx_logs_no_line_per_request_at_the_default_level(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An ``http_poll`` observer polls every few seconds: httpx's INFO line for each request
+    would be most of a service's log. Its warnings still show."""
+    import asyncio
+
+    import httpx
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    levels = {name: logging.getLogger(name).level for name in ("httpx", "httpcore")}
+    logs.configure("INFO", "text", service="s")
+    try:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        async with server, httpx.AsyncClient() as client:
+            port = server.sockets[0].getsockname()[1]
+            assert (await client.get(f"http://127.0.0.1:{port}/price")).text == "ok"
+        logging.getLogger("httpx").warning("a warning of its own")
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+        for name, level in levels.items():  # as other tests expect them
+            logging.getLogger(name).setLevel(level)
+    assert "HTTP Request" not in err
+    assert "/price" not in err
+    assert "a warning of its own" in err

@@ -523,6 +523,29 @@ def test_orch_verify_refuses_a_wrong_command_before_starting_anything(
     assert message in " ".join(result.output.split())
 
 
+def test_orch_verify_says_how_to_give_the_params_a_kind_requires(tmp_path: Path) -> None:
+    """The README's ``price_watch`` requires ``symbol``: created by default with none, the
+    refusal says how to give them (``--observer`` or ``--params``)."""
+    from tests.unit.test_readme_kind import ROOT, readme_kind_example
+
+    (tmp_path / "mykinds.py").write_text(readme_kind_example())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", COLUMNS="300")
+    done = subprocess.run(
+        [sys.executable, "-m", "orch", "verify", "--kinds", "mykinds", "--seconds", "60"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, said
+    assert "symbol: Field required" in said
+    assert """--observer 'price_watch*3:{"symbol": "…"}'""" in said
+    assert "--params FILE" in said
+
+
 def test_outputs_are_judged_from_what_a_consumer_received() -> None:
     from contracts.outputs import Output
     from orch_verify.outputs import judge_outputs
