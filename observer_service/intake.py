@@ -125,7 +125,6 @@ class Intake:
         )
         self.departed = Departed()
         self._probes: dict[int, asyncio.Future[bool]] = {}
-        self._admissions: set[asyncio.Task[None]] = set()
 
     async def on_start(self, delivery: Delivery) -> None:
         try:
@@ -134,18 +133,7 @@ class Intake:
             log.error("malformed start message sent to the error queue: %s", exc)
             await delivery.reject()
             return
-        # The client library cancels a consumer's callbacks when its session closes: an
-        # admission cut off there may have committed its take and never start the copy (the
-        # row held, nothing running it, until the periodic check). It is a task of its own,
-        # which the callback waits for, shielded; cut off from its session, the delivery
-        # settles nothing and the copy runs as directed.
-        admission = asyncio.create_task(
-            self.admit(start, Queued(delivery), trace=delivery.trace),
-            name=f"admit-{start.observer_id}",
-        )
-        self._admissions.add(admission)
-        admission.add_done_callback(self._admissions.discard)
-        await asyncio.shield(admission)
+        await self.admit(start, Queued(delivery), trace=delivery.trace)
 
     async def admit(
         self, start: StartMessage, origin: Origin, *, trace: Carrier | None = None
@@ -324,8 +312,32 @@ class Intake:
         return True
 
     async def _submit_take(self, request: StartRequest) -> TakeResult:
-        """A take in the next batch; RowLocked where its row was locked (retried alone)."""
-        return landed(await self.takes.submit(request))
+        """A take in the next batch; RowLocked where its row was locked (retried alone).
+
+        The client library cancels a consumer's callbacks when its session closes (the broker
+        requeues their deliveries): a take committing in that instant would hold its row with
+        nothing running it until the periodic check. Its answer is awaited shielded, and a
+        take nobody waits for any more is let go at once."""
+        answer = asyncio.ensure_future(self.takes.submit(request))
+        try:
+            return landed(await asyncio.shield(answer))
+        except asyncio.CancelledError:
+            answer.add_done_callback(self._let_go_unawaited)
+            raise
+
+    def _let_go_unawaited(self, answer: asyncio.Future[TakeResult | Locked]) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        result = answer.result()
+        if isinstance(result, TakeResult) and result.taken is not None:
+            taken = result.taken
+            self.host.spawn(
+                until_done(
+                    lambda: self.settler.release(taken.copy, "taken as its admission ended"),
+                    "letting go of a take nobody waited for",
+                ),
+                f"let-go-{taken.observer_id}",
+            )
 
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
         """The flush of ``takes``: one read and one compare-and-set for the whole batch."""
