@@ -160,9 +160,9 @@ class Lives:
 
     def taker_after(self, start: float, until: float) -> float | None:
         """If no service took work at some moment in [``start``, ``until``], the first moment
-        after it when one did (inf: none ever did again), and again while none did in the
-        ``RECOVERY`` after that one (a taker that came, then froze, took nothing); else
-        None."""
+        after the last such moment when one did (inf: none ever did again), counting the
+        ``RECOVERY`` after each such taker too (a taker that came, then froze, took nothing);
+        else None."""
         if not self.takers:
             return None
         edges = [t for w in self.takers.values() for t in w]
@@ -182,7 +182,7 @@ class Lives:
             found = self._next_taking(idle)
             if found == float("inf"):
                 return found
-            start, until = found, found + RECOVERY
+            start, until = found, max(until, found + RECOVERY)
 
     def _taking_at(self, t: float) -> bool:
         return any(

@@ -176,6 +176,17 @@ def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
     assert not judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.7, 10.0)], takers=takers).held
 
 
+def test_every_stretch_with_no_taker_in_the_wait_extends_it() -> None:
+    """Its holder was killed; a taker came, then later every service was frozen at once (all
+    suspended), before the observer had run again: it waits for the first to thaw."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 14.5, 15.0)]
+    kill = Fault("kill", 5.05, 5.05, pid=10)
+    takers = {10: (0.0, 5.05), 20: (0.0, float("inf")), 30: (0.0, float("inf"))}
+    paused = {20: [(5.2, 5.6), (8.0, 13.0)], 30: [(5.0, 6.0), (8.5, 14.0)]}
+    assert judged(records, [kill], takers=takers, paused=paused).held
+    assert not judged(records, [kill], takers=takers, paused={20: [(5.2, 5.6)]}).held
+
+
 def test_a_fault_on_a_process_that_took_the_observer_in_the_gap_explains_it() -> None:
     """Its holder was killed; another took it (the database says so) and was killed before a
     step of its copy was seen; a third ran it a TTL later. The second kill explains the rest of
