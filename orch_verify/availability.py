@@ -486,7 +486,7 @@ class _Judge:
                 if bound is None:
                     continue
                 used.append(f)
-                taken = taken or f.name in TAKE_AT_START | TAKE_AT_END | GRACEFUL
+                taken = taken or f.name in TAKE_AT_START | TAKE_AT_END | GRACEFUL | END_SESSION
                 if bound > until:
                     until, changed = bound, True
         # While no service took work at all (each killed, stopped or draining, the next one

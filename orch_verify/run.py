@@ -317,7 +317,7 @@ async def _availability(
         restarts=restarts,
         policies={name: spec.restart_policy for name, spec in specs.items()},
         takers={pid: (a, b) for pid, (a, b) in campaign.takers.items()},
-        paused=_not_taking(campaign),
+        paused=_not_taking(campaign, ttl),
         placed=placed,
     )
     return Inputs(
@@ -332,10 +332,16 @@ async def _availability(
     )
 
 
-def _not_taking(campaign: Campaign) -> dict[int, list[tuple[float, float]]]:
+def _not_taking(campaign: Campaign, ttl: float) -> dict[int, list[tuple[float, float]]]:
     """Per service process, when it could not take work promptly though it lived: frozen, or
-    its broker or database link cut, reset or slow (until ``RECOVERY`` after)."""
-    out = {pid: list(windows) for pid, windows in campaign.paused.items()}
+    its broker or database link cut, reset or slow (until ``RECOVERY`` after). One frozen past
+    its lease takes nothing until ``RECOVERY`` after it thawed either: it fences, lets go of
+    what it held and joins again on a new session (and its broker connection, declared dead
+    meanwhile, opens anew) first."""
+    out = {
+        pid: [(a, b + RECOVERY if b - a > ttl else b) for a, b in windows]
+        for pid, windows in campaign.paused.items()
+    }
     for f in campaign.faults:
         if f.name in CANNOT_TAKE and f.pid is not None:
             out.setdefault(f.pid, []).append((f.start, f.end + RECOVERY))

@@ -176,6 +176,15 @@ def test_while_no_service_takes_work_a_gap_waits_for_the_next_one() -> None:
     assert not judged([*ticks(10, 1, 0.1, 5.0), *ticks(30, 2, 9.7, 10.0)], takers=takers).held
 
 
+def test_a_lost_lease_session_during_a_broker_restart_moves_once_the_broker_is_back() -> None:
+    """The holder's database link cut past its lease: its observers move by a re-dispatch,
+    which a broker restart holds until it is back."""
+    records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 19.0, 20.0)]
+    blip = Fault("db_blip", 5.0, 12.0, pid=10)
+    assert not judged(records, [blip]).held
+    assert judged(records, [blip, Fault("broker_restart", 6.0, 13.0)]).held
+
+
 def test_every_stretch_with_no_taker_in_the_wait_extends_it() -> None:
     """Its holder was killed; a taker came, then later every service was frozen at once (all
     suspended), before the observer had run again: it waits for the first to thaw."""
@@ -261,3 +270,17 @@ def test_a_queue_deleted_while_the_observer_was_between_holders_took_its_start()
     records = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 8.5, 9.0)]
     assert judged(records, [Fault("queue_deleted", 5.5, 5.5)]).held
     assert not judged(records, [Fault("queue_deleted", 4.0, 4.0)]).held
+
+
+def test_a_process_frozen_past_its_lease_takes_nothing_until_it_joined_again() -> None:
+    """Thawed after its lease ended, a service fences, lets go and joins on a new session (its
+    broker connection opened anew) before it takes: ``RECOVERY`` after the thaw. A short
+    freeze costs it nothing."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from orch_verify.campaign import Campaign
+    from orch_verify.run import _not_taking
+
+    campaign = cast(Campaign, SimpleNamespace(paused={10: [(1.0, 9.0), (20.0, 20.5)]}, faults=[]))
+    assert _not_taking(campaign, ttl=TTL) == {10: [(1.0, 11.0), (20.0, 20.5)]}
