@@ -130,7 +130,10 @@ MUTANTS = [
         "manager/publisher.py",
         "        return lookout\n",
         "        return self._connection  # type: ignore[return-value]\n",
-        (f"{ALWAYS}::test_failover_runs_through_a_memory_alarm",),
+        (
+            f"{PLACEMENT}::test_the_leaders_questions_are_answered_while_the_broker_blocks_its_publishes",
+            f"{ALWAYS}::test_failover_runs_through_a_memory_alarm",
+        ),
     ),
     Mutant(
         # Checkpoints, releases and deletes find their rows the same way (``_MY_BATCH``).

@@ -6,6 +6,7 @@ target."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -36,7 +37,9 @@ from manager.outbox import Outbox
 from manager.publisher import Publisher
 from manager.rebalance import Rebalancer
 from manager.store import ManagerStore
+from orch.cluster import wait_for
 from tests.conftest import Servers
+from tests.support.faults import memory_alarm
 
 
 @pytest.fixture
@@ -613,3 +616,25 @@ async def test_the_audit_sends_anew_an_unpublished_start_only_to_a_service(
 async def dispatches(conn: asyncpg.Connection, ids: list[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID]:
     rows = await conn.fetch("SELECT id, dispatch_id FROM observers WHERE id = ANY($1)", ids)
     return {r["id"]: r["dispatch_id"] for r in rows}
+
+
+async def test_the_leaders_questions_are_answered_while_the_broker_blocks_its_publishes(
+    publisher: Publisher, services_connection: AbstractConnection, prefix: str
+) -> None:
+    """A memory alarm blocks a connection once it publishes, and then all it sends: the
+    leader's questions (is a service on the broker, how many starts wait) go on a connection
+    that publishes nothing, and are answered through the alarm."""
+    sid = uuid.uuid4()
+    await join_broker(services_connection, prefix, sid)
+    start = StartMessage(observer_id=uuid.uuid4(), dispatch_id=uuid.uuid4())
+    with memory_alarm():
+        with contextlib.suppress(BrokerUnavailable):  # blocked, or refused as blocked
+            await publisher.deliver(WORK, start)
+
+        async def blocked() -> bool:
+            return publisher.blocked
+
+        await wait_for(blocked, timeout=10, what="the broker to block the publisher")
+        async with asyncio.timeout(5):
+            assert await publisher.service_present(sid)
+            assert await publisher.work_queue_ready() >= 0
