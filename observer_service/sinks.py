@@ -70,7 +70,9 @@ class PostgresFence:
             await conn.execute("INSERT INTO prices …")
 
     ``conn`` is an asyncpg connection of the user's own database; the fence table (one row per
-    observer) is created there on first use."""
+    observer) is created there on first use. Register ``ctx.on_abandon(conn.terminate)`` once
+    it is open: a copy abandoned inside the transaction would hold the fence row's lock, and the
+    next copy's check behind it, until its process collected it."""
 
     def __init__(self, table: str = "orch_fences") -> None:
         if not _TABLE.match(table):

@@ -214,6 +214,9 @@ async def fenced_writer(ctx: ObserverContext) -> None:
         import asyncpg
 
         conn = await asyncpg.connect(p.target)
+        # Abandoned mid-transaction, its open transaction would hold the fence row's lock (and
+        # the next copy's check behind it) until the process collected it.
+        ctx.on_abandon(conn.terminate)
         fence = sinks.PostgresFence()
         await fence.create(conn)
         await conn.execute(
