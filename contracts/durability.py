@@ -22,8 +22,10 @@ from typing import Any
 
 from contracts.errors import StartupError
 
-#: The timeline from the name of the current WAL file; a standby has none.
-REPLICATION = """
+#: The server's timeline, from the name of its current WAL file (a primary's only).
+TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
+#: What a failover can lose; a standby has no timeline here.
+REPLICATION = f"""
 SELECT pg_is_in_recovery() AS standby,
        current_setting('synchronous_commit') AS synchronous_commit,
        current_setting('synchronous_standby_names') AS synchronous_standby_names,
@@ -32,7 +34,7 @@ SELECT pg_is_in_recovery() AS standby,
            AS synchronous_standbys,
        (SELECT extract(epoch FROM max(replay_lag)) FROM pg_stat_replication)::float8 AS lag,
        CASE WHEN NOT pg_is_in_recovery()
-            THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
+            THEN {TIMELINE}
        END AS timeline
 """
 #: synchronous_commit values that wait for a synchronous standby.

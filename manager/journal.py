@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.durability import TIMELINE
 from contracts.errors import OrchError
 from contracts.statuses import ObserverStatus
 from manager import repository as repo
@@ -39,8 +40,8 @@ KEEP = 600.0
 EVERY = 1.0
 #: Seconds a report of lost creates stays in ``/healthz``.
 SHOWN = 3600.0
+_TIMELINE_NOW = f"SELECT {TIMELINE}"
 
-TIMELINE = "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
 
 Change = Callable[[Tx, uuid.UUID], Awaitable[tuple[dict[str, Any], list[Pending]]]]
 #: The statuses each kept change leaves the row in (or is on its way to).
@@ -97,7 +98,7 @@ class Journal:
         """Read the timeline; after a change, make good what this replica acknowledged."""
         self._forget(time.monotonic())
         async with self.store.autocommit() as tx:
-            timeline = int(await tx.value(TIMELINE))
+            timeline = int(await tx.value(_TIMELINE_NOW))
         before, self.timeline = self.timeline, timeline
         if before is None or timeline == before:
             return

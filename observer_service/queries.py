@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from contracts.durability import TIMELINE
 from contracts.errors import TRACEBACK_START
 from contracts.statuses import (
     HELD,
@@ -146,10 +147,7 @@ def _seen(lock: str) -> str:
 # (a promotion raises the timeline: a failover that lost the last takes, with an asynchronous
 # standby, never hands out a token lower than one a sink has seen). The first timeline's count
 # from 1 as ever; a timeline holds 2^32 takes of an observer.
-_NEXT_EPOCH = (
-    "greatest(o.epoch + 1, (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))"
-    "::bit(32)::bigint - 1) << 32)"
-)
+_NEXT_EPOCH = f"greatest(o.epoch + 1, ({TIMELINE} - 1) << 32)"
 
 TAKE = skipping_locked(
     _seen,
@@ -379,7 +377,7 @@ RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE o.directed_to = $1 AND o.service_id IS NULL AND {sql_in("o.status", LIVE)}
               AND o.modified_at < clock_timestamp() - make_interval(secs => $5)),
           extract(epoch FROM clock_timestamp())::float8,
-          ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
+          {TIMELINE}
 """
 
 LEAVE = """

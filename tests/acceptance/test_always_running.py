@@ -12,11 +12,9 @@ import json
 import re
 import resource
 import signal
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import aio_pika
@@ -25,6 +23,7 @@ import websockets
 
 from contracts.topology import Topology
 from orch_bench.ticklog import failover_gaps, read_ticks
+from orch_verify.soak import page
 from tests.support.cluster import Cluster, Proc, wait_for
 from tests.support.faults import (
     assert_no_overlap,
@@ -224,42 +223,12 @@ async def test_directed_observers_of_a_crashed_service_move_during_a_disk_alarm(
     assert_no_overlap(cluster.tick_dir)
 
 
-class _Counter(BaseHTTPRequestHandler):
-    """A page that changes at every request (each poll checkpoints), kept alive."""
-
-    protocol_version = "HTTP/1.1"
-    hits = itertools.count()
-
-    def do_GET(self) -> None:
-        body = str(next(self.hits)).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        return None
-
-
-@contextlib.contextmanager
-def _counter_server() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Counter)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 async def test_a_service_at_its_descriptor_limit_fails_no_observer(cluster: Cluster) -> None:
     """One service may open 128 files. Its pollers' connections reach that limit: the copy that
     meets EMFILE goes to the other service, spending no restart, and the limited service takes
     no more than it has descriptors for. Before, it took up to its worker count, and the
     observers that met the limit restarted until they failed, for good."""
-    with _counter_server() as port:
+    with page() as port:
         cluster.env["ORCH_HTTP_POLL_ALLOW"] = f"127.0.0.1:{port}"
         await cluster.start_manager()
         small = await cluster.start_service("small", worker_count=200)
@@ -355,7 +324,7 @@ async def test_a_service_keeps_no_memory_of_the_observers_it_ran(cluster: Cluste
     context (about 830 KiB) after it ended, and every ended copy waited for a full collection
     (about 65 objects in a cycle)."""
     n = 1000
-    with _counter_server() as http_port:
+    with page() as http_port:
         async with _feed() as ws_port:
             cluster.env["ORCH_HTTP_POLL_ALLOW"] = f"127.0.0.1:{http_port},127.0.0.1:{ws_port}"
             await cluster.start_manager()
