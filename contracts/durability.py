@@ -4,8 +4,8 @@ service at start.
 
 ``synchronous``: a commit waits for a standby, a promoted standby has every acknowledged write.
 ``asynchronous``: standbys lag (``lag`` seconds when read): a failover to one loses that tail,
-acknowledged creates and deletes, takes and checkpoints with it (``docs/architecture.md``'s
-failure argument says what still holds then). ``single``: no standby at all. ``standby``: the
+acknowledged creates and deletes, takes and checkpoints with it (``docs/protocol.md``'s
+failure model says what still holds then). ``single``: no standby at all. ``standby``: the
 server is in recovery (read-only). With ``ORCH_REQUIRE_SYNCHRONOUS_REPLICATION`` the manager and
 the services refuse to start on anything but ``synchronous``, and the manager's ``/readyz``
 fails while it is not.
