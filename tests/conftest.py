@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import os
 import shutil
@@ -29,6 +30,32 @@ pytest_plugins = ["orch.testing"]
 
 RUN = uuid.uuid4().hex[:8]
 _counter = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def _turn(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` (it changes the shared servers' global state:
+    a broker restart or alarm, a broker setting; or it needs the machine to itself) runs while
+    no other test does; the others run side by side. A readers-writer lock over the workers'
+    common temporary directory, made fair by a gate: a waiting ``alone`` test holds it, so the
+    tests that come after wait behind it instead of starving it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    common = tmp_path_factory.getbasetemp().parent
+    with open(common / "gate.lock", "a+") as gate, open(common / "turn.lock", "a+") as turn:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)

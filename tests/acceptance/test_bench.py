@@ -12,6 +12,9 @@ import pytest
 
 from tests.conftest import Servers
 
+#: It needs the machine, or the shared servers, to itself.
+pytestmark = pytest.mark.alone
+
 EXPECTED = {
     "start latency": 3,
     "create throughput": 7,

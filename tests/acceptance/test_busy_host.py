@@ -27,6 +27,9 @@ import pytest
 from observer_service.stalls import MARK_AFTER
 from tests.support.cluster import Cluster, wait_for
 
+#: It needs the machine, or the shared servers, to itself.
+pytestmark = pytest.mark.alone
+
 #: CPU seconds of each step: well under MARK_AFTER, so only waiting for the CPU makes it long.
 BURN = 0.02
 #: Busy processes on the service's CPU, enough to make a step of BURN take several MARK_AFTER.

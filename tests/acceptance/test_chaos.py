@@ -17,6 +17,9 @@ from orch_verify.run import Options, campaign_on
 from tests.support.cluster import Cluster
 from tests.support.faults import assert_no_overlap
 
+#: It needs the machine, or the shared servers, to itself.
+pytestmark = pytest.mark.alone
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)

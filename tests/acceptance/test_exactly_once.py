@@ -196,6 +196,7 @@ def _port_of(proc: Proc) -> int:
 
 
 # ---------------------------------------------------------------- broker-wide faults (slow)
+@pytest.mark.alone
 @pytest.mark.slow
 async def test_consumer_timeout_fires(cluster: Cluster) -> None:
     """The broker times out the never-acked deliveries and closes the channel: the copies go on

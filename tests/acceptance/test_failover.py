@@ -36,6 +36,9 @@ from tests.support.pg_auto_failover import AutoFailover
 from tests.support.pg_auto_failover import missing_binaries as missing_auto_failover
 from tests.support.pg_pair import PgPair, missing_binaries
 
+#: It needs the machine, or the shared servers, to itself.
+pytestmark = pytest.mark.alone
+
 #: Seconds the standby is behind.
 LAG = 8.0
 

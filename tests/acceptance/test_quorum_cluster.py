@@ -23,6 +23,9 @@ from tests.conftest import Servers
 from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import assert_no_overlap
 
+#: It needs the machine, or the shared servers, to itself.
+pytestmark = pytest.mark.alone
+
 #: The largest tick gap a running observer may show through the loss of a broker node, seconds.
 MAX_GAP = 1.0
 
