@@ -247,6 +247,9 @@ def convert_broker_error(exc: BaseException) -> BaseException:
         | OSError
         | TimeoutError,
     ):
+        if isinstance(exc, TimeoutError) and not _first_line(exc):
+            # It says nothing of itself: "audit: TimeoutError", 32 times in an alarm.
+            return BrokerUnavailable("the broker did not answer in time (TimeoutError)")
         return BrokerUnavailable(_first_line(exc) or type(exc).__name__)
     if type(exc) is Exception and not exc.args:
         # aiormq's reason for what was waiting on a connection or channel that closed

@@ -12,6 +12,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -21,7 +22,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from contracts.routing import Route
@@ -71,6 +72,13 @@ class Service(Base):
     #: When the service last came back after losing its lease: for a while after, the leader
     #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
     rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The observers whose take was in flight at its last renewal (None: none): the leader's
+    #: audit sends none of them anew while the service lives.
+    taking: Mapped[list[uuid.UUID] | None] = mapped_column(ARRAY(UUID(as_uuid=True)))
+    #: Its resident memory, and its share of one core over its last renewal period, as its
+    #: last renewal reported them (None: not yet, or a service of an earlier release).
+    rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    cpu: Mapped[float | None] = mapped_column(Float)
     #: When the leader's sweeper proved its process gone (its lease session ended and its
     #: broker connection closed): the broker had requeued its deliveries by then.
     gone_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

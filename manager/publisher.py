@@ -240,23 +240,26 @@ class Publisher:
                 log.error("the work queue of pool %r cannot be declared: %s", pool, exc)
 
     async def work_queue_ready(self, pool: str = DEFAULT_POOL) -> int:
-        """Messages ready (not delivered) in a pool's work queue. Another pool's is asked on a
-        channel of its own: a queue nobody declared yet (0) must not close the publishing
-        channel."""
+        """Messages ready (not delivered) in a pool's work queue."""
+        return (await self.work_queue_counts(pool))[0]
+
+    async def work_queue_counts(self, pool: str = DEFAULT_POOL) -> tuple[int, int]:
+        """A pool's work queue: messages ready (not delivered), and consumers. It is asked on
+        a channel of its own: a queue nobody declared yet (0, 0) must not close the
+        publishing channel."""
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
                 # Left to finish on a timeout: an RPC or a channel's open cancelled midway
                 # desynchronises the connection (``contracts.topology.finish_anyway``).
-                return await finish_anyway(self._ready(pool))
+                return await finish_anyway(self._counts(pool))
 
-    async def _ready(self, pool: str) -> int:
-        # A channel of its own: a queue nobody declared yet (0) must not close another one.
+    async def _counts(self, pool: str) -> tuple[int, int]:
         channel = await closable_channel(self._looking())
         try:
-            queue = await channel.declare_queue(self.topology.work_queue_of(pool), passive=True)
-            return int(queue.declaration_result.message_count or 0)
+            ok = await channel.queue_declare(self.topology.work_queue_of(pool), passive=True)
+            return int(ok.message_count or 0), int(ok.consumer_count or 0)
         except ChannelNotFoundEntity:
-            return 0
+            return 0, 0
         finally:
             if not channel.is_closed:
                 await channel.close()

@@ -111,6 +111,7 @@ OBSERVER_COLUMNS = (
 SERVICE_COLUMNS = (
     "s.id, s.name, s.worker_count, s.host, s.pid, s.version, s.created_at, "
     "s.last_heartbeat_at, s.lease_expires_at, s.is_deleted, s.draining, s.pool, "
+    "s.rss_bytes, s.cpu, "
     "CASE WHEN s.kinds IS NOT NULL THEN ARRAY(SELECT jsonb_object_keys("
     f"{advertised('s')}) ORDER BY 1) END AS kinds, "
     f"{held_by('s.id')} AS running"
@@ -134,8 +135,13 @@ EVENTS_TO = (
     "AS x(i, s)"
 )
 # The service's name too, for services long gone (their rows stay, deleted).
+# A take's detail names the holder it took from by id ("from <uuid>"): shown by its name.
 LIST_EVENTS = (
-    "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, e.detail "
+    "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, "
+    "CASE WHEN e.detail ~ '^from [0-9a-f-]{36}$' THEN 'from ' || coalesce("
+    "(SELECT f.name || ' (' || left(f.id::text, 8) || ')' FROM services f "
+    "WHERE f.id = CAST(substr(e.detail, 6) AS uuid)), substr(e.detail, 6)) "
+    "ELSE e.detail END AS detail "
     "FROM observer_events e LEFT JOIN services s ON s.id = e.service_id "
     "WHERE e.observer_id = :id ORDER BY e.id"
 )
@@ -289,6 +295,7 @@ LIST_SERVICES = (
     f"SELECT {SERVICE_COLUMNS} FROM services s WHERE :all OR NOT s.is_deleted ORDER BY s.created_at"
 )
 GET_SERVICE = f"SELECT {SERVICE_COLUMNS} FROM services s WHERE s.id = :id"
+LIVE_SERVICES_NAMED = f"SELECT s.id FROM services s WHERE s.name = :name AND {live_service('s')}"
 DRAIN = (
     "UPDATE services SET draining = true, modified_at = now() "
     "WHERE id = :id AND NOT is_deleted RETURNING id"
@@ -462,7 +469,9 @@ SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
  WHERE {_last_take("p.pool")} IS NULL
 """
 # Of the pools :pools. A start still in the outbox is on its way, unless it has been there
-# longer than :g (the broker blocks publishers: an alarm); then it is stuck too.
+# longer than :g (the broker blocks publishers: an alarm); then it is stuck too. One a live
+# service was taking at its last renewal is not stuck: its take is slow (a slow database link),
+# and a start sent anew would only cost that link a round trip to drop it as stale.
 UNHELD_STUCK = f"""
 SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
    AND o.pool = ANY(:pools)
@@ -470,6 +479,7 @@ SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.serv
    AND o.modified_at < now() - make_interval(secs => :g)
    AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text
                       AND b.created_at > now() - make_interval(secs => :g))
+   AND NOT EXISTS (SELECT 1 FROM services s WHERE {live_service("s")} AND o.id = ANY(s.taking))
  LIMIT 1000 FOR UPDATE OF o SKIP LOCKED
 """
 

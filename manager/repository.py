@@ -397,12 +397,27 @@ async def list_services(tx: Tx, *, include_deleted: bool) -> list[dict[str, Any]
     return [_row(r) for r in rows]
 
 
+async def service_named(tx: Tx, ref: str) -> uuid.UUID:
+    """A service's id, from its id or the name of the one live service that has it."""
+    try:
+        return uuid.UUID(ref)
+    except ValueError:
+        pass
+    ids = await tx.values(q.LIVE_SERVICES_NAMED, name=ref)
+    if not ids:
+        raise NotFound(f"no live service is named {ref!r}")
+    if len(ids) > 1:
+        raise Conflict(f"{len(ids)} live services are named {ref!r}: give one's id")
+    return uuid.UUID(str(ids[0]))
+
+
 async def drain_service(
-    tx: Tx, service_id: uuid.UUID, *, draining: bool = True
+    tx: Tx, ref: str, *, draining: bool = True
 ) -> tuple[dict[str, Any], list[Pending]]:
-    """Mark a live service draining and tell it: it hands its observers over and takes none.
-    With ``draining=False``, undo that: it takes work again (undraining one that does not drain
-    changes nothing)."""
+    """Mark a live service (an id, or a live one's name) draining and tell it: it hands its
+    observers over and takes none. With ``draining=False``, undo that: it takes work again
+    (undraining one that does not drain changes nothing)."""
+    service_id = await service_named(tx, ref)
     if await tx.row(q.DRAIN if draining else q.UNDRAIN, id=service_id) is None:
         raise NotFound(f"no live service with id {service_id}")
     message = (DrainMessage if draining else UndrainMessage)(service_id=service_id)

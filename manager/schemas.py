@@ -238,6 +238,14 @@ class ServiceOut(BaseModel):
         description="the kinds it runs, as it advertised them (null: a service of an earlier "
         "release, which runs every kind)",
     )
+    rss_bytes: int | None = Field(
+        default=None, description="its resident memory at its last renewal (null: not known)"
+    )
+    cpu: float | None = Field(
+        default=None,
+        description="its share of one core over its last renewal period (1.0: a whole core; "
+        "null: not known)",
+    )
 
 
 class KindOut(BaseModel):

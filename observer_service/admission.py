@@ -8,18 +8,21 @@
 - ``admitting``: one admission per observer at a time (a second start for the same observer
   waits for the first to settle, then sees its outcome). A cancel that arrives while an
   observer is being taken is remembered here and applied when its runner starts.
+- ``taking``: the observers whose take is in flight (a statement to the database, not a wait
+  for room); each lease renewal reports them, and the leader's audit sends none of them anew.
 - in flight: a graceful stop waits until every admitted start has become a runner or has been
   settled; ``paused()`` makes new starts wait and lets the ones in flight finish, so that a
-  reconcile ("let go of what we hold but do not run") never interleaves with a take.
+  reconcile ("release what we hold but do not run") never interleaves with a take.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from observer_service.headroom import Headroom
@@ -64,6 +67,7 @@ class Admission:
         #: The process's own resources (descriptors, memory): slots alone are not room.
         self.headroom = headroom or Headroom(time.monotonic)
         self._admitting: dict[uuid.UUID, _Admitting] = {}
+        self._taking: dict[uuid.UUID, int] = {}
         self._paused = 0
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -105,6 +109,20 @@ class Admission:
             entry.done.set()
             if not self._admitting:
                 self._idle.set()
+
+    @contextlib.contextmanager
+    def taking(self, observer_id: uuid.UUID) -> Iterator[None]:
+        """A take of this observer is in flight inside."""
+        self._taking[observer_id] = self._taking.get(observer_id, 0) + 1
+        try:
+            yield
+        finally:
+            if (left := self._taking.pop(observer_id) - 1) > 0:
+                self._taking[observer_id] = left
+
+    def taking_ids(self, limit: int) -> list[uuid.UUID]:
+        """Up to ``limit`` of the observers whose take is in flight."""
+        return list(itertools.islice(self._taking, limit))
 
     def cancel(self, observer_id: uuid.UUID) -> bool:
         """Remember a cancel for an observer being admitted; False if it is not."""

@@ -89,7 +89,7 @@ class AmqpSession:
     def __init__(self, settings: CommonSettings, pool: str = DEFAULT_POOL) -> None:
         self.settings = settings
         self.topology: Topology = settings.topology
-        #: The service's pool: the work queue it consumes, where the starts it lets go go.
+        #: The service's pool: the work queue it consumes, where the starts it releases go.
         self.pool = pool
         self.generation = next(_generations)
         self.closed = asyncio.Event()
@@ -128,7 +128,7 @@ class AmqpSession:
     def _on_consumer_cancel(self, frame: spec.Basic.Cancel) -> None:
         """The broker cancelled our work consumer (its queue was deleted), the only one on the
         work channel: the session ends, so its deliveries settle nothing (the copies publish
-        their starts anew when they let go), and the next session declares the queue again and
+        their starts anew when they release), and the next session declares the queue again and
         consumes it."""
         self._on_close(exc=ConsumerCancelled(f"consumer {frame.consumer_tag} cancelled"))
 

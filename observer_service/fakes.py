@@ -424,10 +424,18 @@ class FakeLeaseSession:
         self.db.expired = False
         return self.db.draining
 
-    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
+    async def renew(
+        self,
+        ttl: float,
+        timeout: float,
+        *,
+        stalled: bool = False,
+        taking: Collection[uuid.UUID] = (),
+    ) -> Renewal | None:
         self._up()
         self.db.renewals += 1
         self.db.stalled = stalled
+        self.db.taking = set(taking)
         if self.db.expired:
             return None
         self.db.key = self.lock_key
@@ -484,6 +492,8 @@ class FakeLeaseDatabase:
         self.renewals = 0
         #: What the last renewal said: kind code blocked the loop lately.
         self.stalled = False
+        #: What the last renewal said: the observers whose take was in flight.
+        self.taking: set[uuid.UUID] = set()
         self.left: bool | None = None
         self.sessions: list[FakeLeaseSession] = []
         #: Seconds the database's clock ran ahead of ours (a pause our clocks did not see).

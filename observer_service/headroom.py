@@ -104,3 +104,34 @@ class Headroom:
             return False
         self._told_at = now
         return True
+
+
+class Usage:
+    """This process's resident memory and its share of one core between two readings: what
+    each lease renewal reports (``GET /services``, the console)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._at = clock()
+        self._cpu = _cpu_seconds()
+
+    def read(self) -> tuple[int | None, float]:
+        """Resident bytes (None where ``/proc`` is absent) and the share of one core since the
+        last reading."""
+        now, cpu = self._clock(), _cpu_seconds()
+        share = (cpu - self._cpu) / (now - self._at) if now > self._at else 0.0
+        self._at, self._cpu = now, cpu
+        return _resident(), round(share, 3)
+
+
+def _cpu_seconds() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+def _resident() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None

@@ -215,7 +215,7 @@ class Intake:
     async def _take(self, request: StartRequest, origin: Origin, slot: Slot) -> Taken | None:
         """The taken observer (a slot held for it), or None once the start message is settled
         otherwise. A database error is retried while the lease is surely ours; then the start
-        is requeued (whatever the database holds for us is let go before the lease comes
+        is requeued (whatever the database holds for us is released before the lease comes
         back). A take whose reply was lost is found by the retry: the row names us, and it is
         taken again with a new epoch."""
         start = request.start
@@ -232,7 +232,8 @@ class Intake:
         while True:
             ended = self.lease.sessions_ended
             try:
-                result = await while_leased(partial(self._submit_take, request), alive)
+                with self.admission.taking(start.observer_id):
+                    result = await while_leased(partial(self._submit_take, request), alive)
             except LeaseLost:
                 await self.settler.settle(start, origin, Settlement.REQUEUE)
                 return None
@@ -275,12 +276,12 @@ class Intake:
         taken = result.taken
         assert taken is not None
         if not alive() or self.lease.bridging or self.lease.sessions_ended != ended:
-            # Too late to run it here: let go at once so that another service takes it. A take
+            # Too late to run it here: release it at once so that another service takes it. A take
             # that crossed the end of our lease session is not covered by the new session's
-            # look at our rows (someone may have taken it since), so it is let go too.
+            # look at our rows (someone may have taken it since), so it is released too.
             await until_done(
                 lambda: self.settler.release(taken.copy, "taken while stopping"),
-                "letting go of a late take",
+                "releasing a late take",
             )
             await self.settler.settle(start, origin, Settlement.REQUEUE)
             return None
@@ -317,15 +318,15 @@ class Intake:
         The client library cancels a consumer's callbacks when its session closes (the broker
         requeues their deliveries): a take committing in that instant would hold its row with
         nothing running it until the periodic check. Its answer is awaited shielded, and a
-        take nobody waits for any more is let go at once."""
+        take nobody waits for any more is released at once."""
         answer = asyncio.ensure_future(self.takes.submit(request))
         try:
             return landed(await asyncio.shield(answer))
         except asyncio.CancelledError:
-            answer.add_done_callback(self._let_go_unawaited)
+            answer.add_done_callback(self._release_unawaited)
             raise
 
-    def _let_go_unawaited(self, answer: asyncio.Future[TakeResult | Locked]) -> None:
+    def _release_unawaited(self, answer: asyncio.Future[TakeResult | Locked]) -> None:
         if answer.cancelled() or answer.exception() is not None:
             return
         result = answer.result()
@@ -334,7 +335,7 @@ class Intake:
             self.host.spawn(
                 until_done(
                     lambda: self.settler.release(taken.copy, "taken as its admission ended"),
-                    "letting go of a take nobody waited for",
+                    "releasing a take nobody waited for",
                 ),
                 f"let-go-{taken.observer_id}",
             )

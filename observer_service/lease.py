@@ -19,7 +19,7 @@ pure: the fence itself happens on the keeper's own schedule, a timer at the dead
   not yet shown what is still ours: work waits for the next renewal.
 - LOST: fenced. The local deadline passed, or a renewal found the lease expired in the database.
   Every copy is stopped at once (``Listener.lease_lost``); the lease comes back only after the
-  service has stopped everything and let go of it (``allow_rejoin``).
+  service has stopped everything and released it (``allow_rejoin``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import contextlib
 import enum
 import logging
 import time
+import uuid
 from collections.abc import Collection
 from typing import Protocol
 
@@ -61,6 +62,10 @@ class Listener(Protocol):
 
     def stalled_lately(self) -> bool:
         """Kind code blocked the event loop lately (the renewal keeps the service marked)."""
+        ...
+
+    def taking(self) -> Collection[uuid.UUID]:
+        """The observers whose take is in flight here (the renewal reports them)."""
         ...
 
     def superseded(self, copies: Collection[Copy], held: Collection[Copy] = ()) -> None:
@@ -222,6 +227,14 @@ class LeaseKeeper:
                 log.warning("cannot join yet (%s); trying again in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
 
+    async def _renew(self, session: LeaseSession) -> Renewal | None:
+        return await session.renew(
+            self.timings.ttl,
+            timeout=max(0.05, self.deadline.remaining()),
+            stalled=self.listener.stalled_lately(),
+            taking=self.listener.taking(),
+        )
+
     async def _join(self) -> None:
         """Register or come back after a fence, on a new session (new lock key)."""
         session = await self._connect()
@@ -236,11 +249,7 @@ class LeaseKeeper:
         copies whose rows were taken meanwhile. None when the lease had expired (fenced)."""
         session = await self._connect()
         before = set(self.listener.copies())  # each one's take committed before this renewal
-        renewal = await session.renew(
-            self.timings.ttl,
-            timeout=max(0.05, self.deadline.remaining()),
-            stalled=self.listener.stalled_lately(),
-        )
+        renewal = await self._renew(session)
         if renewal is None:
             self.fence("the lease had expired in the database")
             return None
@@ -298,11 +307,7 @@ class LeaseKeeper:
             else:
                 session = self._session
                 assert session is not None
-                renewal = await session.renew(
-                    self.timings.ttl,
-                    timeout=max(0.05, self.deadline.remaining()),
-                    stalled=self.listener.stalled_lately(),
-                )
+                renewal = await self._renew(session)
             self.listener.renewal_took(self.clock.now() - sent)
         except DatabaseUnavailable as exc:
             if self._session is not None and self._session.ended:
@@ -326,7 +331,7 @@ class LeaseKeeper:
         """Whether the database's clock saw more time pass between two renewals than ours
         could have (from the earlier one's send to this one's answer), by more than the
         margin: a pause that stopped every local clock (a stun, a live migration), in which
-        our deadline went on looking valid. Then the lease is let go at once (it may have
+        our deadline went on looking valid. Then the lease is given up at once (it may have
         been about to end for all we know); the residual is kind code run between the resume
         and this answer, at most one renewal period and its round trip."""
         if database_time is None:

@@ -155,7 +155,7 @@ class CopyOutputs:
         self.held_bytes += size
         self._budget.take(size)
 
-    def _let_go(self, size: int) -> None:
+    def _unhold(self, size: int) -> None:
         size = min(size, self.held_bytes)
         self.held_bytes -= size
         self._budget.give(size)
@@ -214,7 +214,7 @@ class CopyOutputs:
 
     def discard_staged(self) -> None:
         """Forget what is staged: the run that staged it ended without committing it."""
-        self._let_go(sum(len(r) for r in self._staged))
+        self._unhold(sum(len(r) for r in self._staged))
         self._staged.clear()
         self._pending.clear()
         self._wake()
@@ -222,14 +222,14 @@ class CopyOutputs:
     def confirmed(self, count: int) -> None:
         self.unconfirmed = max(0, self.unconfirmed - count)
         sizes = self._unconfirmed_sizes
-        self._let_go(sum(sizes.popleft() for _ in range(min(count, len(sizes)))))
+        self._unhold(sum(sizes.popleft() for _ in range(min(count, len(sizes)))))
         self._wake()
 
     def release_budget(self) -> None:
         """The copy ended: what it still holds no longer counts against the service's budget
         (its commits are published from the database's copy, by whoever does)."""
         self._unconfirmed_sizes.clear()
-        self._let_go(self.held_bytes)
+        self._unhold(self.held_bytes)
 
     def _wake(self) -> None:
         if len(self._staged) + self.unconfirmed < LIMIT:

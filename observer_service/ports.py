@@ -286,8 +286,17 @@ class LeaseSession(Protocol):
 
     async def join(self, ttl: float) -> bool: ...
 
-    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
-        """Renew; ``stalled``: kind code blocked the loop lately, keep the service marked."""
+    async def renew(
+        self,
+        ttl: float,
+        timeout: float,
+        *,
+        stalled: bool = False,
+        taking: Collection[uuid.UUID] = (),
+    ) -> Renewal | None:
+        """Renew; ``stalled``: kind code blocked the loop lately, keep the service marked;
+        ``taking``: the observers whose take is in flight here (the leader sends them anew
+        to no one)."""
         ...
 
     async def held(self, timeout: float) -> set[Copy]:

@@ -305,7 +305,7 @@ BLAME = with_events(
     error_line("$3"),
 )
 
-# $1 observers this service runs, $2 me: let go of what the database says we hold but we do
+# $1 observers this service runs, $2 me: release what the database says we hold but we do
 # not run (after a fence, or when the periodic check finds a difference).
 RECONCILE = with_events(
     f"UPDATE observers o SET status = {sql_stopped('o.status')}, service_id = NULL, "
@@ -367,7 +367,9 @@ RENEW = f"""
 UPDATE services
    SET lease_expires_at = clock_timestamp() + make_interval(secs => $2), lock_key = $3,
        last_heartbeat_at = clock_timestamp(), modified_at = now(),
-       stalled_since = CASE WHEN $4 THEN coalesce(stalled_since, clock_timestamp()) END
+       stalled_since = CASE WHEN $4 THEN coalesce(stalled_since, clock_timestamp()) END,
+       taking = CASE WHEN $6::text <> '' THEN string_to_array($6::text, ',')::uuid[] END,
+       rss_bytes = $7, cpu = $8
  WHERE id = $1 AND NOT is_deleted AND lease_expires_at > clock_timestamp()
 RETURNING (SELECT coalesce(json_agg(id), '[]')::text FROM observers
             WHERE service_id = $1 AND {sql_in("status", STOPPING)}),

@@ -45,7 +45,7 @@ class StopReason(Enum):
     #: It met the limits of this process (descriptors, memory): another service runs it.
     RESOURCES = "out of this service's resources"
     #: Its row went back to an earlier epoch of ours (a database failover lost the take): the
-    #: row is let go at that epoch and the observer taken again under a new token.
+    #: row is released at that epoch and the observer taken again under a new token.
     ROLLED_BACK = "its row went back (a database failover)"
 
 
@@ -88,7 +88,7 @@ class Runner:
     superseded: bool = False
     #: What it emits and commits.
     outputs: CopyOutputs | None = None
-    #: Rolled back: the epoch its row names now (the one let go).
+    #: Rolled back: the epoch its row names now (the one released).
     row_epoch: int | None = None
 
     @property
@@ -130,7 +130,7 @@ class Runner:
             self.task.cancel()
 
     def forget(self) -> None:
-        """Once settled: let go of the ended task and of the tracebacks of its exception (and of
+        """Once settled: drop the ended task and the tracebacks of its exception (and
         what caused it). Their frames hold this runner and the exception itself, a cycle that
         only a full collection would free (about 65 objects a copy, 4 KiB for a recorder, kept
         until then, and a full collection is rare in a process that runs many copies:

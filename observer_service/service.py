@@ -65,6 +65,10 @@ from observer_service.witnessing import MemoryWitness
 
 log = logging.getLogger(__name__)
 
+#: At most this many observers whose take is in flight go with a renewal (the rest may be sent
+#: anew by the leader's audit, as before the report existed).
+TAKING_REPORTED = 1000
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -537,6 +541,9 @@ class ObserverService:
     def stalled_lately(self) -> bool:
         return self.stalls.stalled_lately()
 
+    def taking(self) -> Collection[uuid.UUID]:
+        return self.admission.taking_ids(TAKING_REPORTED)
+
     async def _went_back(self, copy: Copy) -> int | None:
         """The epoch of ours this copy's row names, where it is earlier than the copy's (a
         failover lost the copy's take); None otherwise, or when the database cannot say."""
@@ -627,7 +634,7 @@ class ObserverService:
 
     async def _check_held(self, *, every: bool = False) -> None:
         """Whether the rows this service holds are the copies it runs, both ways: rows held
-        but not run are let go; copies run whose row no longer names them (a stop answered
+        but not run are released; copies run whose row no longer names them (a stop answered
         while the take that made them was committing, say) are stopped as taken by another,
         even if they never write (a write of theirs would be fenced). The rows are read one
         by one when fewer are held than run, or ``every`` time (after a failover, a row may
@@ -644,7 +651,7 @@ class ObserverService:
             if stray:
                 log.error("%d copies run here whose rows are not ours: stopped", len(stray))
                 self.superseded(stray, rows)
-                if every:  # their rows, held at an earlier epoch, are let go once they ended
+                if every:  # their rows, held at an earlier epoch, are released once they ended
                     ending = [r.finished.wait() for r in running if r.copy in stray]
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.gather(*ending), self.lease.timings.ttl)
@@ -655,7 +662,7 @@ class ObserverService:
             await asyncio.wait_for(self._reconcile(), self.lease.timings.ttl)
 
     async def _recovery(self) -> None:
-        """After a fence: wait until every copy has stopped and settled, let go of whatever the
+        """After a fence: wait until every copy has stopped and settled, release whatever the
         database still says we hold, then let the lease come back (on a new session)."""
         while True:
             await self._lease_lost.wait()
@@ -672,10 +679,10 @@ class ObserverService:
     async def _reconcile(self) -> None:
         async with self.admission.paused():
             released = await until_done(
-                lambda: self.store.reconcile(set(self.runners)), "letting go of what we hold"
+                lambda: self.store.reconcile(set(self.runners)), "releasing what we hold"
             )
         if released:
-            log.info("let go of %d observers this service no longer runs", released)
+            log.info("released %d observers this service no longer runs", released)
 
     # ----------------------------------------------------------------- helpers
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:

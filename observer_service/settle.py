@@ -1,4 +1,4 @@
-"""What happens once a copy of an observer has stopped: one fenced write that lets go of it, and
+"""What happens once a copy of an observer has stopped: one fenced write that releases it, and
 what becomes of the start message behind it.
 
 The row decides the write: an observer whose row is ``on_deleting`` becomes ``deleted`` however
@@ -80,7 +80,7 @@ class Settler:
             return
         if isinstance(exc, Fenced):
             # Taken by another, as a rule: its start is theirs. But a row gone back to an
-            # earlier take of ours (a database failover lost the later one) is let go and
+            # earlier take of ours (a database failover lost the later one) is released and
             # its start requeued, or nobody would take it again.
             back = await self._went_back(runner.copy)
             if back is None:
@@ -106,7 +106,7 @@ class Settler:
             copy = Copy(runner.observer_id, runner.row_epoch)  # the take the row still has
         status = await until_done(
             lambda: self._release(copy, reason.value),
-            f"letting go of observer {runner.observer_id}",
+            f"releasing observer {runner.observer_id}",
         )
         runner.ctx.logger.info("stopped (%s): %s", reason.value, status or "fenced")
         if status is None:

@@ -11,9 +11,10 @@ import json
 import logging
 import os
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import asyncpg
@@ -26,6 +27,7 @@ from contracts.outputs import Committed
 from contracts.pools import DEFAULT_POOL
 from contracts.statuses import ObserverStatus
 from observer_service import queries as q
+from observer_service.headroom import Usage
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
@@ -374,6 +376,8 @@ class PgLeaseSession:
     on_end: Callable[[], None]
     #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
+    #: The process's memory and CPU, reported by each renewal.
+    usage: Usage = field(default_factory=lambda: Usage(time.monotonic))
     _closing: bool = False
 
     def __post_init__(self) -> None:
@@ -403,7 +407,14 @@ class PgLeaseSession:
             row = await self.conn.fetchrow(q.JOIN, self.service_id, *self.row, self.lock_key, ttl)
         return bool(row["draining"])
 
-    async def renew(self, ttl: float, timeout: float, *, stalled: bool = False) -> Renewal | None:
+    async def renew(
+        self,
+        ttl: float,
+        timeout: float,
+        *,
+        stalled: bool = False,
+        taking: Collection[uuid.UUID] = (),
+    ) -> Renewal | None:
         with self._errors():
             row = await self.conn.fetchrow(
                 q.RENEW,
@@ -412,6 +423,10 @@ class PgLeaseSession:
                 self.lock_key,
                 stalled,
                 self.directed_after,
+                # As text: a uuid[] parameter costs a type introspection on every new session
+                # (a round trip more while it bridges a blip on a slow link).
+                ",".join(map(str, taking)),
+                *self.usage.read(),
                 timeout=timeout,
             )
         if row is None:
@@ -470,6 +485,8 @@ class PgLeaseDatabase:
         #: The row it joins with; its kinds as JSON text (one round trip: no type introspection).
         self._row = (name, worker_count, host, os.getpid(), version, json.dumps(kinds or {}), pool)
         self.connect_timeout = connect_timeout
+        #: One for the process: every session's renewals read it on from the last.
+        self.usage = Usage(time.monotonic)
 
     async def connect(self, on_end: Callable[[], None]) -> PgLeaseSession:
         """A new session holding a new advisory lock key for as long as it lives."""
@@ -486,5 +503,5 @@ class PgLeaseDatabase:
                 conn.terminate()
                 raise
         return PgLeaseSession(
-            conn, lock_key, self.service_id, self._row, on_end, self.directed_after
+            conn, lock_key, self.service_id, self._row, on_end, self.directed_after, self.usage
         )

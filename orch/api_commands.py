@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 from rich.console import Console
@@ -685,11 +686,13 @@ def services_list(
         return
     table = Table()
     table.add_column("id", no_wrap=True, min_width=36)  # whole, to be copied
-    for header in ("name", "pool", "running", "host", "pid", "state", "last renewal", "kinds"):
+    headers = ("name", "pool", "running", "host", "pid", "state", "last renewal", "memory", "cpu")
+    for header in (*headers, "kinds"):
         table.add_column(header)
     for s in rows:
         state = "deleted" if s["is_deleted"] else "draining" if s["draining"] else "live"
         kinds = s.get("kinds")
+        rss, cpu = s.get("rss_bytes"), s.get("cpu")
         table.add_row(
             shown(s["id"]),
             shown(s["name"]),
@@ -699,12 +702,17 @@ def services_list(
             shown(s["pid"]),
             state,
             shown(s["last_heartbeat_at"][:23]),
+            "" if rss is None else f"{rss / 2**20:.0f} MiB",
+            "" if cpu is None else f"{100 * cpu:.0f} %",
             "every kind (an earlier release)" if kinds is None else shown(", ".join(kinds)),
         )
     out.print(table)
 
 
-ServiceIdArg = Annotated[str | None, typer.Argument(help="a service id")]
+ServiceIdArg = Annotated[
+    str | None,
+    typer.Argument(help="a service's id, or the name of the one live service that has it"),
+]
 
 
 def _service_ids(client: Client, service_id: str | None, name: str | None) -> list[str]:
@@ -728,9 +736,10 @@ def services_drain(
     (`orch services undrain` lets it take work again)."""
     client = _client(api, token)
     try:
-        ids = _service_ids(client, service_id, name)
-        for sid in ids:
-            s = client.post_json(f"/services/{sid}/drain")
+        ids = []
+        for ref in _service_ids(client, service_id, name):
+            s = client.post_json(f"/services/{quote(ref, safe='')}/drain")
+            ids.append(s["id"])
             out.print(
                 f"draining {shown(s['name'])} {shown(s['id'])} "
                 f"({shown(s['running'])} observers to move)"
@@ -755,8 +764,8 @@ def services_undrain(
     """Let a drained service take work again (new observers, and moves to it)."""
     client = _client(api, token)
     try:
-        for sid in _service_ids(client, service_id, name):
-            s = client.post_json(f"/services/{sid}/undrain")
+        for ref in _service_ids(client, service_id, name):
+            s = client.post_json(f"/services/{quote(ref, safe='')}/undrain")
             out.print(f"taking work again: {shown(s['name'])} {shown(s['id'])}")
     except ApiError as exc:
         raise _failed(exc) from None

@@ -433,7 +433,7 @@ app.add_typer(outputs_app, name="outputs")
 def outputs_tail(
     kind: Annotated[str | None, typer.Option(help="only this kind's records")] = None,
     observer: Annotated[
-        str | None, typer.Option(help="only this observer's records (its id)")
+        str | None, typer.Option(help="only this observer's records (its id or name)")
     ] = None,
     json_lines: Annotated[
         bool, typer.Option("--json", help="one JSON object per record, whole")
@@ -442,18 +442,11 @@ def outputs_tail(
     """Print records as they are published on <prefix>.outputs (a queue of its own, gone when
     this ends; Ctrl-C ends it), and every gap in an observer's seqs."""
     import asyncio
-    import uuid
 
     from contracts.errors import BrokerUnavailable
     from contracts.settings import CommonSettings
     from orch.outputs_tail import tail
 
-    wanted = None
-    if observer is not None:
-        try:
-            wanted = uuid.UUID(observer)
-        except ValueError:
-            _fail("--observer must be an observer's id (a UUID)", 2)
     settings = _settings(CommonSettings)
     piped = False  # whoever read our output went away (``| head -2``)
 
@@ -477,7 +470,7 @@ def outputs_tail(
                 stop.set()
 
         reader = await tail(
-            settings, kind=kind, observer=wanted, show=show, json_lines=json_lines, stop=stop
+            settings, kind=kind, observer=observer, show=show, json_lines=json_lines, stop=stop
         )
         if not piped:
             gaps = f", {len(reader.gaps)} gap(s)" if reader.gaps else ""

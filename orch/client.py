@@ -281,6 +281,9 @@ class Service:
     draining: bool = False
     pool: str = "default"
     kinds: list[str] | None = None
+    #: Its resident memory and its share of one core, as its last renewal reported them.
+    rss_bytes: int | None = None
+    cpu: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +394,8 @@ def _param(value: Any) -> Any:
 
 
 def _ref(observer: str | uuid.UUID | Observer) -> str:
-    """The path segment of an observer: its id (a name is looked up first, ``_named``)."""
+    """The path segment of an observer (its id: a name is looked up first, ``_named``) or of
+    a service (its id or name, as the API takes either)."""
     if isinstance(observer, Observer):
         return str(observer.id)
     return quote(str(observer), safe="")
@@ -619,12 +623,15 @@ class _Actions:
         """The live services (``list[Service]``)."""
         return self._call(Request("GET", "/services"), lambda j: [model(Service, s) for s in j])
 
-    def drain(self, service_id: uuid.UUID | str) -> Any:
-        """The service hands its observers over and takes no new ones (``Service``)."""
-        return self._call(Request("POST", f"/services/{service_id}/drain"), _as(Service))
+    def drain(self, service: uuid.UUID | str) -> Any:
+        """The service (its id, or the name of the one live service that has it) hands its
+        observers over and takes no new ones (``Service``); ``Conflict`` when several live
+        services have that name."""
+        return self._call(Request("POST", f"/services/{_ref(service)}/drain"), _as(Service))
 
-    def undrain(self, service_id: uuid.UUID | str) -> Any:
-        return self._call(Request("POST", f"/services/{service_id}/undrain"), _as(Service))
+    def undrain(self, service: uuid.UUID | str) -> Any:
+        """Undo a drain (``Service``): the service takes work again."""
+        return self._call(Request("POST", f"/services/{_ref(service)}/undrain"), _as(Service))
 
     def kinds(self) -> Any:
         return self._call(Request("GET", "/kinds"), lambda j: [model(Kind, k) for k in j])

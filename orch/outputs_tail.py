@@ -58,7 +58,7 @@ async def tail(
     settings: CommonSettings,
     *,
     kind: str | None,
-    observer: uuid.UUID | None,
+    observer: str | None,
     show: Callable[[str], None],
     json_lines: bool,
     stop: asyncio.Event,
@@ -92,7 +92,8 @@ async def tail(
             except ValueError as exc:
                 show(f"not an output message ({exc})")
                 return
-            if observer is not None and verdict.output.observer_id != observer:
+            o = verdict.output
+            if observer is not None and observer not in (str(o.observer_id), o.name):
                 return
             if json_lines:
                 if verdict.deliver:

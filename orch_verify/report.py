@@ -17,17 +17,28 @@ if TYPE_CHECKING:
 PALETTE = ("#4e79a7", "#59a14f", "#9c755f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#bab0ac")
 
 
+def colours(pids: list[int]) -> dict[int, str]:
+    """A colour of its own for each process: the palette, then hues spread by the golden angle
+    (a palette used round robin gave one colour to several processes)."""
+    out = {}
+    for i, pid in enumerate(pids):
+        out[pid] = PALETTE[i] if i < len(PALETTE) else f"hsl({(i * 137.508) % 360:.0f}, 55%, 55%)"
+    return out
+
+
 def _stop_cell(v: Verdict, kind: str) -> str:
     p = v.kinds[kind].stop_percentiles()
     return "-" if p is None else f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}"
 
 
 def _growth_cell(memory: Growth | None) -> str:
-    """The trend's rate, and in brackets how much it grew over its samples (both per observer,
-    KiB): a kind is flagged when both are over the limit (``Growth.flagged``)."""
+    """Per observer: "flat", or the rate it grows at when flagged (``Growth.flagged``), and in
+    brackets how much it grew over its samples. (The bare rate read "-35.8 (+7 KiB in 31s)": a
+    trend's lesser half, negative beside a growth.)"""
     if memory is None:
         return "-"
-    return f"{memory.rate / 1024:.1f} ({memory.grown / 1024:+.0f} KiB in {memory.span:.0f}s)"
+    grown = f"({memory.grown / 1024:+.0f} KiB in {memory.span:.0f}s)"
+    return f"{memory.rate / 1024:+.1f} KiB/min {grown}" if memory.flagged else f"flat {grown}"
 
 
 def _downtime_cell(v: Verdict, kind: str) -> str:
@@ -50,7 +61,7 @@ def table(v: Verdict) -> Table:
         "stop after cancel s (p50/p99/max)",
         "ignored cancel",
         "stalls (longest s)",
-        "memory KiB/observer/min (grown)",
+        "memory per observer",
     ):
         t.add_column(col, justify="left" if col == "kind" else "right")
     for kind, k in sorted(v.kinds.items()):
@@ -103,7 +114,7 @@ def timeline(v: Verdict, campaign: Campaign) -> str:
         copies_by_observer[c.observer].append(c)
     end = max([c.last for c in v.copies.values()] + [zero + 1]) - zero
     pids = sorted({c.pid for c in v.copies.values()})
-    colour = {pid: PALETTE[i % len(PALETTE)] for i, pid in enumerate(pids)}
+    colour = colours(pids)
     names = campaign.processes
     kinds = {str(o): k for o, k in campaign.kinds.items()}
     findings = _findings(v)
@@ -231,7 +242,7 @@ def _lost_mark(v: Verdict, last: Copy | None, px: float, y: float, row: int, zer
 def html_report(v: Verdict, campaign: Campaign, seed: int) -> str:
     """The page: verdict, timeline (``timeline``), tables."""
     pids = sorted({c.pid for c in v.copies.values()})
-    colour = {pid: PALETTE[i % len(PALETTE)] for i, pid in enumerate(pids)}
+    colour = colours(pids)
     names = campaign.processes
     svg = timeline(v, campaign)
 
@@ -333,7 +344,7 @@ than the faults explain; dashed lines: faults (hover for each).</p>
 <h2>Per kind</h2>
 <table><tr><th>kind</th><th>observers</th><th>failed</th><th>downtime s</th>
 <th>stop after cancel s (p50/p99/max)</th>
-<th>ignored cancel</th><th>stalls (longest)</th><th>memory KiB/observer/min (grown)</th></tr>
+<th>ignored cancel</th><th>stalls (longest)</th><th>memory per observer</th></tr>
 {rows}</table>
 <h2>Outputs</h2>
 {outputs}

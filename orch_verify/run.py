@@ -335,7 +335,7 @@ async def _availability(
 def _not_taking(campaign: Campaign, ttl: float) -> dict[int, list[tuple[float, float]]]:
     """Per service process, when it could not take work promptly though it lived: frozen, or
     its broker or database link cut, reset or slow (until ``RECOVERY`` after). One frozen past
-    its lease takes nothing until ``RECOVERY`` after it thawed either: it fences, lets go of
+    its lease takes nothing until ``RECOVERY`` after it thawed either: it fences, releases
     what it held and joins again on a new session (and its broker connection, declared dead
     meanwhile, opens anew) first."""
     out = {

@@ -168,9 +168,11 @@ async def feed(every: float = 0.5) -> AsyncIterator[int]:
     """A local websocket server sending a message every ``every`` seconds; its port."""
 
     async def handler(ws: Any) -> None:
-        for n in itertools.count():
-            await ws.send(f"tick {n}")
-            await asyncio.sleep(every)
+        # A client that goes (its copy stopped, its service killed) ends its feed: no traceback.
+        with contextlib.suppress(websockets.ConnectionClosed):
+            for n in itertools.count():
+                await ws.send(f"tick {n}")
+                await asyncio.sleep(every)
 
     async with websockets.serve(handler, "127.0.0.1", 0) as server:
         yield next(iter(server.sockets)).getsockname()[1]

@@ -80,6 +80,21 @@ MUTANTS = [
         (f"{SWEEPER}::test_a_requeue_stuck_at_a_frozen_consumer_waits_no_longer_than_the_grace",),
     ),
     Mutant(
+        "audit: starts a live service is taking are sent anew",
+        "manager/queries.py",
+        '   AND NOT EXISTS (SELECT 1 FROM services s WHERE {live_service("s")} '
+        "AND o.id = ANY(s.taking))\n",
+        "",
+        (f"{PLACEMENT}::test_the_audit_leaves_alone_what_a_live_service_is_taking",),
+    ),
+    Mutant(
+        "renewal: the takes in flight are not reported",
+        "observer_service/lease.py",
+        "            taking=self.listener.taking(),\n",
+        "",
+        (f"{CORE}::test_the_renewals_report_the_takes_in_flight",),
+    ),
+    Mutant(
         "renewal: observers directed here are never taken from the database",
         "observer_service/service.py",
         "            self._directed_by_database(renewal.directed)\n",
@@ -250,9 +265,9 @@ MUTANTS = [
     Mutant(
         "take: one nobody waits for any more is kept (held, nothing running it)",
         "observer_service/intake.py",
-        "            answer.add_done_callback(self._let_go_unawaited)",
+        "            answer.add_done_callback(self._release_unawaited)",
         "            pass",
-        (f"{CORE}::test_a_take_whose_delivery_callback_was_cancelled_is_let_go_at_once",),
+        (f"{CORE}::test_a_take_whose_delivery_callback_was_cancelled_is_released_at_once",),
     ),
     Mutant(
         "lease session ended: copies taken meanwhile resume",

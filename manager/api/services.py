@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 
 from contracts.errors import AdvertRefused
 from contracts.kinds import KindSpec
@@ -19,6 +18,14 @@ from manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
 AUTH = (401, 403)
+#: A service's id, or the name of the one live service that has it (409 when several do).
+ServiceRef = Annotated[
+    str,
+    Path(
+        max_length=200,
+        description="a service's id, or the name of the one live service that has it",
+    ),
+]
 
 
 @router.get(
@@ -40,9 +47,9 @@ async def list_services(state: RuntimeDep, include_deleted: bool = False) -> lis
     response_model=ServiceOut,
     operation_id="drainService",
     dependencies=[ADMIN],
-    responses=responses(*AUTH, 404, 422, 503),
+    responses=responses(*AUTH, 404, 409, 422, 503),
 )
-async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
+async def drain_service(service_id: ServiceRef, state: RuntimeDep) -> dict[str, Any]:
     """Stop a service taking work and move every observer off it (each resumes elsewhere from
     its checkpoint); afterwards it can be stopped with nothing moving again."""
     async with state.store.transaction() as tx:
@@ -58,9 +65,9 @@ async def drain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, A
     response_model=ServiceOut,
     operation_id="undrainService",
     dependencies=[ADMIN],
-    responses=responses(*AUTH, 404, 422, 503),
+    responses=responses(*AUTH, 404, 409, 422, 503),
 )
-async def undrain_service(service_id: uuid.UUID, state: RuntimeDep) -> dict[str, Any]:
+async def undrain_service(service_id: ServiceRef, state: RuntimeDep) -> dict[str, Any]:
     """Undo a drain: the service takes work again (new observers, and moves to it from busier
     services). Undraining a service that does not drain changes nothing."""
     async with state.store.transaction() as tx:

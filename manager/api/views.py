@@ -10,6 +10,7 @@ routes tell their own time in a ``Server-Timing`` header (``app;dur=…`` ms).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.errors import NotFound, OrchError
+from contracts.errors import BrokerUnavailable, NotFound, OrchError
 from contracts.kinds import KindSpec, RestartPolicy
 from contracts.statuses import Event, ObserverStatus
 from manager import queries as q
@@ -106,6 +107,23 @@ class ClusterTotals(BaseModel):
         "for a service able to run them, or moving from a service that is gone"
     )
     by_status: dict[str, int] = Field(description="every observer by status, deleted included")
+
+
+class BrokerView(BaseModel):
+    """The broker as this manager sees it now."""
+
+    connected: bool = Field(description="the manager's publishing connection is open")
+    blocked: bool = Field(
+        description="the broker blocks the manager's publishes (a memory or disk alarm): new "
+        "starts wait in the outbox, and failover goes through the database"
+    )
+    ready: int | None = Field(
+        description="starts ready in the default pool's work queue, not yet delivered (null: "
+        "the broker did not answer)"
+    )
+    consumers: int | None = Field(
+        description="consumers of that queue: one per service taking work (null: not known)"
+    )
 
 
 class ActivityBucket(BaseModel):
@@ -344,6 +362,30 @@ async def view_totals(state: RuntimeDep, response: Response) -> dict[str, Any]:
         "free": max(0, slots - running),
         "waiting": waiting,
         "by_status": by_status,
+    }
+
+
+@router.get(
+    "/views/broker",
+    response_model=BrokerView,
+    operation_id="viewBroker",
+    dependencies=[READ],
+    responses=responses(*AUTH),
+)
+async def view_broker(state: RuntimeDep) -> dict[str, Any]:
+    """The broker as this manager sees it: connected, blocking its publishes (an alarm), and
+    the default pool's work queue (starts ready, consumers). A broker that does not answer is
+    shown so, never an error."""
+    publisher = state.publisher
+    ready: int | None = None
+    consumers: int | None = None
+    with contextlib.suppress(BrokerUnavailable):
+        ready, consumers = await publisher.work_queue_counts()
+    return {
+        "connected": publisher.connected,
+        "blocked": publisher.blocked,
+        "ready": ready,
+        "consumers": consumers,
     }
 
 

@@ -107,6 +107,15 @@ function ago(iso) {
   return s > 0 ? `${span} ago` : `in ${span}`;
 }
 /** A time as how long ago it was; the absolute time in its title (shown on hover). */
+/** Its latest durable progress: a checkpoint, or a commit of emitted records (a kind that emits
+ * commits its checkpoint with its records: a websocket feed read "never" while it committed). */
+function progress(o) {
+  const commit = o.committed_at && (!o.checkpointed_at || o.committed_at > o.checkpointed_at);
+  const t = when(commit ? o.committed_at : o.checkpointed_at);
+  if (commit) t.classList.add("commit");  // a commit of its records, not a checkpoint
+  return t;
+}
+
 function when(iso) {
   if (!iso) return el("span", "never", "muted");
   const t = el("time", ago(iso));
@@ -306,7 +315,7 @@ const COLUMNS = {
   },
   epoch: { label: "epoch", sort: "epoch", cell: (o) => o.epoch },
   restarts: { label: "restarts", sort: "restarts", cell: (o) => el("span", restarts(o), o.in_backoff ? "restarts backoff" : "restarts") },
-  checkpoint: { label: "last checkpoint", sort: "checkpoint", cell: (o) => when(o.checkpointed_at) },
+  checkpoint: { label: "last checkpoint", sort: "checkpoint", cell: (o) => progress(o) },
   created: { label: "created", sort: "created", cell: (o) => when(o.created_at) },
   error: {
     label: "last error",
@@ -443,7 +452,15 @@ function makeLists() {
     $("#bulk-every-label").textContent = target.why ? `every one the filters match (${target.why})`
       : `every one the filters match (${count(target.n)})`;
     const n = every ? (target.why ? 0 : target.n) : list.selected.size;
-    for (const b of $$("#bulk button")) b.disabled = n === 0 || (b.dataset.verb === "move" && !$("#bulk-pool").value);
+    // Restart revives failed observers only (any other answers 409): offered for those alone.
+    const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
+    const failedOnly = every ? $("#filters select[name=status]").value === "failed"
+      : chosen.length > 0 && chosen.every((o) => o.status === "failed");
+    for (const b of $$("#bulk button")) {
+      b.disabled = n === 0 || (b.dataset.verb === "move" && !$("#bulk-pool").value)
+        || (b.dataset.verb === "restart" && !failedOnly);
+      if (b.dataset.verb === "restart") b.title = failedOnly ? "" : "restart revives failed observers only: select failed ones";
+    }
     if (n && !every) $("#bulk-selected").textContent = `${n} selected`;
   };
   state.lists.service = new List("s-observers",
@@ -524,8 +541,24 @@ function serviceButtons(s, where) {
   return [b];
 }
 
+/** Its state; "silent" once it has missed a renewal: its last one is older than half its lease
+ * (it renews five times a lease), so it may be dead or frozen, and the sweeper has not yet
+ * proven it gone ("taking work" was shown 4 s after a kill -9). */
 function serviceState(s) {
-  return s.is_deleted ? "gone" : s.draining ? "draining" : "taking work";
+  if (s.is_deleted) return "gone";
+  const renewed = Date.parse(s.last_heartbeat_at);
+  const lease = Date.parse(s.lease_expires_at) - renewed;
+  if (Date.now() - renewed > Math.max(lease / 2, 1000)) return "silent";
+  return s.draining ? "draining" : "taking work";
+}
+
+/** Its memory and its share of one core, as its last renewal reported them. */
+function usage(s) {
+  const mib = s.rss_bytes == null ? "?" : `${Math.round(s.rss_bytes / 1048576)} MiB`;
+  const cpu = s.cpu == null ? "?" : `${Math.round(100 * s.cpu)} %`;
+  const u = el("span", `${mib} · ${cpu}`, "usage");
+  u.title = "resident memory · share of one core over its last renewal period";
+  return u;
 }
 
 /** The whole cluster: capacity, used, free and waiting, then every observer by status (a chip
@@ -552,6 +585,13 @@ function totals(cluster, page) {
     b.dataset.status = status;
     b.title = `every ${status} observer of the cluster; click to list them`;
     b.append(el("span", status), el("strong", count(cluster.by_status[status] || 0)));
+    // "processing 34" beside "running 30, waiting 4" misled: say which of them wait (no live
+    // holder: moving from a gone service, or queued again), as the list says of each.
+    const waitingHere = Math.max(0, cluster.waiting - (cluster.by_status.created || 0));
+    if (status === "processing" && waitingHere) {
+      b.append(el("span", `${count(waitingHere)} waiting`, "sub"));
+      b.title += `; ${count(waitingHere)} of them have no live holder now (they wait to be taken again)`;
+    }
     b.onclick = () => {
       const sel = $("#filters select[name=status]");
       sel.value = sel.value === status ? "" : status;
@@ -569,6 +609,15 @@ function totals(cluster, page) {
   $("#totals").replaceChildren(all, ...chips);
 }
 
+// The broker as the manager sees it (/views/broker): an alarm that blocks publishes shows here.
+function broker(node, b) {
+  const parts = [!b.connected ? "broker: not connected" : b.blocked ? "broker: publishes blocked (a memory or disk alarm)" : "broker: connected"];
+  if (b.ready != null) parts.push(`work queue: ${count(b.ready)} ready, ${count(b.consumers)} consumer(s)`);
+  node.textContent = parts.join(" · ");
+  node.title = b.blocked ? "New starts wait in the outbox until the alarm ends; failover goes through the database meanwhile." : "";
+  node.className = !b.connected || b.blocked ? "warn" : "muted";
+}
+
 // What a failover of the database can lose, as the manager last read it (/healthz).
 function durability(node, health) {
   const db = health.database || {};
@@ -582,10 +631,11 @@ function durability(node, health) {
 }
 
 async function renderOverview() {
-  const [services, leader, health, cluster, act_, page] = await Promise.all([
+  const [services, leader, health, broker_, cluster, act_, page] = await Promise.all([
     api("GET", "/services"),
     api("GET", "/leader"),
     api("GET", "/healthz"),
+    api("GET", "/views/broker"),
     api("GET", "/views/totals"),
     api("GET", "/views/activity", { minutes: 30 }),
     state.lists.observers.load(),
@@ -597,6 +647,7 @@ async function renderOverview() {
   state.services = new Map(services.map((s) => [s.id, s]));
   $("#leader").textContent = leader.holder ? `leader: ${leader.holder}` : "no leader";
   durability($("#durability"), health);
+  broker($("#broker"), broker_);
   $("#services tbody").replaceChildren(...services.map((s) => {
     const bar = el("span", null, "bar");
     const fill = el("span");
@@ -609,7 +660,8 @@ async function renderOverview() {
     const tr = el("tr", null, s.draining ? "draining" : "");
     tr.dataset.id = s.id;
     tr.append(td(nameNode(s.name, `#/services/${s.id}`)), td(el("span", short(s.id), "mono")), td(s.pool), td(load),
-      td(el("span", serviceState(s), `pill state-${serviceState(s).replace(" ", "-")}`)), td(when(s.last_heartbeat_at)), td(actions));
+      td(el("span", serviceState(s), `pill state-${serviceState(s).replace(" ", "-")}`)), td(when(s.last_heartbeat_at)),
+      td(usage(s)), td(actions));
     return tr;
   }));
 }
@@ -627,6 +679,7 @@ async function renderService(id) {
   $("#s-state").className = `pill state-${st.replace(" ", "-")}`;
   const fields = [["id", s.id], ["pool", s.pool], ["load", `${s.running} / ${s.worker_count}`], ["host", `${s.host} (pid ${s.pid})`],
     ["version", s.version], ["started", when(s.created_at)], ["last renewal", when(s.last_heartbeat_at)],
+    ["usage", usage(s)],
     ["lease until", when(s.lease_expires_at)]];
   $("#s-fields").replaceChildren(...fields.flatMap(([k, v]) => {
     const dd = el("dd");
@@ -759,6 +812,7 @@ async function renderObserver(id) {
     ["epoch", o.epoch], ["restarts", restarts(v) || "none"], ["params", JSON.stringify(o.params)],
     ["created", when(o.created_at)], ["started", when(o.started_at)],
     ["last checkpoint", when(o.checkpointed_at)],
+    ["last commit", o.committed_at ? when(o.committed_at) : el("span", "none (it emits nothing)", "muted")],
     ["last output", o.output_seq ? `seq ${o.output_seq}` : "none"],
     ["last commit", when(o.committed_at)], ["modified", when(o.modified_at)]];
   $("#o-fields").replaceChildren(...fields.flatMap(([k, val]) => {

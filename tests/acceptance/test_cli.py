@@ -343,7 +343,10 @@ async def test_undrain_lets_a_drained_service_take_work_again(
     assert nothing.returncode == 2
     assert "give a service id or --name" in nothing.stderr
     assert "not both" not in nothing.stderr
-    assert (await _run(cluster, "services", "drain", "--name", "a", "--wait")).returncode == 0
+    # A name serves as the id (it took ids only), --wait included.
+    by_name = await _run(cluster, "services", "drain", "a", "--wait")
+    assert by_name.returncode == 0, by_name.stderr
+    assert str(a_id) in by_name.stdout
 
     async def create(name: str) -> uuid.UUID:
         made = await _run(cluster, "observers", "create", name, "ticker", "-p", "interval=0.1")

@@ -101,6 +101,11 @@ async def test_the_client_does_every_action_and_raises_the_trees_errors(cluster:
             assert totals.by_status
             assert api.drain(service.id).draining
             assert not api.undrain(service.id).draining
+            # A live service's name serves as its id (as an observer's does).
+            assert api.drain("svc").id == service.id
+            assert not api.undrain("svc").draining
+            with pytest.raises(oc.NotFound):
+                api.drain("no-such-service")
             assert api.delete("tick-6").status in ("on_deleting", "deleted")
         with oc.Client(url, read) as reader:
             assert reader.get("tick-0").name == "tick-0"

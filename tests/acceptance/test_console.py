@@ -22,11 +22,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from playwright.async_api import Browser, Page, Request, Route
 
 from manager.auth import Role, new_token
 from tests.support.browser import browser, screenshot_dir, shot
 from tests.support.cluster import Cluster, wait_for
+from tests.support.faults import memory_alarm
 
 __all__ = ["browser"]  # the fixture
 
@@ -139,6 +141,53 @@ async def test_the_console_follows_a_move_and_acts(
     assert errors == [], f"the page raised: {errors}"
 
 
+@pytest.mark.alone
+async def test_the_console_shows_the_broker_and_each_services_health(
+    cluster: Cluster, browser: Browser
+) -> None:
+    """An operator sees what the broker does (an alarm blocked every publish while the console
+    showed everything healthy), a service that stopped renewing before the sweeper proves it
+    gone (a SIGKILLed one read "taking work 10/10" 4 s later), and each service's memory and
+    CPU."""
+    await cluster.start_manager()
+    alpha = await cluster.start_service("alpha", worker_count=10, lease_ttl=15)
+    await cluster.start_service("beta", worker_count=10)
+    errors: list[str] = []
+    page = await _open(browser, cluster, errors)
+    await _sign_in(page, cluster.token or "")
+    await page.wait_for_selector("#broker:text('broker: connected')")
+    await page.wait_for_selector("#broker:text('2 consumer(s)')")
+
+    async def usage_shown() -> bool:
+        cells = await page.locator("#services tbody span.usage").all_inner_texts()
+        return len(cells) == 2 and all(re.fullmatch(r"\d+ MiB · \d+ %", c) for c in cells)
+
+    await wait_for(usage_shown, timeout=20, what="each service's memory and CPU")
+    # A kind that commits records and never checkpoints read "last checkpoint: never".
+    feed = (await cluster.create("feed", kind="auto_emitter"))["id"]
+
+    async def progress_shown() -> bool:
+        found = await _has(page, f'#observers tr[data-id="{feed}"]')
+        return found and AGO.match(await _cell(page, feed, "checkpoint")) is not None
+
+    await wait_for(progress_shown, timeout=20, what="the feed's last commit in the list")
+    with memory_alarm():
+        await cluster.create("during-the-alarm", kind="ticker")  # the manager publishes
+        await page.wait_for_selector("#broker.warn:text('publishes blocked')", timeout=20_000)
+    await page.wait_for_selector("#broker:text('broker: connected')", timeout=20_000)
+    alpha.signal(signal.SIGSTOP)
+    try:
+
+        async def silent() -> bool:
+            rows = await page.locator("#services tbody tr").all_inner_texts()
+            return any(r.startswith("alpha") and "silent" in r for r in rows)
+
+        await wait_for(silent, timeout=15, what="alpha shown silent before it is swept")
+    finally:
+        alpha.signal(signal.SIGCONT)
+    assert errors == [], f"the page raised: {errors}"
+
+
 async def test_the_overview_acts_on_the_observers_selected(
     cluster: Cluster, browser: Browser
 ) -> None:
@@ -162,6 +211,8 @@ async def test_the_overview_acts_on_the_observers_selected(
     await page.wait_for_selector(f'#observers tr[data-id="{ids[0]}"]')
     await select(ids[:2])
     assert await page.inner_text("#bulk-selected") == "2 selected"
+    # Restart revives failed observers only: it was offered here, and answered 409.
+    assert await page.locator("#bulk button[data-verb=restart]").is_disabled()
     await page.click("#bulk button[data-verb=pause]")
     await _confirm(page, "Pause 2 observer(s)?")
     await page.wait_for_selector("#bulk-selected:text('2 paused')")

@@ -72,6 +72,29 @@ async def test_create_get_list_and_events(api: httpx.AsyncClient) -> None:
     assert [e["event"] for e in events] == ["created"]
 
 
+async def test_a_history_names_the_service_an_observer_was_taken_from(
+    api: httpx.AsyncClient, database_url: str
+) -> None:
+    """A take's detail read "from 6f1c…-…" (a raw id) in the console and the CLI."""
+    body = (await api.post("/observers", json={"name": "a", "kind": "ticker"})).json()
+    gone, unknown = uuid.uuid4(), uuid.uuid4()
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        await conn.execute(
+            "INSERT INTO services (id, name, worker_count, lock_key, lease_expires_at, "
+            "is_deleted) VALUES ($1, 'alpha', 1, 1, now(), true)",
+            gone,
+        )
+        await conn.executemany(
+            "INSERT INTO observer_events (observer_id, event, detail) VALUES ($1, 'taken', $2)",
+            [(uuid.UUID(body["id"]), f"from {gone}"), (uuid.UUID(body["id"]), f"from {unknown}")],
+        )
+    finally:
+        await conn.close()
+    events = (await api.get(f"/observers/{body['id']}/events")).json()
+    assert [e["detail"] for e in events][1:] == [f"from alpha ({str(gone)[:8]})", f"from {unknown}"]
+
+
 @pytest.mark.parametrize(
     ("payload", "code", "needle"),
     [

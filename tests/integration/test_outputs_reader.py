@@ -46,7 +46,14 @@ def test_the_reader_drops_repeats_and_names_gaps() -> None:
         reader.accept(b"{}", {"seq": 1})
 
 
-async def _publish(url: str, prefix: str, observer: uuid.UUID, seqs: list[int]) -> None:
+async def _publish(
+    url: str,
+    prefix: str,
+    observer: uuid.UUID,
+    seqs: list[int],
+    name: str = "btc",
+    kind: str = "quotes",
+) -> None:
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel(publisher_confirms=True)
@@ -54,12 +61,12 @@ async def _publish(url: str, prefix: str, observer: uuid.UUID, seqs: list[int]) 
             f"{prefix}.outputs", aio_pika.ExchangeType.TOPIC, durable=True
         )
         for seq in seqs:
-            o = Output(observer, seq, 3, "quotes", "btc", 1796252515.25, {"p": seq})
+            o = Output(observer, seq, 3, kind, name, 1796252515.25, {"p": seq})
             await exchange.publish(
                 aio_pika.Message(
                     json.dumps(o.record).encode(), message_id=o.message_id, headers=o.headers()
                 ),
-                routing_key="quotes",
+                routing_key=kind,
             )
     finally:
         await connection.close()
@@ -84,25 +91,7 @@ async def test_orch_outputs_tail_prints_records_once_and_gaps(
         text=True,
     )
     try:
-
-        async def bound() -> bool:
-            out = await asyncio.to_thread(
-                subprocess.run,
-                ["rabbitmqctl", "-q", "list_bindings", "source_name", "routing_key"],
-                capture_output=True,
-                text=True,
-            )
-            return any(
-                line.split("\t")[:2] == [f"{prefix}.outputs", "quotes"]
-                for line in out.stdout.splitlines()
-            )
-
-        for _ in range(100):
-            if await bound():
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("orch outputs tail never bound its queue")
+        await _tail_bound(prefix, "quotes")
         await _publish(servers.amqp_url, prefix, observer, [5, 6, 6, 9])
         lines: list[str] = []
         assert proc.stdout is not None
@@ -177,17 +166,53 @@ async def test_orch_outputs_tail_ends_quietly_when_its_reader_goes(
     assert stderr == ""
 
 
-def test_orch_outputs_tail_refuses_an_observer_that_is_no_id() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "orch", "outputs", "tail", "--observer", "btc"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode == 2
-    assert "--observer must be an observer's id" in proc.stderr
-    assert "Traceback" not in proc.stderr
+async def test_orch_outputs_tail_takes_an_observers_name_or_id(
+    servers: Servers, prefix: str
+) -> None:
+    """``--observer`` is an id or a name, as everywhere else (it took ids only)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ORCH_AMQP_URL": servers.amqp_url,
+        "ORCH_PREFIX": prefix,
+    }
+    btc, eth = uuid.uuid4(), uuid.uuid4()
+    await _publish(servers.amqp_url, prefix, btc, [])  # the exchange exists
+    # A kind for each round: the last round's queue may not be gone yet.
+    for n, (wanted, seen) in enumerate(((eth, "eth"), ("eth", "eth"), (str(btc), "btc"))):
+        kind = f"quotes{n}"
+        proc = subprocess.Popen(  # noqa: ASYNC220 - a process of its own, read from a thread
+            [
+                sys.executable,
+                "-m",
+                "orch",
+                "outputs",
+                "tail",
+                "--kind",
+                kind,
+                "--observer",
+                str(wanted),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            await _tail_bound(prefix, kind)
+            await _publish(servers.amqp_url, prefix, btc, [1, 2], name="btc", kind=kind)
+            await _publish(servers.amqp_url, prefix, eth, [1], name="eth", kind=kind)
+            assert proc.stdout is not None
+            async with asyncio.timeout(15):
+                line = await asyncio.to_thread(proc.stdout.readline)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            rest, stderr = proc.communicate(timeout=15)
+        assert proc.returncode == 0, stderr
+        shown = [x for x in [line, *rest.splitlines()] if " seq " in x]
+        assert shown, stderr
+        assert all(x.startswith(f"{seen} ") or f" {seen} " in x for x in shown), shown
+        assert not any(("eth" if seen == "btc" else "btc") in x for x in shown), shown
 
 
 def _named(prefix: str, what: str) -> list[str]:

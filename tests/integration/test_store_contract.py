@@ -617,7 +617,7 @@ async def test_a_commit_gives_its_records_the_next_seqs_once_even_when_retried(
     assert [json.loads(r) for r in left.records] == [{"n": 1}, {"n": 2}]
     await world.store.delete_published([(copy.observer_id, 1)])
     assert await world.outbox(copy.observer_id) == []
-    # Once let go, the next take resumes from the checkpoint and seq 2 together.
+    # Once released, the next take resumes from the checkpoint and seq 2 together.
     assert await world.store.release_many([copy], "done") == [S.PROCESSING]
     again = (await take(world, start)).taken
     assert again is not None

@@ -253,9 +253,15 @@ async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
     assert facts["holder_live"]
     assert facts["holder_lock_free"] is False, "a taker would take from a stalled holder"
     key = await conn.fetchval("SELECT lock_key FROM services WHERE id = $1", sid)
-    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, True, 1.0) is not None
+    assert (
+        await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, True, 1.0, "", None, None)
+        is not None
+    )
     assert await conn.fetchval("SELECT stalled_since FROM services WHERE id = $1", sid), "kept"
-    assert await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, False, 1.0) is not None
+    assert (
+        await conn.fetchrow(service_queries.RENEW, sid, 60.0, key, False, 1.0, "", None, None)
+        is not None
+    )
     assert await conn.fetchval("SELECT stalled_since FROM services WHERE id = $1", sid) is None
     facts = await conn.fetchrow(service_queries.FACTS, [oid], uuid.uuid4())
     assert facts is not None

@@ -273,7 +273,7 @@ def test_a_queue_deleted_while_the_observer_was_between_holders_took_its_start()
 
 
 def test_a_process_frozen_past_its_lease_takes_nothing_until_it_joined_again() -> None:
-    """Thawed after its lease ended, a service fences, lets go and joins on a new session (its
+    """Thawed after its lease ended, a service fences, releases and joins on a new session (its
     broker connection opened anew) before it takes: ``RECOVERY`` after the thaw. A short
     freeze costs it nothing."""
     from types import SimpleNamespace

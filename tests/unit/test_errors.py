@@ -93,6 +93,12 @@ def test_broker_errors_become_ours(error: BaseException) -> None:
         raise error
 
 
+def test_a_broker_that_did_not_answer_in_time_says_so() -> None:
+    """The manager's loops log the error's text: it was "audit: TimeoutError", 32 times."""
+    with pytest.raises(BrokerUnavailable, match="did not answer in time"), broker_errors():
+        raise TimeoutError
+
+
 @pytest.mark.parametrize(
     ("error", "code"),
     [

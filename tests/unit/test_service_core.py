@@ -497,10 +497,10 @@ async def test_a_start_meeting_a_copy_whose_row_is_not_ours_stops_it_before_the_
         await h.running(row)
 
 
-async def test_after_a_failover_a_copy_whose_row_went_back_is_stopped_and_let_go() -> None:
+async def test_after_a_failover_a_copy_whose_row_went_back_is_stopped_and_released() -> None:
     """The database failed over to a standby that had not replayed the last take: the row
     names this service at the epoch before the copy's. No copy may run on a token the database
-    never issued (the next take's may be the same number): the copy stops, its row is let go,
+    never issued (the next take's may be the same number): the copy stops, its row is released,
     its start goes back to the queue for a take under a new token."""
     async with harness(check_every=3600) as h:  # no periodic check: the failover's
         row, delivery = await h.started("tick")
@@ -516,7 +516,7 @@ async def test_after_a_failover_a_copy_whose_row_went_back_is_stopped_and_let_go
 async def test_a_pause_every_local_clock_missed_is_seen_at_the_next_renewal() -> None:
     """Paused with its clocks frozen (a stun, a live migration): no local clock shows the time
     that passed, the deadline still looks valid. The database's clock in the renewal's answer
-    does: the lease is let go at once, the copies stop, the service comes back on a new session.
+    does: the lease is given up at once, the copies stop, the service comes back on a new session.
     A drift within the margin is no pause."""
     async with harness() as h:
         row, _ = await h.started()
@@ -604,6 +604,25 @@ async def test_a_service_whose_kind_blocked_the_loop_keeps_itself_marked_stalled
         row = h.store.add("blocks", params={"block": 0.15})
         await h.run(row)
         await until(lambda: h.lease_db.stalled)
+
+
+async def test_the_renewals_report_the_takes_in_flight() -> None:
+    """A take that lasts (a slow database link) is reported by every renewal until it lands:
+    the leader's audit sends no start of it anew meanwhile."""
+    async with harness() as h:
+        await h.started()
+        row = h.store.add("tick")
+        taking = await h.take_held(row)
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals + 1)
+        assert h.lease_db.taking == {row.id}
+        assert h.store.hold is not None
+        h.store.hold.set()
+        await taking
+        await h.running(row)
+        renewals = h.lease_db.renewals
+        await until(lambda: h.lease_db.renewals > renewals)
+        assert h.lease_db.taking == set()
 
 
 async def test_a_delete_runs_the_kinds_cleanup_to_its_end() -> None:
@@ -809,7 +828,7 @@ async def test_kind_code_never_resumes_after_the_lease_is_lost() -> None:
 
 async def test_a_lost_lease_stops_even_a_copy_that_waits_long() -> None:
     """The guard would stop it at its next resumption, an hour from now; the service must not
-    wait that long to let go of it and come back."""
+    wait that long to release it and come back."""
 
     async def sleeper(ctx: ObserverContext) -> None:
         await ctx.checkpoint({"started": True})
@@ -881,7 +900,7 @@ async def test_a_start_that_finds_no_slot_is_requeued_after_a_while() -> None:
 
 async def test_a_take_across_the_end_of_the_lease_session_is_released() -> None:
     """The new session's look at our rows does not cover a take that was in flight: it could
-    have been taken from us since. It is let go and requeued, never run."""
+    have been taken from us since. It is released and requeued, never run."""
     async with harness() as h:
         row = h.store.add("tick")
         taking = await h.take_held(row)
@@ -1000,11 +1019,11 @@ async def test_a_copy_whose_session_ended_is_marked_as_holding_no_delivery() -> 
         assert row.epoch == 1, "adopted, not taken again"
 
 
-async def test_a_take_whose_delivery_callback_was_cancelled_is_let_go_at_once() -> None:
+async def test_a_take_whose_delivery_callback_was_cancelled_is_released_at_once() -> None:
     """When its broker session closes, the client library cancels every delivery callback
     still running (the broker requeues their deliveries): one cut off while its take was
     committing held the row with nothing running it, until the periodic check (23 s unrun in
-    a chaos run). The take is let go as soon as it lands, for the requeued start to take."""
+    a chaos run). The take is released as soon as it lands, for the requeued start to take."""
     async with harness() as h:
         row = h.store.add("tick")
         taking = await h.take_held(row)

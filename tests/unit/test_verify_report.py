@@ -312,5 +312,13 @@ def test_the_table_shows_each_kinds_growth_and_what_it_grew_by() -> None:
     lines = console.export_text().splitlines()
     leaking = next(line for line in lines if line.startswith("│ k "))
     flat = next(line for line in lines if line.startswith("│ flat "))
+    assert "KiB/min (+" in leaking
     assert "KiB in 180s)" in leaking
-    assert "+0 KiB in 180s)" in flat
+    assert "flat (+0 KiB in 180s)" in flat
+
+
+def test_every_process_has_a_colour_of_its_own() -> None:
+    from orch_verify.report import colours
+
+    shown = colours(list(range(40)))
+    assert len(set(shown.values())) == 40
