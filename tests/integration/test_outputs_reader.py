@@ -75,12 +75,7 @@ async def _publish(
 async def test_orch_outputs_tail_prints_records_once_and_gaps(
     servers: Servers, prefix: str
 ) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "ORCH_AMQP_URL": servers.amqp_url,
-        "ORCH_PREFIX": prefix,
-    }
+    env = _tail_env(servers, prefix)
     observer = uuid.uuid4()
     await _publish(servers.amqp_url, prefix, observer, [])  # the exchange exists
     proc = subprocess.Popen(  # noqa: ASYNC220 - a process of its own, read from a thread
@@ -109,6 +104,16 @@ async def test_orch_outputs_tail_prints_records_once_and_gaps(
     assert "3 record(s), 1 repeat(s), 1 gap(s)" in stderr
 
 
+def _tail_env(servers: Servers, prefix: str) -> dict[str, str]:
+    """What ``orch outputs tail`` runs with: this test's broker and prefix."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ORCH_AMQP_URL": servers.amqp_url,
+        "ORCH_PREFIX": prefix,
+    }
+
+
 async def _tail_bound(prefix: str, kind: str) -> None:
     for _ in range(100):
         out = await asyncio.to_thread(
@@ -131,12 +136,7 @@ async def test_orch_outputs_tail_ends_quietly_when_its_reader_goes(
     """``orch outputs tail | head -2``: once ``head`` has its lines and goes, the next write
     ends the command as a broken pipe ends any Unix tool (141, 128 + SIGPIPE), saying
     nothing."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "ORCH_AMQP_URL": servers.amqp_url,
-        "ORCH_PREFIX": prefix,
-    }
+    env = _tail_env(servers, prefix)
     observer = uuid.uuid4()
     await _publish(servers.amqp_url, prefix, observer, [])  # the exchange exists
     proc = subprocess.Popen(  # noqa: ASYNC220 - a process of its own, read from a thread
@@ -170,12 +170,7 @@ async def test_orch_outputs_tail_takes_an_observers_name_or_id(
     servers: Servers, prefix: str
 ) -> None:
     """``--observer`` is an id or a name, as everywhere else (it took ids only)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "ORCH_AMQP_URL": servers.amqp_url,
-        "ORCH_PREFIX": prefix,
-    }
+    env = _tail_env(servers, prefix)
     btc, eth = uuid.uuid4(), uuid.uuid4()
     await _publish(servers.amqp_url, prefix, btc, [])  # the exchange exists
     # A kind for each round: the last round's queue may not be gone yet.
