@@ -150,10 +150,18 @@ class _Counter(BaseHTTPRequestHandler):
         return None
 
 
+class _Quiet(ThreadingHTTPServer):
+    """A poller whose service was killed resets its connection: that is no error to print."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def page() -> Iterator[int]:
     """A local page to poll; its port."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Counter)
+    server = _Quiet(("127.0.0.1", 0), _Counter)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
