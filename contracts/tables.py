@@ -72,8 +72,8 @@ class Service(Base):
     #: When the service last came back after losing its lease: for a while after, the leader
     #: sends it no directed start and moves nothing to it (it may not keep the new lease either).
     rejoined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    #: The observers whose take was in flight at its last renewal (None: none): the leader's
-    #: audit sends none of them anew while the service lives.
+    #: The observers it was taking (their starts admitted) at its last renewal (None: none):
+    #: the leader's audit sends none of them anew while the service lives.
     taking: Mapped[list[uuid.UUID] | None] = mapped_column(ARRAY(UUID(as_uuid=True)))
     #: Its resident memory, and its share of one core over its last renewal period, as its
     #: last renewal reported them (None: not yet, or a service of an earlier release).

@@ -8,8 +8,9 @@
 - ``admitting``: one admission per observer at a time (a second start for the same observer
   waits for the first to settle, then sees its outcome). A cancel that arrives while an
   observer is being taken is remembered here and applied when its runner starts.
-- ``taking``: the observers whose take is in flight (a statement to the database, not a wait
-  for room); each lease renewal reports them, and the leader's audit sends none of them anew.
+- taking: the observers whose start is being admitted, but not waiting for room; each lease
+  renewal reports them, and the leader's audit sends none of them anew (on a slow database
+  link, a start waits seconds behind the takes before it).
 - in flight: a graceful stop waits until every admitted start has become a runner or has been
   settled; ``paused()`` makes new starts wait and lets the ones in flight finish, so that a
   reconcile ("release what we hold but do not run") never interleaves with a take.
@@ -67,7 +68,7 @@ class Admission:
         #: The process's own resources (descriptors, memory): slots alone are not room.
         self.headroom = headroom or Headroom(time.monotonic)
         self._admitting: dict[uuid.UUID, _Admitting] = {}
-        self._taking: dict[uuid.UUID, int] = {}
+        self._room_waits: dict[uuid.UUID, int] = {}
         self._paused = 0
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -111,18 +112,21 @@ class Admission:
                 self._idle.set()
 
     @contextlib.contextmanager
-    def taking(self, observer_id: uuid.UUID) -> Iterator[None]:
-        """A take of this observer is in flight inside."""
-        self._taking[observer_id] = self._taking.get(observer_id, 0) + 1
+    def waiting_for_room(self, observer_id: uuid.UUID) -> Iterator[None]:
+        """This observer's start waits for a free slot inside: it is not being taken (the
+        leader's audit may send it to a service with room)."""
+        self._room_waits[observer_id] = self._room_waits.get(observer_id, 0) + 1
         try:
             yield
         finally:
-            if (left := self._taking.pop(observer_id) - 1) > 0:
-                self._taking[observer_id] = left
+            if (left := self._room_waits.pop(observer_id) - 1) > 0:
+                self._room_waits[observer_id] = left
 
     def taking_ids(self, limit: int) -> list[uuid.UUID]:
-        """Up to ``limit`` of the observers whose take is in flight."""
-        return list(itertools.islice(self._taking, limit))
+        """Up to ``limit`` of the observers whose start is being admitted (from its arrival to
+        its runner or its settling), but not waiting for room."""
+        taking = (o for o in self._admitting if o not in self._room_waits)
+        return list(itertools.islice(taking, limit))
 
     def cancel(self, observer_id: uuid.UUID) -> bool:
         """Remember a cancel for an observer being admitted; False if it is not."""

@@ -232,8 +232,7 @@ class Intake:
         while True:
             ended = self.lease.sessions_ended
             try:
-                with self.admission.taking(start.observer_id):
-                    result = await while_leased(partial(self._submit_take, request), alive)
+                result = await while_leased(partial(self._submit_take, request), alive)
             except LeaseLost:
                 await self.settler.settle(start, origin, Settlement.REQUEUE)
                 return None
@@ -245,7 +244,8 @@ class Intake:
                 # here), but not for ever: copies that lost their deliveries hold slots the
                 # prefetch does not count. Then let another service have it.
                 try:
-                    room = await asyncio.wait_for(slot.take(wait=True), timings.stale_after)
+                    with self.admission.waiting_for_room(start.observer_id):
+                        room = await asyncio.wait_for(slot.take(wait=True), timings.stale_after)
                 except TimeoutError:
                     await asyncio.sleep(timings.renew_interval)
                     await self.settler.settle(start, origin, Settlement.REQUEUE)

@@ -65,7 +65,7 @@ class Listener(Protocol):
         ...
 
     def taking(self) -> Collection[uuid.UUID]:
-        """The observers whose take is in flight here (the renewal reports them)."""
+        """The observers being taken here (the renewal reports them)."""
         ...
 
     def superseded(self, copies: Collection[Copy], held: Collection[Copy] = ()) -> None:

@@ -295,8 +295,8 @@ class LeaseSession(Protocol):
         taking: Collection[uuid.UUID] = (),
     ) -> Renewal | None:
         """Renew; ``stalled``: kind code blocked the loop lately, keep the service marked;
-        ``taking``: the observers whose take is in flight here (the leader sends them anew
-        to no one)."""
+        ``taking``: the observers being taken here, their start admitted and not waiting for
+        room (the leader sends them anew to no one)."""
         ...
 
     async def held(self, timeout: float) -> set[Copy]:

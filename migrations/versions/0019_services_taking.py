@@ -1,7 +1,8 @@
 """Revision 0019, after 0018 (2026-12-07): what a service's lease renewal reports besides the
-lease. ``services.taking``: the observers whose take was in flight there; the leader's audit
-sends no start anew for an observer a live service is still taking (on a slow database link a
-take lasts seconds, and each start sent anew cost that link a round trip to drop it as stale).
+lease. ``services.taking``: the observers it was taking (their starts admitted there); the
+leader's audit sends no start anew for an observer a live service is still taking (on a slow
+database link a take lasts seconds, and each start sent anew cost that link a round trip to drop
+it as stale).
 ``services.rss_bytes`` and ``services.cpu``: its memory and its share of one core over its last
 renewal period, for the console and ``GET /services``. Nullable columns (no rewrite); the
 release before runs unchanged on this schema (it never writes them, and reads none of them)."""

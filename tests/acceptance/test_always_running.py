@@ -278,17 +278,17 @@ async def test_a_service_starts_on_a_slow_database_link(cluster: Cluster) -> Non
     await cluster.wait_all_running(ids, timeout=60, on={await cluster.service_id(slow)})
     assert slow.alive
     # Each take lasts seconds on this link. The leader's audit sent the starts of observers
-    # still being taken anew every second or two (seven times each in 12 s), and each start
+    # still being taken anew every second or two (19 to 28 starts for these 3), and each start
     # sent anew cost the link a round trip to drop it as stale: the first checkpoints landed
-    # about 50 s in. The renewal reports the takes in flight; the audit leaves them alone once
-    # it has read one (it may act before the service's first renewal lands).
+    # about 50 s in. The renewal reports the starts being admitted; the audit leaves them alone
+    # once it has read one (it acts before the service's first renewal lands: 2 rounds here).
     sent = await cluster.q(
         "SELECT count(*) FROM observer_events WHERE observer_id = ANY($1) AND event = $2",
         ids,
         Event.REDISPATCHED.value,
         one=True,
     )
-    assert sent <= 2 * len(ids), f"the audit sent {sent} starts anew to a slow service"
+    assert sent <= 3 * len(ids), f"the audit sent {sent} starts anew to a slow service"
 
 
 def _rss(pid: int) -> int:
