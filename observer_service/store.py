@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
@@ -374,10 +374,10 @@ class PgLeaseSession:
     row: tuple[object, ...]
     #: Called when the session ends by itself (not when we close it).
     on_end: Callable[[], None]
+    #: The process's memory and CPU, reported by each renewal (one for every session).
+    usage: Usage
     #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
-    #: The process's memory and CPU, reported by each renewal.
-    usage: Usage = field(default_factory=lambda: Usage(time.monotonic))
     _closing: bool = False
 
     def __post_init__(self) -> None:
@@ -503,5 +503,5 @@ class PgLeaseDatabase:
                 conn.terminate()
                 raise
         return PgLeaseSession(
-            conn, lock_key, self.service_id, self._row, on_end, self.directed_after, self.usage
+            conn, lock_key, self.service_id, self._row, on_end, self.usage, self.directed_after
         )
