@@ -17,6 +17,8 @@ COPY migrations migrations
 COPY orch orch
 COPY orch_bench orch_bench
 COPY orch_verify orch_verify
+# src/ links each folder under the name it is imported by (contracts/ as orch_contracts, ...).
+COPY src src
 RUN pip install --no-deps .
 
 USER orch

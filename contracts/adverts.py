@@ -13,7 +13,7 @@ process wrote in ``services.kinds`` as the API treats a request body.
   (``masked``).
 
 A refused advert raises ``AdvertRefused``; its reader logs it, naming the service, and leaves
-that advert out (``manager.runtime``).
+that advert out (``orch_manager.runtime``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from jsonschema import Draft202012Validator, ValidationError
 from pydantic_core import SchemaError, SchemaValidator
 from pydantic_core import core_schema as cs
 
-from contracts.errors import AdvertRefused, InvalidParams
-from contracts.masking import SECRET
+from orch_contracts.errors import AdvertRefused, InvalidParams
+from orch_contracts.masking import SECRET
 
 #: The largest advert of one kind read, in bytes of its JSON (a params model of a few hundred
 #: fields is some tens of KiB).

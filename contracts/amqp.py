@@ -12,8 +12,8 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
-from contracts.errors import BrokerRefused, convert_broker_error
-from contracts.settings import split_urls, where
+from orch_contracts.errors import BrokerRefused, convert_broker_error
+from orch_contracts.settings import split_urls, where
 
 __all__ = ["connect_first", "split_urls"]
 

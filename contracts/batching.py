@@ -3,7 +3,7 @@
 Requests that arrive while a flush is running wait and go together in the next one. An idle
 process writes each request at once; a busy one makes one round trip for many: a service's
 takes and checkpoints (a burst of redelivered starts after a crash, a thousand observers
-checkpointing), the manager's single creates (``manager.intake``).
+checkpointing), the manager's single creates (``orch_manager.intake``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from contracts.clock import Clock
+from orch_contracts.clock import Clock
 
 
 @dataclass(frozen=True)

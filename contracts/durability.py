@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.errors import StartupError
+from orch_contracts.errors import StartupError
 
 #: The server's timeline, from the name of its current WAL file (a primary's only).
 TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"

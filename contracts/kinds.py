@@ -23,7 +23,7 @@ parameters named like secrets (``api_key``, ``token``, ``password``, ``secret``,
 ``signature``, ``…_key`` …, and those a ``secret_query`` param lists) become ``***`` and so
 does a user name; a param *named* like a secret is masked whole. A secret in a URL's path
 (``/bot<token>/``) is not recognised: declare such a param ``SecretStr``. Text logs and JSON
-logs mask URL passwords and secret query values too (``contracts.masking.mask``, the one
+logs mask URL passwords and secret query values too (``orch_contracts.masking.mask``, the one
 masker), an observer's errors and its ``ctx.logger`` lines the values of its secret params as
 well; never log a secret yourself (a ``SecretStr`` prints as ``**********``), and set
 ``hide_input_in_errors=True`` on a params model whose validation errors could quote a secret.
@@ -46,9 +46,9 @@ from typing import Any, Self, TypeVar, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
-from contracts import adverts
-from contracts.errors import AdvertRefused, InvalidParams, StartupError, UnknownKind
-from contracts.masking import SECRET, is_secret_name, mask
+from orch_contracts import adverts
+from orch_contracts.errors import AdvertRefused, InvalidParams, StartupError, UnknownKind
+from orch_contracts.masking import SECRET, is_secret_name, mask
 
 ENTRY_POINT_GROUP = "observer_orchestrator.kinds"
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import orjson
 
-from contracts.masking import mask
+from orch_contracts.masking import mask
 
 LogFormat = Literal["text", "json"]
 
@@ -39,7 +39,7 @@ class _ProcessFields(logging.Filter):
 
 #: Characters that steer a terminal or reorder text rather than show: C0 controls and DEL, C1
 #: controls (U+0080-U+009F), and the bidi controls (marks, embeddings, overrides, isolates).
-#: As the inside of a regex character class. (Names refuse more: ``contracts.names``.)
+#: As the inside of a regex character class. (Names refuse more: ``orch_contracts.names``.)
 UNSAFE_CLASS = r"\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 UNSAFE_CHARS = re.compile(f"[{UNSAFE_CLASS}]")
 

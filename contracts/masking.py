@@ -7,7 +7,7 @@ observer's params, so their secret values too), the manager when it shows an err
 httpx's lines. What it hides:
 
 - each of ``secrets``, the values of the secret params of the observer the text is about
-  (``contracts.kinds.secret_values``), wherever they stand;
+  (``orch_contracts.kinds.secret_values``), wherever they stand;
 - in every URL, the password, and the user name too unless ``keep_user`` (a user name alone is
   always hidden: it is often a token, ``https://ghp_…@github.com``);
 - the values of parameters named like secrets (``is_secret_name``) or in ``names``, after
@@ -70,7 +70,8 @@ def mask(
     text: str, *, secrets: Iterable[str] = (), names: Iterable[str] = (), keep_user: bool = True
 ) -> str:
     """``text`` as it may be shown anywhere: see the module's docstring. ``secrets`` longest
-    first (``contracts.kinds.secret_values`` gives them so), ``names`` compared without case."""
+    first (``orch_contracts.kinds.secret_values`` gives them so), ``names`` compared without
+    case."""
     for value in secrets:
         if value:
             text = text.replace(value, SECRET)

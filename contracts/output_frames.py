@@ -22,7 +22,7 @@ from typing import Any
 from aiormq.abc import ChannelFrame
 from aiormq.channel import Channel
 
-from contracts.outputs import (
+from orch_contracts.outputs import (
     COMMITTED_AT,
     CONTENT_TYPE,
     EPOCH,

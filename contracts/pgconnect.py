@@ -22,7 +22,7 @@ from asyncpg.exceptions import TargetServerAttributeNotMatched
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from contracts import database_url as dburl
+from orch_contracts import database_url as dburl
 
 log = logging.getLogger(__name__)
 #: Seconds a shutdown waits for the connections still in use to come back, before it drops

@@ -12,12 +12,12 @@ import aio_pika
 import asyncpg
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from contracts import pgconnect
-from contracts.amqp import connect_first
-from contracts.durability import REPLICATION, Replication
-from contracts.errors import StartupError
-from contracts.settings import CommonSettings, split_urls, where
-from contracts.topology import broker_version, declare_topology
+from orch_contracts import pgconnect
+from orch_contracts.amqp import connect_first
+from orch_contracts.durability import REPLICATION, Replication
+from orch_contracts.errors import StartupError
+from orch_contracts.settings import CommonSettings, split_urls, where
+from orch_contracts.topology import broker_version, declare_topology
 
 
 class NotYet(StartupError):

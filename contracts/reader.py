@@ -9,7 +9,7 @@ per observer.
 With plain aio-pika::
 
     import aio_pika
-    from contracts.reader import OutputReader
+    from orch_contracts.reader import OutputReader
 
     reader = OutputReader()
     reader.resume(load_last_seqs())              # what you stored with your own data, if any
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.outputs import Output
+from orch_contracts.outputs import Output
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import aio_pika
 from aio_pika.abc import AbstractChannel
 from aio_pika.exceptions import DeliveryError, PublishError
 
-from contracts import tracing
-from contracts.errors import BrokerUnavailable, Unroutable, broker_errors
-from contracts.messages import DirectedStart, Message, StartMessage
-from contracts.pools import DEFAULT_POOL
-from contracts.topology import Topology
+from orch_contracts import tracing
+from orch_contracts.errors import BrokerUnavailable, Unroutable, broker_errors
+from orch_contracts.messages import DirectedStart, Message, StartMessage
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Sender:
         """Publish and wait for the broker's confirm. False when it was returned: the service it
         was sent to has no control queue (any more). Raises BrokerUnavailable, Unroutable for a
         start returned by the work queue (deleted): it was not delivered, so it is kept. The
-        current span's trace context goes along in the headers (``contracts.tracing``)."""
+        current span's trace context goes along in the headers (``orch_contracts.tracing``)."""
         body = aio_pika.Message(
             message.to_bytes(),
             content_type="application/json",

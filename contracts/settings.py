@@ -11,10 +11,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import URL
 
-from contracts import database_url as dburl
-from contracts.deadline import LeaseTimings
-from contracts.masking import mask
-from contracts.topology import QueueType, Topology
+from orch_contracts import database_url as dburl
+from orch_contracts.deadline import LeaseTimings
+from orch_contracts.masking import mask
+from orch_contracts.topology import QueueType, Topology
 
 
 class CommonSettings(BaseSettings):
@@ -60,7 +60,7 @@ class CommonSettings(BaseSettings):
     @classmethod
     def _database_url(cls, value: str) -> str:
         """Either multi-host form is accepted; what is kept is the canonical one
-        (``contracts.database_url``)."""
+        (``orch_contracts.database_url``)."""
         try:
             return dburl.normalize(value)
         except dburl.BadDatabaseUrl as exc:

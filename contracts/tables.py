@@ -25,8 +25,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from contracts.routing import Route
-from contracts.statuses import ObserverStatus
+from orch_contracts.routing import Route
+from orch_contracts.statuses import ObserverStatus
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -103,7 +103,7 @@ class Observer(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     name: Mapped[str] = mapped_column(Text, nullable=False)
-    #: What names that look alike share (``contracts.names.name_key``): unique among the live.
+    #: What names that look alike share (``orch_contracts.names.name_key``): unique among the live.
     #: None only for a look-alike of an older live observer from before keys existed (0007).
     name_key: Mapped[str | None] = mapped_column(Text)
     kind: Mapped[str] = mapped_column(Text, nullable=False)
@@ -243,7 +243,7 @@ class OutboxMessage(Base):
     __tablename__ = "outbox"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    #: Where it goes: a ``contracts.routing.Route`` value.
+    #: Where it goes: a ``orch_contracts.routing.Route`` value.
     route: Mapped[str] = mapped_column(Text, nullable=False)
     #: For Route.SERVICE: the service whose control queue it goes to.
     service_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
@@ -252,7 +252,7 @@ class OutboxMessage(Base):
     #: For a start: the observer's pool, whose work queue takes it (also when a directed
     #: start comes back).
     pool: Mapped[str] = mapped_column(Text, nullable=False, server_default="default")
-    #: The W3C trace context it was written in (``contracts.tracing``; NULL when tracing is
+    #: The W3C trace context it was written in (``orch_contracts.tracing``; NULL when tracing is
     #: off): the relay publishes it in that trace.
     trace: Mapped[dict[str, str] | None] = mapped_column(JSONB)
 

@@ -21,10 +21,15 @@ from aiormq.channel import Channel
 from aiormq.exceptions import ChannelAccessRefused, ChannelLockedResource, ChannelPreconditionFailed
 from pamqp.commands import Basic
 
-from contracts.errors import BrokerUnavailable, StartupError, broker_errors, convert_broker_error
-from contracts.output_frames import OutputFrames, publish_confirmed
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
+from orch_contracts.errors import (
+    BrokerUnavailable,
+    StartupError,
+    broker_errors,
+    convert_broker_error,
+)
+from orch_contracts.output_frames import OutputFrames, publish_confirmed
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
 
 QueueType = Literal["classic", "quorum"]
 
@@ -367,8 +372,8 @@ async def delete_topology(
 
 
 async def _delete_topology(amqp_url: str, topology: Topology, pools: Iterable[str]) -> None:
-    from contracts.amqp import connect_first
-    from contracts.settings import split_urls
+    from orch_contracts.amqp import connect_first
+    from orch_contracts.settings import split_urls
 
     connection, _ = await connect_first(split_urls(amqp_url), timeout=5)
     async with connection:

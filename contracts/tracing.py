@@ -8,7 +8,7 @@ again. Everything else is the SDK's own standard variables: ``OTEL_SERVICE_NAME`
 ``OTEL_PROPAGATORS``.
 
 The trace context crosses processes in W3C ``traceparent``/``tracestate`` headers: of HTTP
-requests into the manager, and of every AMQP message (``contracts.routing.Sender`` adds them),
+requests into the manager, and of every AMQP message (``orch_contracts.routing.Sender`` adds them),
 so that ``POST /observers`` → outbox publish → take → first checkpoint is one trace over three
 processes. A message written to the outbox keeps the context it was written in (its ``trace``
 column), so a start the relay publishes later stays in its request's trace.
@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from contracts import __version__
-from contracts.errors import StartupError
+from orch_contracts import __version__
+from orch_contracts.errors import StartupError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -14,11 +14,11 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from contracts import __version__, tracing
-from manager import problems
-from manager.api import console, health, observers, services, views
-from manager.auth import Authenticator, parse_tokens
-from manager.http import (
+from orch_contracts import __version__, tracing
+from orch_manager import problems
+from orch_manager.api import console, health, observers, services, views
+from orch_manager.auth import Authenticator, parse_tokens
+from orch_manager.http import (
     BodyLimit,
     HeadAsGet,
     Measure,
@@ -26,9 +26,9 @@ from manager.http import (
     TokenFirst,
     bearer,
 )
-from manager.metrics import ManagerMetrics
-from manager.runtime import ManagerRuntime
-from manager.settings import ManagerSettings
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.runtime import ManagerRuntime
+from orch_manager.settings import ManagerSettings
 
 DESCRIPTION = """Keeps infinite tasks (observers) running exactly once on a pool of services.
 

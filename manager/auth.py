@@ -5,8 +5,8 @@ A request without a valid token gets 401, one whose token lacks the role gets 40
 compared in constant time, and what a request did is logged with the token's name, never with
 the token. ``/healthz``, ``/readyz``, ``/metrics`` (``ORCH_METRICS_AUTH``) and the console's own
 files stay open; the console asks for a token and sends it as a bearer header (no cookie, so no
-CSRF). A request with a body is checked once before its body is read (``manager.http.TokenFirst``)
-and again, with its role, by its route.
+CSRF). A request with a body is checked once before its body is read
+(``orch_manager.http.TokenFirst``) and again, with its role, by its route.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Annotated
 from fastapi import Depends, Request, params
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from contracts.errors import OrchError
+from orch_contracts.errors import OrchError
 
 
 class Role(StrEnum):

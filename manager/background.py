@@ -10,17 +10,17 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import tracing
-from contracts.errors import BrokerUnavailable, Transient
-from contracts.messages import DirectedStart, Message
-from contracts.pools import DEFAULT_POOL
-from contracts.routing import Destination
-from contracts.statuses import STOPPING, ObserverStatus
-from manager import repository as repo
-from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox, Pending
-from manager.publisher import Publisher
-from manager.store import ManagerStore, Tx
+from orch_contracts import tracing
+from orch_contracts.errors import BrokerUnavailable, Transient
+from orch_contracts.messages import DirectedStart, Message
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.routing import Destination
+from orch_contracts.statuses import STOPPING, ObserverStatus
+from orch_manager import repository as repo
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.outbox import Outbox, Pending
+from orch_manager.publisher import Publisher
+from orch_manager.store import ManagerStore, Tx
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from contracts.durability import REPLICATION, Replication
-from manager import queries as q
-from manager.store import ManagerStore
+from orch_contracts.durability import REPLICATION, Replication
+from orch_manager import queries as q
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 #: Seconds between two reads.

@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from manager.auth import Authenticator
-from manager.metrics import ManagerMetrics
-from manager.problems import MEDIA_TYPE, problem, problem_of
+from orch_manager.auth import Authenticator
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.problems import MEDIA_TYPE, problem, problem_of
 
-access = logging.getLogger("manager.access")
+access = logging.getLogger("orch_manager.access")
 log = logging.getLogger(__name__)
 
 #: Methods whose body nothing reads (the body limit lets them through; no route takes one).

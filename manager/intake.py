@@ -3,7 +3,7 @@ share one statement (rows, history and outbox records) and one confirmed publish
 
 No request waits for company. A create that finds nothing in flight is written at once, alone;
 the creates that arrive while a write is in flight form the next write, started the moment the
-one before it has committed (``contracts.batching.Batcher``). Under load a write therefore
+one before it has committed (``orch_contracts.batching.Batcher``). Under load a write therefore
 carries what arrived during the last one, the way PostgreSQL groups commits, and a lone client
 pays no window at all.
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from contracts import tracing
-from contracts.batching import LINGER, Batcher
-from contracts.errors import NameTaken
-from manager import repository as repo
-from manager.outbox import Pending
+from orch_contracts import tracing
+from orch_contracts.batching import LINGER, Batcher
+from orch_contracts.errors import NameTaken
+from orch_manager import repository as repo
+from orch_manager.outbox import Pending
 
 #: Writes rows for a batch of creates: each row in order, or NameTaken (None: without saying
 #: who has it) where the name was taken.

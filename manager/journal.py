@@ -26,12 +26,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.durability import TIMELINE
-from contracts.errors import OrchError
-from contracts.statuses import ObserverStatus
-from manager import repository as repo
-from manager.outbox import Outbox, Pending
-from manager.store import ManagerStore, Tx
+from orch_contracts.durability import TIMELINE
+from orch_contracts.errors import OrchError
+from orch_contracts.statuses import ObserverStatus
+from orch_manager import repository as repo
+from orch_manager.outbox import Outbox, Pending
+from orch_manager.store import ManagerStore, Tx
 
 log = logging.getLogger(__name__)
 #: Seconds an acknowledged change is kept (far more than any standby's lag).

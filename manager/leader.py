@@ -2,7 +2,7 @@
 
 Acquire takes the row only when it has expired (or is already ours); renew extends it only while
 we still hold it. The loops are cancelled the moment the lease is lost or the local deadline
-(``contracts.deadline``, on a suspend-aware clock, from when the renewal was sent) passes. A
+(``orch_contracts.deadline``, on a suspend-aware clock, from when the renewal was sent) passes. A
 renewal that fails for want of the database is retried until that deadline.
 """
 
@@ -15,13 +15,13 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from contracts.backoff import Backoff
-from contracts.clock import Clock
-from contracts.deadline import LeaseDeadline, LeaseTimings
-from contracts.errors import OrchError, Transient
-from contracts.settings import default_host
-from manager import repository as repo
-from manager.store import ManagerStore
+from orch_contracts.backoff import Backoff
+from orch_contracts.clock import Clock
+from orch_contracts.deadline import LeaseDeadline, LeaseTimings
+from orch_contracts.errors import OrchError, Transient
+from orch_contracts.settings import default_host
+from orch_manager import repository as repo
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 

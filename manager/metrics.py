@@ -21,12 +21,12 @@ from prometheus_client import CollectorRegistry, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from contracts import __version__
-from contracts.errors import Transient
-from contracts.metrics import Metrics
-from manager import repository as repo
-from manager.database_facts import DatabaseFacts
-from manager.store import ManagerStore
+from orch_contracts import __version__
+from orch_contracts.errors import Transient
+from orch_contracts.metrics import Metrics
+from orch_manager import repository as repo
+from orch_manager.database_facts import DatabaseFacts
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 

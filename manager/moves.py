@@ -19,13 +19,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from contracts.statuses import ObserverStatus
-from manager import repository as repo
-from manager.background import place, reachable, reachable_slots
-from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox
-from manager.publisher import Publisher
-from manager.store import ManagerStore, Row
+from orch_contracts.statuses import ObserverStatus
+from orch_manager import repository as repo
+from orch_manager.background import place, reachable, reachable_slots
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.outbox import Outbox
+from orch_manager.publisher import Publisher
+from orch_manager.store import ManagerStore, Row
 
 log = logging.getLogger(__name__)
 

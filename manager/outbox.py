@@ -12,12 +12,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from contracts import tracing
-from contracts.errors import Transient
-from manager import repository as repo
-from manager.publisher import Publisher
-from manager.repository import Pending
-from manager.store import ManagerStore
+from orch_contracts import tracing
+from orch_contracts.errors import Transient
+from orch_manager import repository as repo
+from orch_manager.publisher import Publisher
+from orch_manager.repository import Pending
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 
-from contracts.errors import (
+from orch_contracts.errors import (
     Conflict,
     InvalidInput,
     InvalidParams,
@@ -32,8 +32,8 @@ from contracts.errors import (
     Transient,
     UnknownKind,
 )
-from contracts.kinds import RULE_ONLY
-from manager.auth import Forbidden, Unauthenticated
+from orch_contracts.kinds import RULE_ONLY
+from orch_manager.auth import Forbidden, Unauthenticated
 
 log = logging.getLogger(__name__)
 MEDIA_TYPE = "application/problem+json"

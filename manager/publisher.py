@@ -1,4 +1,4 @@
-"""The manager's broker edge: publishing with confirms (through ``contracts.routing.Sender``),
+"""The manager's broker edge: publishing with confirms (through ``orch_contracts.routing.Sender``),
 declaring the topology on connect, and the few questions the leader asks the broker."""
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 
-from contracts.amqp import connect_first
-from contracts.backoff import Backoff
-from contracts.errors import (
+from orch_contracts.amqp import connect_first
+from orch_contracts.backoff import Backoff
+from orch_contracts.errors import (
     BrokerRefused,
     BrokerUnavailable,
     StartupError,
     Unroutable,
     broker_errors,
 )
-from contracts.messages import Message
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
-from contracts.routing import Destination, Sender
-from contracts.settings import CommonSettings
-from contracts.topology import (
+from orch_contracts.messages import Message
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.routing import Destination, Sender
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import (
     broker_version,
     closable_channel,
     declare_topology,
@@ -195,7 +195,7 @@ class Publisher:
 
     async def publish_outputs(self, commits: Sequence[Committed]) -> None:
         """Publish the records of these commits of outputs in order, waiting for every
-        confirm (``contracts.topology.publish_outputs``). Raises BrokerUnavailable."""
+        confirm (``orch_contracts.topology.publish_outputs``). Raises BrokerUnavailable."""
         channel = self._channel
         if channel is None or not self.connected:
             raise BrokerUnavailable("broker connection is down")
@@ -250,7 +250,7 @@ class Publisher:
         with broker_errors():
             async with asyncio.timeout(self.probe_timeout):
                 # Left to finish on a timeout: an RPC or a channel's open cancelled midway
-                # desynchronises the connection (``contracts.topology.finish_anyway``).
+                # desynchronises the connection (``orch_contracts.topology.finish_anyway``).
                 return await finish_anyway(self._counts(pool))
 
     async def _counts(self, pool: str) -> tuple[int, int]:

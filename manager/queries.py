@@ -1,9 +1,9 @@
 """Every SQL statement the manager runs, in one place. Conditions on statuses and service
-liveness are built from ``contracts.statuses``, never spelled out as literals here."""
+liveness are built from ``orch_contracts.statuses``, never spelled out as literals here."""
 
 from __future__ import annotations
 
-from contracts.statuses import (
+from orch_contracts.statuses import (
     HELD,
     LIVE,
     Event,
@@ -25,7 +25,7 @@ def _v(status: ObserverStatus | Event) -> str:
 def advertised(s: str) -> str:
     """SQL: what service row ``s`` advertised of its kinds as an object, ``{}`` (no kind) for an
     advert that is not one: a services row is another process's input, never a reason for a
-    statement of the manager's to fail (``contracts.adverts``)."""
+    statement of the manager's to fail (``orch_contracts.adverts``)."""
     return f"CASE WHEN jsonb_typeof({s}.kinds) = 'object' THEN {s}.kinds ELSE '{{}}'::jsonb END"
 
 
@@ -388,7 +388,7 @@ KINDS_RUN = (
     f"SELECT s.id, s.pool, {versions_of('s')} AS kinds FROM services s WHERE s.id = ANY(:ids)"
 )
 # What each live service advertised of its kinds (NULL: an earlier release, every kind), each
-# advert as text: read as untrusted input (``contracts.adverts``).
+# advert as text: read as untrusted input (``orch_contracts.adverts``).
 LIVE_ADVERTS = f"""
 SELECT s.name, s.pool, s.kinds IS NULL AS every, k.key AS kind, k.value::text AS advert
   FROM services s LEFT JOIN LATERAL jsonb_each({advertised("s")}) AS k ON true

@@ -26,13 +26,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from contracts.pools import DEFAULT_POOL
-from manager import repository as repo
-from manager.background import on_broker
-from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox
-from manager.publisher import Publisher
-from manager.store import ManagerStore
+from orch_contracts.pools import DEFAULT_POOL
+from orch_manager import repository as repo
+from orch_manager.background import on_broker
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.outbox import Outbox
+from orch_manager.publisher import Publisher
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Every unit of work the manager does in its database, each on a ``store.Tx``: the API's reads
 and writes, the outbox, and what the leader's loops read and change. Every state change writes
 its broker message to the outbox in the same transaction. The statements are in
-``manager.queries``; nothing outside this module runs them."""
+``orch_manager.queries``; nothing outside this module runs them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from contracts.errors import Conflict, NameTaken, NotFound, NotLeading
-from contracts.messages import (
+from orch_contracts.errors import Conflict, NameTaken, NotFound, NotLeading
+from orch_contracts.messages import (
     CONTROL_MESSAGE,
     CancelMessage,
     DrainMessage,
@@ -25,14 +25,14 @@ from contracts.messages import (
     StartMessage,
     UndrainMessage,
 )
-from contracts.names import name_key
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
-from contracts.routing import BROADCAST, Destination, Route
-from contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
-from contracts.tracing import Carrier, carrier
-from manager import queries as q
-from manager.store import Row, Tx
+from orch_contracts.names import name_key
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.routing import BROADCAST, Destination, Route
+from orch_contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
+from orch_contracts.tracing import Carrier, carrier
+from orch_manager import queries as q
+from orch_manager.store import Row, Tx
 
 #: The one way the manager turns data into JSON for the database.
 to_json = functools.partial(json.dumps, separators=(",", ":"), default=str)
@@ -42,12 +42,12 @@ _START: TypeAdapter[StartMessage] = TypeAdapter(StartMessage)
 
 @dataclass(frozen=True)
 class Pending:
-    """An outbox record committed and not yet confirmed by the broker (``manager.outbox``)."""
+    """An outbox record committed and not yet confirmed by the broker (``orch_manager.outbox``)."""
 
     id: int
     to: Destination
     message: Message
-    #: The trace context it was written in (``contracts.tracing``), to publish it in.
+    #: The trace context it was written in (``orch_contracts.tracing``), to publish it in.
     trace: Carrier | None = None
 
 
@@ -152,7 +152,7 @@ class NewObserver:
     pool: str = DEFAULT_POOL
     #: The version of its kind it is pinned to (None: any).
     kind_version: str | None = None
-    #: The trace context of the request that asks for it (``contracts.tracing``).
+    #: The trace context of the request that asks for it (``orch_contracts.tracing``).
     trace: Carrier | None = None
 
     @functools.cached_property
@@ -465,7 +465,7 @@ async def ping(tx: Tx) -> None:
 
 @dataclass(frozen=True)
 class ClusterState:
-    """What the metrics show of the cluster (``manager.metrics``)."""
+    """What the metrics show of the cluster (``orch_manager.metrics``)."""
 
     observers: list[Row]
     services: list[Row]
@@ -617,7 +617,8 @@ async def holder_kinds(tx: Tx) -> dict[uuid.UUID, dict[str, str] | None]:
 @dataclass(frozen=True)
 class Advert:
     """What one pool's services advertised of one version of one kind: the newest advert, a live
-    one first, as the JSON text ``service`` wrote (read by ``contracts.adverts.read_advert``)."""
+    one first, as the JSON text ``service`` wrote (read by
+    ``orch_contracts.adverts.read_advert``)."""
 
     pool: str
     kind: str

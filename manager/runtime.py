@@ -16,25 +16,25 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.adverts import read_advert
-from contracts.clock import Clock
-from contracts.errors import AdvertRefused, NameTaken, Transient, UnknownKind
-from contracts.kinds import KindSpec, get_kind, load_kinds
-from contracts.logs import safe_text
-from contracts.pools import DEFAULT_POOL
-from manager import background, database_facts, journal
-from manager import repository as repo
-from manager.database_facts import DatabaseFacts
-from manager.intake import GroupCommit
-from manager.journal import Journal
-from manager.leader import LEADER_NAME, Leadership, Loop, new_holder_id
-from manager.metrics import ManagerMetrics
-from manager.moves import Mover
-from manager.outbox import Outbox, Pending
-from manager.publisher import Publisher
-from manager.rebalance import Rebalancer
-from manager.settings import ManagerSettings
-from manager.store import ManagerStore
+from orch_contracts.adverts import read_advert
+from orch_contracts.clock import Clock
+from orch_contracts.errors import AdvertRefused, NameTaken, Transient, UnknownKind
+from orch_contracts.kinds import KindSpec, get_kind, load_kinds
+from orch_contracts.logs import safe_text
+from orch_contracts.pools import DEFAULT_POOL
+from orch_manager import background, database_facts, journal
+from orch_manager import repository as repo
+from orch_manager.database_facts import DatabaseFacts
+from orch_manager.intake import GroupCommit
+from orch_manager.journal import Journal
+from orch_manager.leader import LEADER_NAME, Leadership, Loop, new_holder_id
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.moves import Mover
+from orch_manager.outbox import Outbox, Pending
+from orch_manager.publisher import Publisher
+from orch_manager.rebalance import Rebalancer
+from orch_manager.settings import ManagerSettings
+from orch_manager.store import ManagerStore
 
 log = logging.getLogger(__name__)
 #: Seconds each step of a shutdown may take: the tasks' end, then the leadership's release
@@ -98,7 +98,7 @@ class ManagerRuntime:
         self.store = ManagerStore(settings)
         self.publisher = Publisher(settings, died=self._died)
         self.outbox = Outbox(self.store, self.publisher)
-        #: Single creates of this process, written and published together (``manager.intake``).
+        #: Single creates of this process, written and published together (``orch_manager.intake``).
         self.creates = GroupCommit(self._create_rows, self.outbox.publish_now)
         holder = replica or new_holder_id()
         self.leadership = Leadership(

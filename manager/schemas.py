@@ -18,12 +18,12 @@ from pydantic import (
     model_validator,
 )
 
-from contracts import names
-from contracts.kinds import VERSION_PATTERN, RestartPolicy
-from contracts.names import REFUSED_CLASS
-from contracts.pools import DEFAULT_POOL, POOL_PATTERN
-from contracts.statuses import ObserverStatus
-from manager.problems import Problem
+from orch_contracts import names
+from orch_contracts.kinds import VERSION_PATTERN, RestartPolicy
+from orch_contracts.names import REFUSED_CLASS
+from orch_contracts.pools import DEFAULT_POOL, POOL_PATTERN
+from orch_contracts.statuses import ObserverStatus
+from orch_manager.problems import Problem
 
 #: Nesting of ``params`` (objects in arrays in objects …) beyond this is refused.
 MAX_PARAMS_DEPTH = 16
@@ -82,7 +82,7 @@ def check_name(value: Any) -> Any:
     would steer a terminal or a log rather than show, or that shows nothing where it differs
     from another: control characters, format characters (bidi controls, zero-width space and
     joiners, soft hyphen, byte order mark), line and paragraph separators, default-ignorable
-    code points (``contracts.names``); and one that starts or ends with blanks. A name is kept
+    code points (``orch_contracts.names``); and one that starts or ends with blanks. A name is kept
     in NFC. What is not a string is left to the type check."""
     if not isinstance(value, str):
         return value

@@ -8,7 +8,7 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from contracts.settings import CommonSettings
+from orch_contracts.settings import CommonSettings
 
 
 class ManagerSettings(CommonSettings):
@@ -124,7 +124,7 @@ class ManagerSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _auth(self) -> Self:
-        from manager.auth import parse_tokens
+        from orch_manager.auth import parse_tokens
 
         if self.auth == "on" and not parse_tokens(self.api_tokens):
             raise ValueError(

@@ -1,9 +1,10 @@
 """The manager's data room: its connections to PostgreSQL and the one way a statement runs.
 
-Every statement is in ``manager.queries`` (named ``:params``); ``manager.repository`` holds the
-units of work made of them, and runs them here, on a ``Tx``. Nothing else in the manager talks to
-the database. Statements go straight to asyncpg as prepared statements (cached per connection):
-no ORM, no SQL compilation per request, no reset round trip when a connection goes back.
+Every statement is in ``orch_manager.queries`` (named ``:params``); ``orch_manager.repository``
+holds the units of work made of them, and runs them here, on a ``Tx``. Nothing else in the
+manager talks to the database. Statements go straight to asyncpg as prepared statements (cached
+per connection): no ORM, no SQL compilation per request, no reset round trip when a connection
+goes back.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 import asyncpg
 import orjson
 
-from contracts import pgconnect, tracing
-from contracts.errors import database_errors
-from contracts.settings import CommonSettings
+from orch_contracts import pgconnect, tracing
+from orch_contracts.errors import database_errors
+from orch_contracts.settings import CommonSettings
 
 _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -90,7 +91,7 @@ class Tx:
             yield
 
 
-#: Attributes of its spans (``contracts.tracing``).
+#: Attributes of its spans (``orch_contracts.tracing``).
 _DB = {"db.system": "postgresql"}
 
 

@@ -7,17 +7,17 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from contracts.database_url import normalize
-from contracts.pgconnect import create_engine
-from contracts.settings import CommonSettings
-from contracts.tables import Base
+from orch_contracts.database_url import normalize
+from orch_contracts.pgconnect import create_engine
+from orch_contracts.settings import CommonSettings
+from orch_contracts.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
 
 
 def _url() -> str:
-    """The canonical form (``contracts.database_url``): libpq's multi-host list is read too."""
+    """The canonical form (``orch_contracts.database_url``): libpq's multi-host list is read too."""
     url = config.get_main_option("sqlalchemy.url")
     return normalize(url) if url else CommonSettings().database_url
 

@@ -32,22 +32,22 @@ from aiormq.exceptions import (
     ConnectionClosed,
 )
 
-from contracts import tracing
-from contracts.amqp import connect_first
-from contracts.errors import BrokerUnavailable, broker_errors
-from contracts.messages import CancelMessage, StartMessage
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
-from contracts.routing import BROADCAST, ERRORS, Sender
-from contracts.settings import CommonSettings
-from contracts.topology import (
+from observer_service.ports import SessionSpec, Settling
+from orch_contracts import tracing
+from orch_contracts.amqp import connect_first
+from orch_contracts.errors import BrokerUnavailable, broker_errors
+from orch_contracts.messages import CancelMessage, StartMessage
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.routing import BROADCAST, ERRORS, Sender
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import (
     Topology,
     broker_version,
     declare_topology,
     publish_outputs,
     service_present,
 )
-from observer_service.ports import SessionSpec, Settling
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)

@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from contracts import aio
-from contracts.errors import LeaseLost
-from contracts.logs import observer_log
+from orch_contracts import aio
+from orch_contracts.errors import LeaseLost
+from orch_contracts.logs import observer_log
 
 
 class ObserverContext:

@@ -26,11 +26,11 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 
-from contracts.backoff import Backoff
-from contracts.batching import LINGER, Batcher
-from contracts.errors import Transient
-from contracts.statuses import LIVE, ObserverStatus
 from observer_service.ports import ControlFacts, Copy, Holding, Store
+from orch_contracts.backoff import Backoff
+from orch_contracts.batching import LINGER, Batcher
+from orch_contracts.errors import Transient
+from orch_contracts.statuses import LIVE, ObserverStatus
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from contracts.backoff import Backoff
-from contracts.errors import Transient
 from observer_service.ports import Copy
+from orch_contracts.backoff import Backoff
+from orch_contracts.errors import Transient
 
 log = logging.getLogger(__name__)
 

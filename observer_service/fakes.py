@@ -16,14 +16,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.clock import Clock
-from contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
-from contracts.kinds import RestartPolicy
-from contracts.messages import StartMessage
-from contracts.outputs import Committed, Output
-from contracts.pools import DEFAULT_POOL
-from contracts.statuses import HELD, LIVE, STOPPED, ObserverStatus
-from contracts.tracing import Carrier
 from observer_service.ports import (
     LOCKED,
     Checkpoint,
@@ -41,6 +33,14 @@ from observer_service.ports import (
     Written,
 )
 from observer_service.take import Decision
+from orch_contracts.clock import Clock
+from orch_contracts.errors import BrokerUnavailable, DatabaseUnavailable, RowLocked
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.messages import StartMessage
+from orch_contracts.outputs import Committed, Output
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.statuses import HELD, LIVE, STOPPED, ObserverStatus
+from orch_contracts.tracing import Carrier
 
 
 class ManualClock(Clock):

@@ -32,9 +32,9 @@ from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from contracts.errors import LeaseLost
-from contracts.witness import STALL, Witness
 from observer_service.stalls import MARK_AFTER, LoopBlocked, StallWatch, Step
+from orch_contracts.errors import LeaseLost
+from orch_contracts.witness import STALL, Witness
 
 T = TypeVar("T")
 

@@ -18,18 +18,6 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from contracts import tracing
-from contracts.backoff import Backoff
-from contracts.batching import LINGER, Batcher
-from contracts.clock import Clock
-from contracts.errors import BrokerUnavailable, Fenced, LeaseLost, Transient
-from contracts.kinds import KindSpec, RestartPolicy, secret_values
-from contracts.logs import observer_log
-from contracts.masking import mask
-from contracts.messages import StartMessage
-from contracts.pools import DEFAULT_POOL
-from contracts.tracing import Carrier
-from contracts.witness import Witness
 from observer_service.admission import Admission, Slot
 from observer_service.context import ObserverContext
 from observer_service.guard import Timing
@@ -55,6 +43,18 @@ from observer_service.settle import Settlement, Settler
 from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
+from orch_contracts import tracing
+from orch_contracts.backoff import Backoff
+from orch_contracts.batching import LINGER, Batcher
+from orch_contracts.clock import Clock
+from orch_contracts.errors import BrokerUnavailable, Fenced, LeaseLost, Transient
+from orch_contracts.kinds import KindSpec, RestartPolicy, secret_values
+from orch_contracts.logs import observer_log
+from orch_contracts.masking import mask
+from orch_contracts.messages import StartMessage
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.tracing import Carrier
+from orch_contracts.witness import Witness
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ import uuid
 from collections.abc import Collection
 from typing import Protocol
 
-from contracts.backoff import Backoff
-from contracts.clock import Clock
-from contracts.deadline import LeaseDeadline, LeaseTimings
-from contracts.errors import DatabaseUnavailable, LeaseLost, timed_out
 from observer_service.ports import Copy, LeaseDatabase, LeaseSession, Renewal
+from orch_contracts.backoff import Backoff
+from orch_contracts.clock import Clock
+from orch_contracts.deadline import LeaseDeadline, LeaseTimings
+from orch_contracts.errors import DatabaseUnavailable, LeaseLost, timed_out
 
 log = logging.getLogger(__name__)
 

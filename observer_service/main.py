@@ -13,14 +13,6 @@ from typing import Any
 
 import asyncpg
 
-from contracts import __version__, logs, pgconnect
-from contracts.backoff import Backoff
-from contracts.clock import Clock
-from contracts.durability import REPLICATION, Replication
-from contracts.errors import DatabaseUnavailable, StartupError, database_errors, timed_out
-from contracts.kinds import KindSpec
-from contracts.settings import default_host, where
-from contracts.witness import Witness
 from observer_service import guard
 from observer_service.broker import AmqpBroker
 from observer_service.service import ObserverService, ServiceConfig
@@ -34,6 +26,14 @@ from observer_service.store import (
     prepare_connection,
 )
 from observer_service.witnessing import start_tracing
+from orch_contracts import __version__, logs, pgconnect
+from orch_contracts.backoff import Backoff
+from orch_contracts.clock import Clock
+from orch_contracts.durability import REPLICATION, Replication
+from orch_contracts.errors import DatabaseUnavailable, StartupError, database_errors, timed_out
+from orch_contracts.kinds import KindSpec
+from orch_contracts.settings import default_host, where
+from orch_contracts.witness import Witness
 
 log = logging.getLogger(__name__)
 #: The longest a first connection is given, seconds, after tries that took too long.

@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from contracts.metrics import SIZES, Metrics
+from orch_contracts.metrics import SIZES, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from contracts import aio
-from contracts.backoff import Backoff
-from contracts.errors import BrokerUnavailable, Transient
-from contracts.outputs import Committed, check_record
 from observer_service.metrics import ServiceMetrics
 from observer_service.ports import BrokerSession, Checkpoint, Store
+from orch_contracts import aio
+from orch_contracts.backoff import Backoff
+from orch_contracts.errors import BrokerUnavailable, Transient
+from orch_contracts.outputs import Committed, check_record
 
 log = logging.getLogger(__name__)
 

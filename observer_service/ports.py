@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from contracts.kinds import RestartPolicy
-from contracts.messages import StartMessage
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
-from contracts.statuses import ObserverStatus
-from contracts.tracing import Carrier
 from observer_service.take import Decision
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.messages import StartMessage
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.statuses import ObserverStatus
+from orch_contracts.tracing import Carrier
 
 
 class Locked(Enum):
@@ -321,7 +321,7 @@ class Delivery(Protocol):
 
     body: bytes
     redelivered: bool
-    #: The trace context it came with (``contracts.tracing``).
+    #: The trace context it came with (``orch_contracts.tracing``).
     trace: Carrier | None
 
     @property
@@ -391,7 +391,7 @@ class BrokerSession(Protocol):
 
 
 OnStart = Callable[[Delivery], Awaitable[None]]
-#: A control message's body and the trace context it came with (``contracts.tracing``).
+#: A control message's body and the trace context it came with (``orch_contracts.tracing``).
 OnControl = Callable[[bytes, Carrier | None], Awaitable[None]]
 
 

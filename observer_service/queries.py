@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contracts.durability import TIMELINE
-from contracts.errors import TRACEBACK_START
-from contracts.statuses import (
+from orch_contracts.durability import TIMELINE
+from orch_contracts.errors import TRACEBACK_START
+from orch_contracts.statuses import (
     HELD,
     LIVE,
     STOPPED,

@@ -23,8 +23,8 @@ from tenacity import (
     wait_random,
 )
 
-from contracts.errors import DatabaseUnavailable, LeaseLost, RowLocked, Transient
 from observer_service.ports import Locked
+from orch_contracts.errors import DatabaseUnavailable, LeaseLost, RowLocked, Transient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,17 +16,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from contracts import aio
-from contracts.errors import Fenced, LeaseLost, split_error, stored_error
-from contracts.kinds import KindSpec, RestartPolicy
-from contracts.masking import mask
-from contracts.witness import Witness
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
 from observer_service.headroom import resource_error
 from observer_service.origin import Origin, Queued
 from observer_service.outputs import CopyOutputs
 from observer_service.ports import Copy, ErrorRecord, Taken
+from orch_contracts import aio
+from orch_contracts.errors import Fenced, LeaseLost, split_error, stored_error
+from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.masking import mask
+from orch_contracts.witness import Witness
 
 
 class StopReason(Enum):
@@ -134,7 +134,7 @@ class Runner:
         what caused it). Their frames hold this runner and the exception itself, a cycle that
         only a full collection would free (about 65 objects a copy, 4 KiB for a recorder, kept
         until then, and a full collection is rare in a process that runs many copies:
-        ``contracts.heap``)."""
+        ``orch_contracts.heap``)."""
         task, self.task = self.task, None
         if task is None or not task.done():
             return
@@ -249,7 +249,7 @@ async def _with_progress(run: Any, outputs: CopyOutputs, seconds: float) -> None
 
 def describe(exc: BaseException | None, secrets: Sequence[str] = ()) -> str:
     """An error as stored: its line, then the traceback when it was raised
-    (``contracts.errors.stored_error``). The observer's secret values, URL credentials and
+    (``orch_contracts.errors.stored_error``). The observer's secret values, URL credentials and
     secret query values are masked first, then the text is cut (a cut first could leave half a
     password that no longer looks like one)."""
     line = mask(f"{type(exc).__name__}: {exc}", secrets=secrets)[:2000]

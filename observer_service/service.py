@@ -18,27 +18,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from contracts import tracing
-from contracts.backoff import Backoff
-from contracts.batching import LINGER, Batcher
-from contracts.clock import Clock
-from contracts.deadline import LeaseTimings
-from contracts.errors import BrokerUnavailable, Transient
-from contracts.kinds import KindSpec
-from contracts.messages import (
-    CONTROL_MESSAGE,
-    CancelMessage,
-    DirectedStart,
-    DrainMessage,
-    HandoffMessage,
-    StartMessage,
-    UndrainMessage,
-)
-from contracts.pools import DEFAULT_POOL
-from contracts.statuses import ObserverStatus
-from contracts.topology import consumer_timeout_advice
-from contracts.tracing import Carrier
-from contracts.witness import Witness
 from observer_service.admission import Admission
 from observer_service.control import ControlChecks, cancel_confirmed, handoff_confirmed
 from observer_service.deliveries import QueuedMarks
@@ -62,6 +41,27 @@ from observer_service.runner import ASKED, ResourceShort, Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
+from orch_contracts import tracing
+from orch_contracts.backoff import Backoff
+from orch_contracts.batching import LINGER, Batcher
+from orch_contracts.clock import Clock
+from orch_contracts.deadline import LeaseTimings
+from orch_contracts.errors import BrokerUnavailable, Transient
+from orch_contracts.kinds import KindSpec
+from orch_contracts.messages import (
+    CONTROL_MESSAGE,
+    CancelMessage,
+    DirectedStart,
+    DrainMessage,
+    HandoffMessage,
+    StartMessage,
+    UndrainMessage,
+)
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.statuses import ObserverStatus
+from orch_contracts.topology import consumer_timeout_advice
+from orch_contracts.tracing import Carrier
+from orch_contracts.witness import Witness
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from contracts.pools import DEFAULT_POOL, POOL_PATTERN
-from contracts.settings import CommonSettings, default_host
+from orch_contracts.pools import DEFAULT_POOL, POOL_PATTERN
+from orch_contracts.settings import CommonSettings, default_host
 
 
 class ServiceSettings(CommonSettings):

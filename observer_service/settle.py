@@ -15,14 +15,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from enum import Enum, auto
 
-from contracts.errors import BrokerUnavailable, Fenced, LeaseLost, split_error
-from contracts.messages import StartMessage
-from contracts.statuses import ObserverStatus
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin
 from observer_service.ports import BrokerSession, Copy
 from observer_service.retry import until_done
 from observer_service.runner import ResourceShort, Runner, StopReason
+from orch_contracts.errors import BrokerUnavailable, Fenced, LeaseLost, split_error
+from orch_contracts.messages import StartMessage
+from orch_contracts.statuses import ObserverStatus
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import httpx
 
-from contracts.errors import Fenced
 from observer_service.egress import EgressPolicy, client
+from orch_contracts.errors import Fenced
 
 #: The HTTP headers of a fenced request.
 TOKEN_HEADER = "Orch-Fencing-Token"

@@ -19,13 +19,6 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from contracts import pgconnect
-from contracts.errors import DatabaseUnavailable, database_errors
-from contracts.kinds import RestartPolicy
-from contracts.messages import StartMessage
-from contracts.outputs import Committed
-from contracts.pools import DEFAULT_POOL
-from contracts.statuses import ObserverStatus
 from observer_service import queries as q
 from observer_service.headroom import Usage
 from observer_service.ports import (
@@ -41,6 +34,13 @@ from observer_service.ports import (
     Written,
 )
 from observer_service.take import Decision
+from orch_contracts import pgconnect
+from orch_contracts.errors import DatabaseUnavailable, database_errors
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.messages import StartMessage
+from orch_contracts.outputs import Committed
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.statuses import ObserverStatus
 
 log = logging.getLogger(__name__)
 

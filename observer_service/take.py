@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from enum import Enum
 
-from contracts.statuses import STOPPING, ObserverStatus
+from orch_contracts.statuses import STOPPING, ObserverStatus
 
 
 class Decision(Enum):

@@ -21,9 +21,9 @@ import tracemalloc
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from contracts.kinds import KindSpec
-from contracts.witness import Witness
 from observer_service.runner import Runner
+from orch_contracts.kinds import KindSpec
+from orch_contracts.witness import Witness
 
 log = logging.getLogger(__name__)
 

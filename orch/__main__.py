@@ -7,7 +7,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:] == ["--version"]:  # answered before the command line's modules load
-        from contracts import __version__
+        from orch_contracts import __version__
 
         print(f"observer-orchestrator {__version__}")
         return

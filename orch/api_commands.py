@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from contracts.logs import safe_text
-from contracts.statuses import ObserverStatus
 from orch.client import ApiError, Client, problem_text
+from orch_contracts.logs import safe_text
+from orch_contracts.statuses import ObserverStatus
 
 #: Without a terminal (a pipe, a file) and without COLUMNS, lines are as wide as they need:
 #: Rich would cut a table to 80 columns for a script that reads it.

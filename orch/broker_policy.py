@@ -15,7 +15,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from contracts.topology import Topology
+from orch_contracts.topology import Topology
 
 
 def policy(topology: Topology, max_length: int) -> tuple[str, str, dict[str, object]]:

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
-from contracts import __version__
 from orch.api_commands import err, kinds, observers_app, out, pools, services_app
+from orch_contracts import __version__
 
 if TYPE_CHECKING:
     import asyncio
     import socket
 
-    from contracts.settings import CommonSettings
     from orch.cluster import LocalCluster
+    from orch_contracts.settings import CommonSettings
 
 # The server's modules (settings, drivers, preflight) are imported by the commands that run
 # servers: an API command or --version needs none of them (they took 0.5 s of every call).
@@ -57,8 +57,8 @@ def main(
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    from contracts.masking import mask
     from orch.api_commands import shown
+    from orch_contracts.masking import mask
 
     err.print(f"[red]error:[/red] {shown(mask(message))}", highlight=False)
     raise typer.Exit(code)
@@ -80,10 +80,10 @@ def _settings(cls: type[S], **overrides: Any) -> S:
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
     """Run a server's main coroutine on uvloop where it is installed (it roughly halves the
     event loop's own cost per request and per delivery), else on asyncio's loop; with the
-    garbage collector at a server's pace (``contracts.heap``)."""
+    garbage collector at a server's pace (``orch_contracts.heap``)."""
     import asyncio
 
-    from contracts import heap
+    from orch_contracts import heap
 
     heap.settle()
     try:
@@ -99,10 +99,10 @@ def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> No
     import asyncio
     import os
 
-    from contracts import tracing
-    from contracts.errors import StartupError
-    from contracts.kinds import load_kinds
-    from contracts.preflight import check_servers
+    from orch_contracts import tracing
+    from orch_contracts.errors import StartupError
+    from orch_contracts.kinds import load_kinds
+    from orch_contracts.preflight import check_servers
 
     try:
         tracing.check(os.environ)  # here, before any fork: a wrong setting is one line
@@ -117,9 +117,9 @@ def _run(settings: CommonSettings, wait: float, run: Callable[[Any], int]) -> No
 @app.command()
 def migrate() -> None:
     """Create the database if needed and apply every migration."""
-    from contracts.errors import StartupError
-    from contracts.settings import CommonSettings
     from orch.database import migrate as run
+    from orch_contracts.errors import StartupError
+    from orch_contracts.settings import CommonSettings
 
     settings = _settings(CommonSettings)
     try:
@@ -141,9 +141,9 @@ def manager(
     wait: ServersWait = 0,
 ) -> None:
     """Run the HTTP API (and, if elected, the background loops)."""
-    from contracts import logs
-    from manager.leader import new_holder_id
-    from manager.settings import ManagerSettings
+    from orch_contracts import logs
+    from orch_manager.leader import new_holder_id
+    from orch_manager.settings import ManagerSettings
 
     settings = _settings(ManagerSettings, host=host, port=port, workers=workers)
     if settings.workers == 1:
@@ -159,11 +159,11 @@ def manager(
 
 
 def _traced(role: str, instance: str, serve: Any, *args: Any) -> int:
-    """Run ``serve(*args)`` to its end, traced if the environment asks (``contracts.tracing``),
+    """Run ``serve(*args)`` to its end, traced if the environment asks (``orch_contracts.tracing``),
     and export what is left before the process ends."""
     import os
 
-    from contracts import tracing
+    from orch_contracts import tracing
 
     tracing.configure(role, os.environ, instance=instance)
     try:
@@ -174,8 +174,8 @@ def _traced(role: str, instance: str, serve: Any, *args: Any) -> int:
 
 def _serve_workers(settings: Any, kinds: Any) -> int:
     """``settings.workers`` replicas sharing one listening socket."""
-    from contracts import logs
     from orch.workers import run_workers
+    from orch_contracts import logs
 
     def worker(sock: socket.socket, replica: str) -> int:
         logs.configure(settings.log_level, settings.log_format, replica=replica)
@@ -192,9 +192,9 @@ async def _serve_manager(
 
     import uvicorn
 
-    from manager.app import create_app
-    from manager.http import guarded_http, room_for
-    from manager.runtime import ManagerRuntime
+    from orch_manager.app import create_app
+    from orch_manager.http import guarded_http, room_for
+    from orch_manager.runtime import ManagerRuntime
 
     room_for(settings.max_connections)
     runtime = ManagerRuntime(settings, kinds, replica=replica)
@@ -241,9 +241,9 @@ def service(
     wait: ServersWait = 0,
 ) -> None:
     """Run one observer service."""
-    from contracts import logs
     from observer_service.main import serve
     from observer_service.settings import ServiceSettings
+    from orch_contracts import logs
 
     settings = _settings(ServiceSettings, name=name, worker_count=worker_count, pool=pool)
     logs.configure(settings.log_level, settings.log_format, service=settings.name)
@@ -274,9 +274,9 @@ def up(
 
 
 async def _broker_advice() -> str | None:
-    from contracts.amqp import connect_first
-    from contracts.settings import CommonSettings
-    from contracts.topology import broker_version, consumer_timeout_advice
+    from orch_contracts.amqp import connect_first
+    from orch_contracts.settings import CommonSettings
+    from orch_contracts.topology import broker_version, consumer_timeout_advice
 
     connection, _ = await connect_first(CommonSettings().amqp_urls, timeout=5)
     async with connection:
@@ -336,7 +336,7 @@ async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
     moving, and the cluster stays up."""
     import asyncio
 
-    from contracts.backoff import Backoff
+    from orch_contracts.backoff import Backoff
 
     backoffs: dict[str, Backoff] = {}
     started = {p.name: time.monotonic() for p in cluster.procs}
@@ -403,8 +403,8 @@ def broker_policy(
     """Limit the error queue's length with a broker policy (it would grow for ever)."""
     import shlex
 
-    from contracts.settings import CommonSettings
     from orch import broker_policy as bp
+    from orch_contracts.settings import CommonSettings
 
     settings = _settings(CommonSettings)
     # Policies are cluster-wide: any node's URL names the vhost and the credentials.
@@ -443,9 +443,9 @@ def outputs_tail(
     this ends; Ctrl-C ends it), and every gap in an observer's seqs."""
     import asyncio
 
-    from contracts.errors import BrokerUnavailable
-    from contracts.settings import CommonSettings
     from orch.outputs_tail import tail
+    from orch_contracts.errors import BrokerUnavailable
+    from orch_contracts.settings import CommonSettings
 
     settings = _settings(CommonSettings)
     piped = False  # whoever read our output went away (``| head -2``)
@@ -503,7 +503,7 @@ def token_new(
 ) -> None:
     """Make an API token: the token goes to its user, the entry to ORCH_API_TOKENS (which
     keeps only its SHA-256 digest)."""
-    from manager.auth import Role, new_token
+    from orch_manager.auth import Role, new_token
 
     if role not in ("read", "admin") or ":" in name or "," in name or not name.strip():
         _fail("NAME must not contain ':' or ',' and --role must be read or admin", 2)
@@ -564,9 +564,9 @@ def verify(
     every kind stopped within ORCH_SHUTDOWN_TIMEOUT; 1 otherwise."""
     import asyncio
 
-    from contracts.errors import InvalidParams, OrchError, StartupError
-    from contracts.kinds import load_kinds
     from observer_service.settings import ServiceSettings
+    from orch_contracts.errors import InvalidParams, OrchError, StartupError
+    from orch_contracts.kinds import load_kinds
     from orch_verify.campaign import ObserverSpec, parse_faults
     from orch_verify.run import Options, new_seed, params_hint, parse_observer
     from orch_verify.run import verify as run_verify
@@ -624,9 +624,9 @@ def bench(
     only: Annotated[str | None, typer.Option(help="comma-separated scenario names")] = None,
 ) -> None:
     """Start a throw-away local cluster and measure it against the targets."""
-    from contracts.settings import CommonSettings
     from orch_bench.run import main
     from orch_bench.scenarios import SCENARIOS
+    from orch_contracts.settings import CommonSettings
 
     settings = _settings(CommonSettings)
     names = [n.strip() for n in only.split(",")] if only else None
@@ -642,9 +642,9 @@ def _scratch_server(settings: S) -> S:
     server's ``postgres`` database, once the servers answer."""
     import asyncio
 
-    from contracts.errors import StartupError
-    from contracts.preflight import check_servers
-    from contracts.settings import on_database
+    from orch_contracts.errors import StartupError
+    from orch_contracts.preflight import check_servers
+    from orch_contracts.settings import on_database
 
     server = settings.model_copy(
         update={"database_url": on_database(settings.database_url, "postgres")}

@@ -14,7 +14,7 @@
 
 Every answer is a response model (``Observer``, ``Service``, …: frozen dataclasses, fields as
 the API names them; a field the API adds later is ignored). Every failure is an error of the
-project's tree (``contracts.errors``) as well as an ``ApiError`` with the API's status and
+project's tree (``orch_contracts.errors``) as well as an ``ApiError`` with the API's status and
 problem document: ``NotFound``, ``NameTaken``, ``Conflict``, ``InvalidParams``, ``UnknownKind``,
 ``InvalidInput``, ``TooLarge``, ``Unauthorized``, ``Forbidden``, ``Unavailable`` (the manager
 answered 503, or could not be reached). A 503 is retried ``retries`` times, after the wait its
@@ -39,7 +39,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
-from contracts import errors
+from orch_contracts import errors
 
 if typing.TYPE_CHECKING:
     import http.client
@@ -52,7 +52,7 @@ TOKEN_HINT = (
     "(`orch token new NAME --role admin` makes one; `orch up` prints one for its run)"
 )
 DEFAULT_URL = "http://127.0.0.1:8000"
-#: The problem types of ``manager.problems.PROBLEM_TYPES``.
+#: The problem types of ``orch_manager.problems.PROBLEM_TYPES``.
 _TYPES = "urn:observer-orchestrator:"
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import asyncpg
 import httpx
 
-from contracts import pgconnect
+from orch_contracts import pgconnect
 
 T = TypeVar("T")
 
@@ -113,7 +113,7 @@ class LocalCluster:
             return
         if self.env.get("ORCH_AUTH", os.environ.get("ORCH_AUTH")) == "disabled":
             return
-        from manager.auth import Role, new_token
+        from orch_manager.auth import Role, new_token
 
         self.token, entry = new_token("local-admin", Role.ADMIN)
         self.env["ORCH_API_TOKENS"] = entry
@@ -126,7 +126,7 @@ class LocalCluster:
     def database_dsn(self) -> str:
         """The database the processes use: from ``env``, else as the settings resolve it
         (the environment, then the defaults)."""
-        from contracts.settings import CommonSettings
+        from orch_contracts.settings import CommonSettings
 
         url = self.env.get("ORCH_DATABASE_URL")
         settings = CommonSettings(database_url=url) if url else CommonSettings()
@@ -196,9 +196,9 @@ class LocalCluster:
         return proc
 
     async def _wait_on_broker(self, proc: Proc, service_id: uuid.UUID) -> None:
-        from contracts.amqp import connect_first
-        from contracts.settings import CommonSettings, split_urls
-        from contracts.topology import service_present
+        from orch_contracts.amqp import connect_first
+        from orch_contracts.settings import CommonSettings, split_urls
+        from orch_contracts.topology import service_present
 
         defaults = CommonSettings()
         url = self.env.get("ORCH_AMQP_URL", defaults.amqp_url)
@@ -263,15 +263,15 @@ class Scratch:
         self.prefixes: list[str] = []
 
     async def _admin(self) -> asyncpg.Connection:
-        from contracts.settings import asyncpg_dsn, on_database
+        from orch_contracts.settings import asyncpg_dsn, on_database
 
         return await asyncpg.connect(asyncpg_dsn(on_database(self.server_url, "postgres")))
 
     async def prepare(self) -> None:
         from alembic import command
 
-        from contracts.settings import on_database
-        from migrations import alembic_config
+        from orch_contracts.settings import on_database
+        from orch_migrations import alembic_config
 
         await self._run(f'CREATE DATABASE "{self.template}"')
         self.databases.append(self.template)
@@ -280,7 +280,7 @@ class Scratch:
 
     async def database(self, name: str) -> str:
         """A fresh migrated database; its URL."""
-        from contracts.settings import on_database
+        from orch_contracts.settings import on_database
 
         db = f"orch_{self.tool}_{self.run_id}_{name}"
         await self._run(f'CREATE DATABASE "{db}" TEMPLATE "{self.template}"')
@@ -293,7 +293,7 @@ class Scratch:
         return prefix
 
     async def delete_prefix(self, prefix: str) -> None:
-        from contracts.topology import Topology, delete_topology
+        from orch_contracts.topology import Topology, delete_topology
 
         with contextlib.suppress(Exception):
             await delete_topology(self.amqp_url, Topology(prefix))

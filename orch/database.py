@@ -7,10 +7,10 @@ import asyncio
 import asyncpg
 from alembic import command
 
-from contracts import pgconnect
-from contracts.errors import StartupError
-from contracts.settings import CommonSettings, asyncpg_dsn, on_database, where
-from migrations import alembic_config
+from orch_contracts import pgconnect
+from orch_contracts.errors import StartupError
+from orch_contracts.settings import CommonSettings, asyncpg_dsn, on_database, where
+from orch_migrations import alembic_config
 
 _UNREACHABLE = (
     OSError,

@@ -2,7 +2,7 @@
 
 An exclusive queue of its own, ``<prefix>.consumer.tail-<random>`` (a name the consumer broker
 role may declare), bound to ``<prefix>.outputs`` (one kind, or ``#``), gone when the command
-ends; one line per record, and one for each gap the reader sees (``contracts.reader``: it joins
+ends; one line per record, and one for each gap the reader sees (``orch_contracts.reader``: it joins
 a running stream, so the first record of each observer starts its count).
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import aio_pika
 
-from contracts.amqp import connect_first
-from contracts.errors import broker_errors
-from contracts.logs import safe_text
-from contracts.reader import OutputReader, Verdict
-from contracts.settings import CommonSettings
+from orch_contracts.amqp import connect_first
+from orch_contracts.errors import broker_errors
+from orch_contracts.logs import safe_text
+from orch_contracts.reader import OutputReader, Verdict
+from orch_contracts.settings import CommonSettings
 
 #: A record is shown cut to this many characters (``--json`` shows it whole).
 WIDTH = 160

@@ -37,12 +37,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.errors import Fenced, LeaseLost
-from contracts.kinds import KindSpec, get_kind, load_kinds
-from contracts.outputs import check_record
 from observer_service.context import ObserverContext, checked_delay
 from observer_service.guard import guarded
 from observer_service.intake import checkpoint_json
+from orch_contracts.errors import Fenced, LeaseLost
+from orch_contracts.kinds import KindSpec, get_kind, load_kinds
+from orch_contracts.outputs import check_record
 
 
 class VirtualClock:

@@ -28,7 +28,7 @@ def listening(host: str, port: int) -> socket.socket:
 def run_workers(host: str, port: int, workers: int, worker: Worker) -> int:
     """Fork and supervise ``workers`` processes; 0 when all stopped on a signal, 1 when one of
     them failed (the others are stopped then)."""
-    from manager.leader import new_holder_id
+    from orch_manager.leader import new_holder_id
 
     sock = listening(host, port)
     children: set[int] = set()

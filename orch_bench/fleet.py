@@ -54,11 +54,11 @@ from typing import Any
 import aio_pika
 import httpx
 
-from contracts.statuses import Event
 from orch.cluster import Proc, quiet, wait_for
 from orch_bench.floor import measure_floor
 from orch_bench.harness import Bench, BenchCluster, Figure, cpu_by_role, percentile, rss_bytes
 from orch_bench.ticklog import Tick, TickTail
+from orch_contracts.statuses import Event
 
 #: Connections each service's pool opens at most (its lease session is one more).
 POOL_MAX = 3

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import aio_pika
 
-from contracts.witness import tick_line
 from orch.cluster import LocalCluster, quiet, wait_for
 from orch_bench.ticklog import failover_gaps, read_ticks
+from orch_contracts.witness import tick_line
 
 
 async def consume(url: str, queue_name: str, tick_dir: Path, interval: float) -> None:

@@ -20,9 +20,9 @@ from typing import Any
 import asyncpg
 import httpx
 
-from contracts.settings import CommonSettings
 from orch.cluster import LocalCluster, Scratch, wait_for
 from orch_bench.loadgen import RawClient
+from orch_contracts.settings import CommonSettings
 
 #: An observer runs when a holder has made a fenced write for it: a checkpoint, or a commit of
 #: records (an emitter that commits on its own never writes a checkpoint).

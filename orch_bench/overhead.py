@@ -1,6 +1,6 @@
 """What observing the cluster costs: start latency and create throughput with the metrics
 endpoints, the request measure, the access log and JSON logs on, against all of them off; and
-with traces on (``contracts.tracing``, OTLP/HTTP to a collector that drops them), against off.
+with traces on (``orch_contracts.tracing``, OTLP/HTTP to a collector that drops them), against off.
 
 Both clusters run at the same time and the samples alternate between them (a start on one,
 then on the other; a burst of creates on one, then on the other), so the machine's own drift

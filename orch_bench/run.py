@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from contracts.settings import CommonSettings, asyncpg_dsn, on_database
 from orch_bench.harness import Bench, Figure
 from orch_bench.scenarios import FULL, FULL_ONLY, QUICK, SCENARIOS
+from orch_contracts.settings import CommonSettings, asyncpg_dsn, on_database
 
 
 async def run(

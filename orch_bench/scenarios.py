@@ -863,7 +863,7 @@ async def outputs_throughput(bench: Bench, size: Size, tick: Tick) -> list[Figur
     queue kept and checks every message is whole."""
     import aio_pika
 
-    from contracts.outputs import Output
+    from orch_contracts.outputs import Output
 
     n, seconds = size.outputs_observers, size.outputs_seconds
     rate = 20.0  # records per observer per second: 20,000/s at 1,000 observers
@@ -1000,8 +1000,8 @@ async def _outputs_floor(amqp_url: str, *, seconds: float) -> tuple[float, float
     own figures compare to."""
     import aio_pika
 
-    from contracts.outputs import Committed
-    from contracts.topology import Topology, publish_outputs
+    from orch_contracts.outputs import Committed
+    from orch_contracts.topology import Topology, publish_outputs
 
     topology = Topology(f"orch-floor-{uuid.uuid4().hex[:8]}")
     record = json.dumps({"t": time.time()})

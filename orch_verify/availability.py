@@ -52,8 +52,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from contracts.kinds import RestartPolicy
-from contracts.witness import Reader, Record
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.witness import Reader, Record
 
 #: Seconds of unrun time no fault needs to explain (a move, a take, a busy core).
 TOLERANCE = 1.0

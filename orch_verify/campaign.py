@@ -64,10 +64,10 @@ import aio_pika
 import asyncpg
 import httpx
 
-from contracts.clock import set_suspend_lag
-from contracts.settings import asyncpg_dsn
-from contracts.topology import Topology
 from orch.cluster import Proc, wait_for
+from orch_contracts.clock import set_suspend_lag
+from orch_contracts.settings import asyncpg_dsn
+from orch_contracts.topology import Topology
 from orch_verify.availability import Fault
 from orch_verify.cluster import FaultCluster
 from orch_verify.proxy import Proxy

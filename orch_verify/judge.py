@@ -26,8 +26,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from contracts.errors import Transient
-from contracts.witness import Record, across_freeze
+from orch_contracts.errors import Transient
+from orch_contracts.witness import Record, across_freeze
 from orch_verify.availability import Availability, downtime_line
 from orch_verify.outputs import OutputFindings
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import aio_pika
 
-from contracts.outputs import Output
-from contracts.topology import Topology
+from orch_contracts.outputs import Output
+from orch_contracts.topology import Topology
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from contracts import witness
-from contracts.kinds import KindSpec, load_kinds
-from contracts.settings import CommonSettings
-from contracts.topology import Topology
-from manager.auth import Role, new_token
 from orch.cluster import Scratch, wait_for
+from orch_contracts import witness
+from orch_contracts.kinds import KindSpec, load_kinds
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import Topology
+from orch_manager.auth import Role, new_token
 from orch_verify.availability import CANNOT_TAKE, INPUTS, RECOVERY, Inputs, Lives
 from orch_verify.campaign import Campaign, ObserverSpec, Planned, plan
 from orch_verify.cluster import FaultCluster

@@ -35,9 +35,9 @@ from typing import Any
 import httpx
 import websockets
 
-from contracts.settings import CommonSettings
-from manager.auth import Role, new_token
 from orch.cluster import Scratch
+from orch_contracts.settings import CommonSettings
+from orch_manager.auth import Role, new_token
 from orch_verify.campaign import Campaign, ObserverSpec
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import trend

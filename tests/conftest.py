@@ -21,8 +21,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from contracts.settings import asyncpg_dsn, on_database
-from contracts.topology import Topology, delete_topology
+from orch_contracts.settings import asyncpg_dsn, on_database
+from orch_contracts.topology import Topology, delete_topology
 from tests.support.cluster import Cluster
 
 #: The kit kind authors get: ``kind_run`` and ``virtual_clock`` (tests/unit/test_builtin_kinds.py).
@@ -111,7 +111,7 @@ async def template_db(servers: Servers) -> AsyncIterator[str]:
     """A database migrated once per run; each test's database is a copy of it."""
     from alembic import command
 
-    from migrations import alembic_config
+    from orch_migrations import alembic_config
 
     name = f"orch_t_{RUN}_tpl"
     await _admin(servers, f'CREATE DATABASE "{name}"')

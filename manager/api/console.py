@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from contracts.errors import NotFound
+from orch_contracts.errors import NotFound
 
 HERE = Path(__file__).resolve().parent.parent / "console"
 #: The page may load only its own script and style, and talk only to this API; no page may

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from manager.runtime import ManagerRuntime
+from orch_manager.runtime import ManagerRuntime
 
 
 async def get_runtime(request: Request) -> ManagerRuntime:  # async: sync ones use a thread pool

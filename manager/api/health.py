@@ -6,11 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from contracts.errors import NotFound, Transient
-from manager import repository as repo
-from manager.api.deps import RuntimeDep
-from manager.auth import Authenticator, Unauthenticated
-from manager.http import bearer
+from orch_contracts.errors import NotFound, Transient
+from orch_manager import repository as repo
+from orch_manager.api.deps import RuntimeDep
+from orch_manager.auth import Authenticator, Unauthenticated
+from orch_manager.http import bearer
 
 router = APIRouter(tags=["health"])
 

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from pydantic import ValidationError
 
-from contracts import tracing
-from contracts.errors import (
+from orch_contracts import tracing
+from orch_contracts.errors import (
     Conflict,
     NameTaken,
     NotFound,
@@ -20,17 +20,17 @@ from contracts.errors import (
     Transient,
     split_error,
 )
-from contracts.kinds import mask_as, mask_text_in, secret_values
-from contracts.masking import mask
-from contracts.pools import DEFAULT_POOL
-from contracts.statuses import ObserverStatus
-from manager import repository as repo
-from manager.api.deps import RuntimeDep
-from manager.auth import ADMIN, READ, Authenticator, Credentials, Role
-from manager.outbox import Pending
-from manager.problems import field_errors, problem_for, problem_of, responses, status_of
-from manager.runtime import ManagerRuntime
-from manager.schemas import (
+from orch_contracts.kinds import mask_as, mask_text_in, secret_values
+from orch_contracts.masking import mask
+from orch_contracts.pools import DEFAULT_POOL
+from orch_contracts.statuses import ObserverStatus
+from orch_manager import repository as repo
+from orch_manager.api.deps import RuntimeDep
+from orch_manager.auth import ADMIN, READ, Authenticator, Credentials, Role
+from orch_manager.outbox import Pending
+from orch_manager.problems import field_errors, problem_for, problem_of, responses, status_of
+from orch_manager.runtime import ManagerRuntime
+from orch_manager.schemas import (
     Action,
     KindName,
     ObserverAction,
@@ -47,7 +47,7 @@ from manager.schemas import (
     PoolName,
     SafeText,
 )
-from manager.store import Tx
+from orch_manager.store import Tx
 
 router = APIRouter(prefix="/observers", tags=["observers"])
 AUTH = (401, 403)

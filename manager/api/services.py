@@ -6,15 +6,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
-from contracts.errors import AdvertRefused
-from contracts.kinds import KindSpec
-from manager import repository as repo
-from manager.api.deps import RuntimeDep
-from manager.auth import ADMIN, READ
-from manager.leader import current_leader
-from manager.problems import responses
-from manager.runtime import advertised_spec
-from manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
+from orch_contracts.errors import AdvertRefused
+from orch_contracts.kinds import KindSpec
+from orch_manager import repository as repo
+from orch_manager.api.deps import RuntimeDep
+from orch_manager.auth import ADMIN, READ
+from orch_manager.leader import current_leader
+from orch_manager.problems import responses
+from orch_manager.runtime import advertised_spec
+from orch_manager.schemas import KindOut, LeaderOut, PoolOut, ServiceOut
 
 router = APIRouter(tags=["cluster"])
 AUTH = (401, 403)

@@ -20,17 +20,17 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.errors import BrokerUnavailable, NotFound, OrchError
-from contracts.kinds import KindSpec, RestartPolicy
-from contracts.statuses import Event, ObserverStatus
-from manager import queries as q
-from manager import repository as repo
-from manager.api.deps import RuntimeDep
-from manager.api.observers import KindFilter, PoolFilter, SeesSecrets, StatusFilter, shown
-from manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
-from manager.outbox import Pending
-from manager.problems import Problem, problem_for, responses, status_of
-from manager.schemas import SafeText, ServiceOut
+from orch_contracts.errors import BrokerUnavailable, NotFound, OrchError
+from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.statuses import Event, ObserverStatus
+from orch_manager import queries as q
+from orch_manager import repository as repo
+from orch_manager.api.deps import RuntimeDep
+from orch_manager.api.observers import KindFilter, PoolFilter, SeesSecrets, StatusFilter, shown
+from orch_manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
+from orch_manager.outbox import Pending
+from orch_manager.problems import Problem, problem_for, responses, status_of
+from orch_manager.schemas import SafeText, ServiceOut
 
 router = APIRouter(tags=["console"])
 AUTH = (401, 403)

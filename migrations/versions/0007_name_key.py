@@ -1,5 +1,5 @@
 """Revision 0007, after 0006 (2026-12-02): ``observers.name_key``, what names that look alike
-share (``contracts.names.name_key``), unique among observers that are not deleted, as names
+share (``orch_contracts.names.name_key``), unique among observers that are not deleted, as names
 are.
 
 Existing rows get their key. Live observers whose names already look alike (created before
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from contracts.names import name_key
+from orch_contracts.names import name_key
 
 revision = "0007"
 down_revision = "0006"

@@ -3,7 +3,7 @@
 It makes ``holder`` a key column: a takeover (a new holder) then takes the row's strongest lock
 and waits for every transaction that read the lease ``FOR KEY SHARE``, while a renewal (the
 same holder, a new expiry) does not. The leader's loops open each transaction that way
-(``manager.leader``), so an old leader's write either commits before its successor's term
+(``orch_manager.leader``), so an old leader's write either commits before its successor's term
 begins, or finds the lease gone and writes nothing. Only adds an index: the release before
 runs unchanged on this schema."""
 

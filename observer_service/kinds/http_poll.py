@@ -6,8 +6,9 @@ redirects, gives up after ``timeout``, and connects only where the egress policy
 ``ORCH_HTTP_POLL_ALLOW`` opens (``example.com``, ``*.example.org``, ``api.example.com:8443``,
 ``10.0.0.0/8:443``), checked on the address actually connected to, redirects included.
 
-URL credentials and the values of secret query parameters (``contracts.masking.is_secret_name``,
-plus the observer's own ``secret_query``) never reach a log line or ``last_error``.
+URL credentials and the values of secret query parameters
+(``orch_contracts.masking.is_secret_name``, plus the observer's own ``secret_query``) never reach
+a log line or ``last_error``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import httpx
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from contracts.kinds import RestartPolicy, from_client, observer_kind
-from contracts.masking import mask
 from observer_service import egress
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressPolicy, EgressRefused
+from orch_contracts.kinds import RestartPolicy, from_client, observer_kind
+from orch_contracts.masking import mask
 
 
 class HttpPollSettings(BaseSettings):

@@ -14,9 +14,9 @@ from typing import IO
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.kinds import observer_kind
-from contracts.witness import tick_line
 from observer_service.context import ObserverContext
+from orch_contracts.kinds import observer_kind
+from orch_contracts.witness import tick_line
 
 _files: dict[str, IO[str]] = {}
 

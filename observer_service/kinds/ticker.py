@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.kinds import observer_kind
 from observer_service.context import ObserverContext
+from orch_contracts.kinds import observer_kind
 
 
 class TickerParams(BaseModel):

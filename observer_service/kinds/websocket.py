@@ -27,11 +27,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_core import Url
 
-from contracts.kinds import from_client, observer_kind
-from contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 from observer_service.context import ObserverContext
 from observer_service.egress import EgressRefused
 from observer_service.kinds.http_poll import REFUSED_AT_CREATE, HttpPollSettings
+from orch_contracts.kinds import from_client, observer_kind
+from orch_contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 
 #: A connection that lasted this long resets the backoff.
 STEADY = 60.0

@@ -21,9 +21,9 @@ import aio_pika
 import pytest
 import websockets
 
-from contracts.statuses import Event
-from contracts.topology import Topology
 from orch_bench.ticklog import failover_gaps, read_ticks
+from orch_contracts.statuses import Event
+from orch_contracts.topology import Topology
 from orch_verify.soak import page
 from tests.support.cluster import Cluster, Proc, wait_for
 from tests.support.faults import (

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from manager.auth import Role, new_token
+from orch_manager.auth import Role, new_token
 from tests.support.cluster import Cluster
 
 MiB = 1 << 20

@@ -14,9 +14,9 @@ import uuid
 import aio_pika
 import pytest
 
-from contracts.settings import CommonSettings
-from contracts.topology import service_present
 from orch_bench.ticklog import largest_gaps, read_ticks
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import service_present
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 from tests.support.faults import (

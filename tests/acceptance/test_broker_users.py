@@ -18,10 +18,10 @@ import aio_pika
 import pytest
 from aiormq.exceptions import ChannelAccessRefused
 
-from contracts.settings import CommonSettings
-from contracts.topology import Topology
 from orch.outputs_tail import tail
 from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import Topology
 from tests.conftest import Servers
 from tests.support.cluster import Cluster, wait_for
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from contracts import errors
-from manager.auth import Role, new_token
 from orch import client as oc
+from orch_contracts import errors
+from orch_manager.auth import Role, new_token
 from tests.support.cluster import Cluster
 
 

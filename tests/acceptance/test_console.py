@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from playwright.async_api import Browser, Page, Request, Route
 
-from manager.auth import Role, new_token
+from orch_manager.auth import Role, new_token
 from tests.support.browser import browser, screenshot_dir, shot
 from tests.support.cluster import Cluster, wait_for
 from tests.support.faults import memory_alarm

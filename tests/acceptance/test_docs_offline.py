@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import httpx
 from playwright.async_api import Browser, ConsoleMessage, Route
 
-from manager.app import create_app
-from manager.settings import ManagerSettings
+from orch_manager.app import create_app
+from orch_manager.settings import ManagerSettings
 from tests.support.browser import browser, screenshot_dir, shot
 from tests.support.cluster import Cluster
 

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from contracts.errors import split_error
+from orch_contracts.errors import split_error
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, wait_for
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
-from contracts import witness
-from contracts.clock import set_suspend_lag
-from contracts.messages import HandoffMessage, StartMessage
-from contracts.settings import asyncpg_dsn
 from orch_bench.ticklog import failover_gaps, largest_gaps, read_ticks
+from orch_contracts import witness
+from orch_contracts.clock import set_suspend_lag
+from orch_contracts.messages import HandoffMessage, StartMessage
+from orch_contracts.settings import asyncpg_dsn
 from orch_verify.judge import judge
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, Proc, quiet, wait_for

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import aio_pika
 import pytest
 
-from contracts.messages import (
+from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_contracts.messages import (
     CancelMessage,
     DirectedStart,
     DrainMessage,
@@ -21,8 +22,7 @@ from contracts.messages import (
     StartMessage,
     UndrainMessage,
 )
-from contracts.topology import Topology
-from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_contracts.topology import Topology
 from tests.support.cluster import Cluster, Proc, quiet, wait_for
 
 

@@ -12,9 +12,9 @@ import signal
 import time
 import uuid
 
-from manager.auth import Role, new_token
 from orch.cluster import quiet
 from orch_bench.ticklog import read_ticks
+from orch_manager.auth import Role, new_token
 from tests.support.cluster import Cluster, wait_for
 from tests.support.faults import assert_no_overlap
 

@@ -12,7 +12,7 @@ import uuid
 
 import aio_pika
 
-from contracts.messages import StartMessage
+from orch_contracts.messages import StartMessage
 from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import queue_counts
 
@@ -257,9 +257,9 @@ async def test_failing_kind_restarts_then_fails_then_restarts_by_api(cluster: Cl
 
 async def test_row_committed_without_publish_is_not_lost(cluster: Cluster) -> None:
     """The manager dies right after its commit: the outbox record brings the observer up."""
-    from manager import repository
-    from manager.settings import ManagerSettings
-    from manager.store import ManagerStore
+    from orch_manager import repository
+    from orch_manager.settings import ManagerSettings
+    from orch_manager.store import ManagerStore
 
     store = ManagerStore(ManagerSettings(database_url=cluster.database_url, auth="disabled"))
     await store.open()

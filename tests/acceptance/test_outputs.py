@@ -23,7 +23,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from contracts.outputs import Output
+from orch_contracts.outputs import Output
 from tests.support.cluster import Cluster, wait_for
 
 

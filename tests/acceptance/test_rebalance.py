@@ -14,8 +14,8 @@ from typing import Any
 import aio_pika
 import httpx
 
-from contracts.topology import Topology, service_present
 from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_contracts.topology import Topology, service_present
 from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import via
 

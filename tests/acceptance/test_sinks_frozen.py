@@ -23,9 +23,9 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from contracts.settings import asyncpg_dsn
 from observer_service.sinks import FencingMiddleware
 from orch.cluster import free_port
+from orch_contracts.settings import asyncpg_dsn
 from orch_verify.proxy import Proxy
 from tests.integration.test_sinks import REDIS_URL
 from tests.support.cluster import Cluster, wait_for

@@ -15,8 +15,8 @@ import aio_pika
 import asyncpg
 import pytest
 
-from contracts.topology import Topology, broker_version, work_queue_arguments
 from orch.cluster import free_port
+from orch_contracts.topology import Topology, broker_version, work_queue_arguments
 from tests.conftest import Servers
 from tests.support.cluster import ROOT
 

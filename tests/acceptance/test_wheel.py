@@ -1,6 +1,7 @@
 """The built wheel alone runs the system: built from the project's files, installed by itself
 into a fresh virtual environment, and run from a directory outside the source tree (so nothing
-is imported from the tree): ``orch migrate`` on a scratch database, a manager and a service,
+is imported from the tree), beside a user's own modules called ``contracts``, ``manager`` and
+``migrations``: ``orch migrate`` on a scratch database, a manager and a service,
 an observer created through the command line that ticks, and the console with its assets.
 """
 
@@ -21,9 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from contracts.topology import Topology, delete_topology
 from orch.cluster import free_port, wait_for
+from orch_contracts.topology import Topology, delete_topology
 from tests.conftest import RUN, Servers, _admin
+from tests.unit.test_import_names import users_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -39,7 +41,10 @@ def _sources(into: Path) -> None:
     ).stdout.split(b"\0")
     for name in filter(None, (n.decode() for n in listed)):
         src = ROOT / name
-        if src.is_file():
+        if src.is_symlink():  # src/: the links that give the folders their import names
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            (into / name).symlink_to(src.readlink())
+        elif src.is_file():
             (into / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, into / name)
 
@@ -90,6 +95,14 @@ async def test_the_wheel_alone_migrates_serves_runs_and_shows_the_console(
     _run(venv / "bin" / "pip", "install", "-q", wheel, cwd=tmp_path, env=env_base)
     orch = venv / "bin" / "orch"
     shutil.rmtree(source)  # nothing of the tree is left to import from
+    (top_level,) = venv.glob("lib/python*/site-packages/observer_orchestrator-*/top_level.txt")
+    assert set(top_level.read_text().split()) == {
+        "observer_service", "orch", "orch_bench", "orch_contracts", "orch_manager",
+        "orch_migrations", "orch_verify",
+    }  # fmt: skip
+    # A user's own modules by the folders' short names, first on the path (as a kinds directory
+    # is): every command below runs beside them.
+    env_base["PYTHONPATH"] = str(users_modules(tmp_path / "users"))
     assert _run(orch, "--version", cwd=run_dir, env=env_base).startswith("observer-orchestrator")
 
     database = f"orch_t_{RUN}_wheel"

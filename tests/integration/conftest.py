@@ -11,11 +11,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from contracts.settings import CommonSettings, asyncpg_dsn
-from manager.app import create_app
-from manager.auth import Role, new_token
-from manager.settings import ManagerSettings
-from manager.store import ManagerStore
+from orch_contracts.settings import CommonSettings, asyncpg_dsn
+from orch_manager.app import create_app
+from orch_manager.auth import Role, new_token
+from orch_manager.settings import ManagerSettings
+from orch_manager.store import ManagerStore
 from tests.conftest import Servers
 
 

@@ -1,4 +1,4 @@
-"""A service's advert is another process's input (``contracts.adverts``): written here straight
+"""A service's advert is another process's input (``orch_contracts.adverts``): written here straight
 into ``services`` as any process holding the database credentials could, it never makes the
 manager exit, fetch, block or show a secret; and a ``read`` token sees an observer's params
 masked by its own kind's version, everything masked where no advert tells."""
@@ -17,8 +17,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from contracts.settings import asyncpg_dsn
-from manager.runtime import ManagerRuntime
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager.runtime import ManagerRuntime
 from tests.conftest import Servers
 from tests.integration.conftest import AuthApi, auth_api
 
@@ -164,7 +164,7 @@ async def test_a_malformed_advert_is_left_out_and_never_stops_the_manager(
 ) -> None:
     """Rows whose ``kinds`` is not an object, or nests deeper than any reader should follow,
     live or deleted: the manager logs each, naming the service, and goes on."""
-    caplog.set_level(logging.WARNING, logger="manager.runtime")
+    caplog.set_level(logging.WARNING, logger="orch_manager.runtime")
     await join(conn, '"not an object"', deleted=True)
     await join(conn, "[1, 2]")
     await join(conn, DEEP)

@@ -8,10 +8,10 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from contracts.amqp import connect_first
-from contracts.errors import StartupError
-from contracts.preflight import check_broker
-from contracts.settings import CommonSettings
+from orch_contracts.amqp import connect_first
+from orch_contracts.errors import StartupError
+from orch_contracts.preflight import check_broker
+from orch_contracts.settings import CommonSettings
 from tests.conftest import Servers
 
 

@@ -11,11 +11,11 @@ import asyncpg
 import httpx
 import pytest
 
-from contracts.durability import REPLICATION, Replication
-from contracts.settings import asyncpg_dsn
-from manager.app import create_app
-from manager.settings import ManagerSettings
 from orch.cluster import wait_for
+from orch_contracts.durability import REPLICATION, Replication
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager.app import create_app
+from orch_manager.settings import ManagerSettings
 from tests.conftest import Servers
 
 
@@ -206,8 +206,8 @@ async def test_a_dead_leader_loop_stops_the_manager_through_an_event(
     """Not by signalling its own pid (in a test, that pid is pytest's)."""
     import asyncio
 
-    from manager.leader import LoopDied
-    from manager.runtime import ManagerRuntime
+    from orch_manager.leader import LoopDied
+    from orch_manager.runtime import ManagerRuntime
 
     async def broken() -> None:
         raise RuntimeError("a bug in a leader loop")
@@ -254,8 +254,8 @@ async def test_a_scrape_waits_on_the_database_only_when_it_is_the_first(
 
     import asyncpg
 
-    from contracts.settings import asyncpg_dsn
     from orch.cluster import wait_for
+    from orch_contracts.settings import asyncpg_dsn
 
     created = 'orch_observers{kind="ticker",pool="default",status="created"}'
     await api.post("/observers", json={"name": "s1", "kind": "ticker"})
@@ -300,8 +300,8 @@ async def test_every_create_is_published_once(
 
     import aio_pika
 
-    from contracts.topology import Topology
     from orch.cluster import quiet, wait_for
+    from orch_contracts.topology import Topology
 
     settings = ManagerSettings(
         database_url=database_url,
@@ -394,7 +394,7 @@ async def test_a_bulk_create_publishes_each_start_once(
 ) -> None:
     import aio_pika
 
-    from contracts.topology import Topology
+    from orch_contracts.topology import Topology
 
     settings = ManagerSettings(
         database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, auth="disabled"
@@ -472,8 +472,8 @@ async def test_a_connection_never_given_back_does_not_hang_the_managers_shutdown
     connection is dropped. A CI run once hung five minutes in a manager's shutdown."""
     import asyncio
 
-    from contracts import pgconnect
-    from manager.runtime import ManagerRuntime
+    from orch_contracts import pgconnect
+    from orch_manager.runtime import ManagerRuntime
 
     monkeypatch.setattr(pgconnect, "CLOSE_TIMEOUT", 0.5)
     runtime = ManagerRuntime(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from contracts.kinds import observer_kind
+from orch_contracts.kinds import observer_kind
 from tests.conftest import Servers
 from tests.integration.conftest import AuthApi, auth_api
 

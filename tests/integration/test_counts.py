@@ -11,10 +11,10 @@ import uuid
 
 import asyncpg
 
-from contracts.settings import asyncpg_dsn
-from manager import repository as repo
-from manager.store import ManagerStore
 from observer_service import queries as service_queries
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager import repository as repo
+from orch_manager.store import ManagerStore
 from tests.conftest import COUNTS_WRONG
 
 

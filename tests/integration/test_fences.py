@@ -13,13 +13,13 @@ from typing import Any
 import asyncpg
 import pytest
 
-from contracts.kinds import RestartPolicy
-from contracts.messages import StartMessage
-from contracts.settings import asyncpg_dsn
 from observer_service.ports import Checkpoint, Locked, StartRequest, TakeResult, Written
 from observer_service.store import PgLeaseDatabase, PgStore
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.messages import StartMessage
+from orch_contracts.settings import asyncpg_dsn
 
 ROW_FIELDS = "status, service_id, epoch, checkpoint, restart_count, last_error"
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from contracts.clock import Clock
-from contracts.deadline import LeaseTimings
-from contracts.errors import NotLeading
-from manager import repository as repo
-from manager.leader import LEADER_NAME, Leadership
-from manager.settings import ManagerSettings
-from manager.store import ManagerStore
 from orch.cluster import quiet, wait_for
+from orch_contracts.clock import Clock
+from orch_contracts.deadline import LeaseTimings
+from orch_contracts.errors import NotLeading
+from orch_manager import repository as repo
+from orch_manager.leader import LEADER_NAME, Leadership
+from orch_manager.settings import ManagerSettings
+from orch_manager.store import ManagerStore
 from tests.conftest import Servers
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.3, margin=0.2)

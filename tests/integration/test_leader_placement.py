@@ -22,24 +22,24 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractConnection, AbstractQueue
 
-from contracts.errors import BrokerUnavailable
-from contracts.messages import (
+from orch.cluster import wait_for
+from orch_contracts.errors import BrokerUnavailable
+from orch_contracts.messages import (
     CONTROL_MESSAGE,
     AnyControl,
     DirectedStart,
     HandoffMessage,
     StartMessage,
 )
-from contracts.routing import WORK
-from contracts.settings import CommonSettings
-from contracts.topology import Topology
-from manager.background import Audit
-from manager.metrics import ManagerMetrics
-from manager.outbox import Outbox
-from manager.publisher import Publisher
-from manager.rebalance import Rebalancer
-from manager.store import ManagerStore
-from orch.cluster import wait_for
+from orch_contracts.routing import WORK
+from orch_contracts.settings import CommonSettings
+from orch_contracts.topology import Topology
+from orch_manager.background import Audit
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.outbox import Outbox
+from orch_manager.publisher import Publisher
+from orch_manager.rebalance import Rebalancer
+from orch_manager.store import ManagerStore
 from tests.conftest import Servers
 from tests.support.faults import memory_alarm
 
@@ -607,7 +607,7 @@ async def test_probes_at_once_of_absent_services_leave_the_connection_open(
     probe's channel: the broker then closed the manager's whole connection ("second
     'channel.open' seen"). Forty probes at a time lost it in 43-50 rounds of 100. Probe
     channels now take numbers in turn from a range of their own."""
-    caplog.set_level(logging.WARNING, logger="manager.publisher")
+    caplog.set_level(logging.WARNING, logger="orch_manager.publisher")
     ids = [uuid.uuid4() for _ in range(40)]
     for _ in range(30):
         assert set(await asyncio.gather(*(publisher.service_present(i) for i in ids))) == {False}
@@ -623,7 +623,7 @@ async def test_probes_cut_short_by_their_timeout_leave_the_connection_open(
     connection ("second 'channel.open' seen"), 831 times in 12 minutes, and every start,
     handoff and probe waited on a reconnect. Here twenty probes at a time are cut short by
     timeouts of a few milliseconds, 32 rounds: the connection is never lost."""
-    caplog.set_level(logging.WARNING, logger="manager.publisher")
+    caplog.set_level(logging.WARNING, logger="orch_manager.publisher")
     ids = [uuid.uuid4() for _ in range(20)]
     for timeout in [0.0005, 0.001, 0.002, 0.005] * 8:
         publisher.probe_timeout = timeout

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncpg
 
-from contracts.messages import StartMessage
-from contracts.routing import Route
-from manager import repository as repo
-from manager.store import ManagerStore
+from orch_contracts.messages import StartMessage
+from orch_contracts.routing import Route
+from orch_manager import repository as repo
+from orch_manager.store import ManagerStore
 
 
 async def test_an_outbox_row_gives_the_relay_the_trace_it_was_written_in(

@@ -1,5 +1,5 @@
 """The consumer's side against the real broker: messages in the outputs format, published with
-plain aio-pika (a repeat, a gap among them), read by ``contracts.reader`` and by ``orch outputs
+plain aio-pika (a repeat, a gap among them), read by ``orch_contracts.reader`` and by ``orch outputs
 tail`` run as a command."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from contracts.outputs import Output
-from contracts.reader import OutputReader
+from orch_contracts.outputs import Output
+from orch_contracts.reader import OutputReader
 from tests.conftest import Servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,7 +220,7 @@ def _named(prefix: str, what: str) -> list[str]:
 async def test_delete_topology_leaves_nothing_of_its_prefix(servers: Servers, prefix: str) -> None:
     """What ``orch verify``, ``orch bench`` and the tests clean up with: the outputs exchange
     goes with the rest."""
-    from contracts.topology import (
+    from orch_contracts.topology import (
         Topology,
         broker_version,
         declare_topology,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from contracts.settings import asyncpg_dsn
+from orch_contracts.settings import asyncpg_dsn
 from tests.conftest import Servers
 from tests.integration.conftest import AuthApi, auth_api
 

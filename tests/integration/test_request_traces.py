@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import asyncio, sys
 import httpx, uvicorn
-from contracts import tracing
-from manager.app import create_app
-from manager.auth import Role, new_token
-from manager.settings import ManagerSettings
+from orch_contracts import tracing
+from orch_manager.app import create_app
+from orch_manager.auth import Role, new_token
+from orch_manager.settings import ManagerSettings
 from orch.cluster import free_port
 
 tracing.configure("manager", {"OTEL_TRACES_EXPORTER": "console"})

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 import asyncpg
 
-from contracts.statuses import ObserverStatus
-from manager.background import Pruner
-from manager.store import ManagerStore
+from orch_contracts.statuses import ObserverStatus
+from orch_manager.background import Pruner
+from orch_manager.store import ManagerStore
 
 OLD = "interval '30 days'"
 

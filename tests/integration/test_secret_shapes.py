@@ -14,8 +14,8 @@ import asyncpg
 import pytest
 from pydantic import BaseModel, ConfigDict, Secret, SecretStr
 
-from contracts.kinds import observer_kind
-from contracts.settings import asyncpg_dsn
+from orch_contracts.kinds import observer_kind
+from orch_contracts.settings import asyncpg_dsn
 from tests.conftest import Servers
 from tests.integration.conftest import AuthApi, auth_api
 

@@ -16,8 +16,6 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from contracts.errors import Fenced
-from contracts.settings import asyncpg_dsn
 from observer_service.egress import EgressPolicy
 from observer_service.sinks import (
     FencingMiddleware,
@@ -27,6 +25,8 @@ from observer_service.sinks import (
     idempotency_key,
 )
 from orch.cluster import free_port, wait_for
+from orch_contracts.errors import Fenced
+from orch_contracts.settings import asyncpg_dsn
 
 REDIS_URL = os.environ.get("ORCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

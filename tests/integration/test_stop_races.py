@@ -11,10 +11,10 @@ import uuid
 import asyncpg
 import pytest
 
-from contracts.settings import asyncpg_dsn
-from manager import repository as repo
-from manager.store import ManagerStore
 from orch.cluster import wait_for
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager import repository as repo
+from orch_manager.store import ManagerStore
 
 
 async def _service(conn: asyncpg.Connection, *, live: bool) -> uuid.UUID:

@@ -13,11 +13,6 @@ from typing import Any, Protocol, TypeVar
 import asyncpg
 import pytest
 
-from contracts.errors import RowLocked
-from contracts.kinds import RestartPolicy
-from contracts.messages import StartMessage
-from contracts.settings import asyncpg_dsn
-from contracts.statuses import ObserverStatus as S
 from observer_service.fakes import FakeService, InMemoryStore
 from observer_service.intake import checkpoint_json
 from observer_service.ports import (
@@ -36,6 +31,11 @@ from observer_service.store import PgStore
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
 from orch.cluster import wait_for
+from orch_contracts.errors import RowLocked
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.messages import StartMessage
+from orch_contracts.settings import asyncpg_dsn
+from orch_contracts.statuses import ObserverStatus as S
 
 T = TypeVar("T")
 

@@ -15,11 +15,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from contracts.settings import asyncpg_dsn
-from manager import queries as mq
-from manager.store import positional
 from observer_service import queries as q
 from observer_service.store import SERVER_SETTINGS
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager import queries as mq
+from orch_manager.store import positional
 
 HELD = 5000
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import asyncpg
 
-from contracts.settings import asyncpg_dsn
-from manager import repository as repo
-from manager.background import Sweeper
-from manager.metrics import ManagerMetrics
-from manager.store import ManagerStore
 from observer_service import queries as service_queries
 from orch.cluster import wait_for
+from orch_contracts.settings import asyncpg_dsn
+from orch_manager import repository as repo
+from orch_manager.background import Sweeper
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.store import ManagerStore
 
 
 class _Broker:

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from contracts.errors import InvalidParams
-from contracts.kinds import load_kinds
-from contracts.outputs import check_record
 from observer_service.intake import checkpoint_json
 from observer_service.kinds.websocket import WebsocketParams, websocket
 from orch.cluster import free_port, wait_for
+from orch_contracts.errors import InvalidParams
+from orch_contracts.kinds import load_kinds
+from orch_contracts.outputs import check_record
 from orch_verify.proxy import Proxy
 
 

@@ -12,9 +12,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from contracts.settings import asyncpg_dsn
-from contracts.tables import Base
-from migrations import alembic_config
+from orch_contracts.settings import asyncpg_dsn
+from orch_contracts.tables import Base
+from orch_migrations import alembic_config
 from tests.conftest import COUNTS_WRONG, Servers
 
 

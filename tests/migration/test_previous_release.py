@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from alembic.script import ScriptDirectory
 
-from migrations import alembic_config
 from orch_bench.ticklog import read_ticks
+from orch_migrations import alembic_config
 from tests.conftest import Servers
 from tests.support.cluster import quiet, wait_for
 from tests.support.faults import assert_no_overlap
@@ -50,7 +50,7 @@ def _columns_known_to(release: Release) -> set[str]:
     """The columns the release's own models (``contracts/tables.py``) declare."""
     code = (
         "import json\n"
-        "from contracts.tables import Base\n"
+        f"from {release.prefix}contracts.tables import Base\n"
         "print(json.dumps([f'{t.name}.{c.name}' for t in Base.metadata.sorted_tables "
         "for c in t.columns]))"
     )
@@ -75,7 +75,7 @@ async def test_previous_release_runs_on_this_releases_schema(
     service, and its checkpoints advance), list them, and stop and delete the one deleted
     through the old API; no two copies of an observer ever ran at once."""
     previous.assert_imported_from_here()
-    assert previous.imports()["manager"] != HEAD.imports()["manager"]
+    assert previous.imports()["orch"] != HEAD.imports()["orch"]
 
     async with mixed_cluster(
         database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, workdir=tmp_path

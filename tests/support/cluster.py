@@ -14,8 +14,8 @@ from typing import Any
 import asyncpg
 import httpx
 
-from contracts.topology import Topology, delete_topology
 from orch.cluster import Proc, quiet, wait_for
+from orch_contracts.topology import Topology, delete_topology
 from orch_verify.cluster import FaultCluster
 
 __all__ = ["Cluster", "Proc", "quiet", "wait_for"]

@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from contracts.witness import across_freeze
 from orch_bench.ticklog import overlap_seconds, read_ticks
+from orch_contracts.witness import across_freeze
 from orch_verify.campaign import LEASE_BACKEND, rabbitmqctl
 from orch_verify.proxy import via
 

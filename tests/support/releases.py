@@ -2,11 +2,11 @@
 cluster whose every process runs the code of the release it was started from.
 
 A process of a release runs from that release's tree: its working directory and its
-``PYTHONPATH`` are the tree, so ``python -m orch`` imports that tree's ``orch``, ``manager``,
-``observer_service``, ``contracts`` and ``migrations`` (the path comes before the project's
-editable install, whose finder is consulted last), and ``ORCH_KIND_MODULES=tests.support.kinds``
-loads that tree's test kinds. ``Release.imports`` asks such a process where it really imported
-each package from, so a test can prove which code ran.
+``PYTHONPATH`` are the tree, so ``python -m orch`` imports that tree's packages (the path comes
+before the project's editable install; a tree imports its folders by the names it uses: v0.1.0
+as ``contracts``, ``manager``, ``migrations``, this tree as ``orch_contracts`` and so on), and
+``ORCH_KIND_MODULES=tests.support.kinds`` loads that tree's test kinds. ``Release.imports`` asks
+such a process where it really imported each package from, so a test can prove which code ran.
 """
 
 from __future__ import annotations
@@ -34,8 +34,24 @@ from tests.support.cluster import ROOT, Cluster, _orch
 PREVIOUS_TAG = "v0.1.0"
 PREVIOUS_COMMIT = "43c5486"
 
-#: The packages a process imports from its release's tree (the test kinds included).
-PACKAGES = ("orch", "manager", "observer_service", "contracts", "migrations", "tests.support.kinds")
+#: The packages a process of this tree imports (the test kinds included).
+PACKAGES = (
+    "orch",
+    "orch_manager",
+    "observer_service",
+    "orch_contracts",
+    "orch_migrations",
+    "tests.support.kinds",
+)
+#: The same packages by the names the previous release imported them by.
+PREVIOUS_PACKAGES = (
+    "orch",
+    "manager",
+    "observer_service",
+    "contracts",
+    "migrations",
+    "tests.support.kinds",
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,10 @@ class Release:
 
     name: str
     root: Path
+    #: Its packages by the names it imports them by.
+    packages: tuple[str, ...] = PACKAGES
+    #: What its ``contracts/`` and ``migrations/`` are imported as: ``orch_contracts`` here.
+    prefix: str = "orch_"
 
     @property
     def env(self) -> dict[str, str]:
@@ -68,10 +88,11 @@ class Release:
         return done.stdout
 
     def imports(self) -> dict[str, Path]:
-        """Where a process of this release imports each of ``PACKAGES`` from."""
+        """Where a process of this release imports each of its ``packages`` from."""
         code = (
             "import importlib, json\n"
-            f"print(json.dumps({{m: importlib.import_module(m).__file__ for m in {PACKAGES!r}}}))"
+            f"names = {self.packages!r}\n"
+            "print(json.dumps({m: importlib.import_module(m).__file__ for m in names}))"
         )
         got: dict[str, str] = json.loads(self.python("-c", code).strip().splitlines()[-1])
         return {module: Path(path).resolve() for module, path in got.items()}
@@ -86,7 +107,7 @@ class Release:
         """The head revisions of this release's migrations (read by its own Alembic scripts)."""
         code = (
             "from alembic.script import ScriptDirectory\n"
-            "from migrations import alembic_config\n"
+            f"from {self.prefix}migrations import alembic_config\n"
             "print(' '.join(ScriptDirectory.from_config(alembic_config('x://')).get_heads()))"
         )
         return set(self.python("-c", code).split())
@@ -137,7 +158,7 @@ def previous_release(parent: Path) -> Iterator[Release]:
     added = _git("worktree", "add", "--detach", str(path), commit)
     assert added.returncode == 0, f"git worktree add failed: {added.stderr}"
     try:
-        yield Release(PREVIOUS_TAG, path)
+        yield Release(PREVIOUS_TAG, path, PREVIOUS_PACKAGES, prefix="")
     finally:
         removed = _git("worktree", "remove", "--force", str(path))
         if removed.returncode != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from contracts import aio
+from orch_contracts import aio
 
 
 async def test_set_wakes_every_waiter_and_a_set_event_does_not_wait() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from contracts.kinds import RestartPolicy
-from contracts.witness import Record
+from orch_contracts.kinds import RestartPolicy
+from orch_contracts.witness import Record
 from orch_verify.availability import (
     INPUTS,
     TOLERANCE,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contracts.backoff import Backoff
+from orch_contracts.backoff import Backoff
 
 
 def test_it_doubles_up_to_its_cap_and_starts_again_after_a_reset() -> None:

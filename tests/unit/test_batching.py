@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from contracts.batching import Batcher
+from orch_contracts.batching import Batcher
 
 
 class Recorder:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from contracts.errors import Fenced, LeaseLost
-from contracts.kinds import RestartPolicy, observer_kind
-from contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 from orch.testing import KindRun, VirtualClock, run_kind
+from orch_contracts.errors import Fenced, LeaseLost
+from orch_contracts.kinds import RestartPolicy, observer_kind
+from orch_contracts.outputs import MAX_RECORD_BYTES, RecordTooLarge
 
 KindRunner = Callable[..., contextlib.AbstractAsyncContextManager[KindRun]]
 
@@ -66,7 +66,7 @@ async def test_ticker_stops_in_time_when_asked(kind_run: KindRunner) -> None:
 
 
 async def test_the_kit_refuses_params_the_kind_refuses() -> None:
-    from contracts.errors import InvalidParams
+    from orch_contracts.errors import InvalidParams
 
     with pytest.raises(InvalidParams):
         async with run_kind("ticker", {"interval": 0}):
@@ -74,7 +74,7 @@ async def test_the_kit_refuses_params_the_kind_refuses() -> None:
 
 
 async def test_a_kind_that_ignores_a_stop_is_caught(virtual_clock: VirtualClock) -> None:
-    from contracts.kinds import KindSpec
+    from orch_contracts.kinds import KindSpec
 
     async def stubborn(ctx: Any) -> None:
         try:
@@ -173,7 +173,7 @@ async def test_http_poll_stops_in_time_between_polls(
 async def test_http_poll_refuses_a_host_the_egress_policy_does_not_open(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from contracts.errors import InvalidParams
+    from orch_contracts.errors import InvalidParams
 
     monkeypatch.delenv("ORCH_HTTP_POLL_ALLOW", raising=False)
     with pytest.raises(InvalidParams, match="its host or its port") as refused:

@@ -74,7 +74,13 @@ def test_the_command_line_loads_no_server_module_for_an_api_command() -> None:
     import subprocess
     import sys
 
-    heavy = ("sqlalchemy", "asyncpg", "aio_pika", "contracts.preflight", "contracts.settings")
+    heavy = (
+        "sqlalchemy",
+        "asyncpg",
+        "aio_pika",
+        "orch_contracts.preflight",
+        "orch_contracts.settings",
+    )
     probe = (
         "import sys, orch.cli, orch.api_commands; "
         f"print([m for m in {heavy!r} if m in sys.modules])"

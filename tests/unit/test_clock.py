@@ -1,10 +1,11 @@
-"""``contracts.clock.Clock.now()``: the most pessimistic of the local clocks, never going back."""
+"""``orch_contracts.clock.Clock.now()``: the most pessimistic of the local clocks, never going
+back."""
 
 from __future__ import annotations
 
 import pytest
 
-from contracts.clock import Clock
+from orch_contracts.clock import Clock
 
 
 class Readings:

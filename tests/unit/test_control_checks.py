@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from contracts.messages import CancelMessage, DrainMessage, HandoffMessage, UndrainMessage
-from contracts.statuses import ObserverStatus as S
+from orch_contracts.messages import CancelMessage, DrainMessage, HandoffMessage, UndrainMessage
+from orch_contracts.statuses import ObserverStatus as S
 from tests.unit.test_service_core import TICKS, harness, until
 
 

@@ -7,8 +7,8 @@ from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from contracts import database_url as dburl
-from contracts.settings import CommonSettings, asyncpg_dsn, on_database
+from orch_contracts import database_url as dburl
+from orch_contracts.settings import CommonSettings, asyncpg_dsn, on_database
 
 LIBPQ = "postgresql://u:pw@h1:5432,h2:5442/db?target_session_attrs=read-write"
 SQLA = "postgresql://u:pw@/db?host=h1:5432&host=h2:5442&target_session_attrs=read-write"
@@ -102,7 +102,7 @@ async def test_connect_tries_the_next_host_whatever_the_first_one_said(
     """asyncpg gives up at a host that answers with an error; libpq (and we) go on."""
     import asyncpg
 
-    from contracts import pgconnect
+    from orch_contracts import pgconnect
 
     tried: list[str] = []
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from manager.settings import ManagerSettings
 from observer_service.kinds.http_poll import HttpPollSettings
 from observer_service.settings import ServiceSettings
+from orch_manager.settings import ManagerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_the_default_profile_is_the_single_broker_setup() -> None:
 
 
 def test_the_rabbitmq_cluster_profile_clusters_three_nodes_with_quorum_queues() -> None:
-    from contracts.settings import CommonSettings
+    from orch_contracts.settings import CommonSettings
 
     profile = _services_in("rabbitmq-cluster")
     nodes = {n: s for n, s in profile.items() if _is_broker_node(s)}
@@ -266,6 +266,7 @@ def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for package in ("contracts", "manager", "observer_service", "migrations", "orch", "orch_bench"):
         assert f"COPY {package} {package}" in text
+    assert "COPY src src" in text, "the links that give the folders their import names"
     assert 'ENTRYPOINT ["orch"]' in text
 
 

@@ -22,7 +22,7 @@ from aiormq.exceptions import (
     ProbableAuthenticationError,
 )
 
-from contracts.errors import (
+from orch_contracts.errors import (
     BrokerRefused,
     BrokerUnavailable,
     Conflict,
@@ -160,7 +160,7 @@ def test_what_kind_code_sees_is_outside_the_tree() -> None:
 def test_no_log_line_carries_a_password(capsys: pytest.CaptureFixture[str]) -> None:
     import logging
 
-    from contracts import logs
+    from orch_contracts import logs
 
     for fmt in ("text", "json"):
         logs.configure("INFO", fmt, service="s")

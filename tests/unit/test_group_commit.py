@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from contracts.errors import DatabaseUnavailable, NameTaken
-from manager.intake import GroupCommit
-from manager.outbox import Pending
-from manager.repository import NewObserver
+from orch_contracts.errors import DatabaseUnavailable, NameTaken
+from orch_manager.intake import GroupCommit
+from orch_manager.outbox import Pending
+from orch_manager.repository import NewObserver
 
 
 class Store:

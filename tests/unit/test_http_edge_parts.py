@@ -10,11 +10,11 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from manager.auth import Role, new_token
-from manager.http import relative
-from manager.metrics import ManagerMetrics
-from manager.settings import ManagerSettings
 from observer_service.settings import ServiceSettings
+from orch_manager.auth import Role, new_token
+from orch_manager.http import relative
+from orch_manager.metrics import ManagerMetrics
+from orch_manager.settings import ManagerSettings
 
 TOKENS = new_token("t", Role.ADMIN)[1]
 

@@ -500,7 +500,7 @@ async def test_secrets_in_the_url_never_reach_a_log_line(
         f"http://alice:pw-s3cret@127.0.0.1:{site.port}/x"
         "?api_key=K-s3cret&Token=T-s3cret&mine=M-s3cret&page=2"
     )
-    # httpx's own lines are off at the services' level (``contracts.logs``): shown, as a user
+    # httpx's own lines are off at the services' level (``orch_contracts.logs``): shown, as a user
     # debugging may have them, they are masked.
     with (
         caplog.at_level(logging.DEBUG),

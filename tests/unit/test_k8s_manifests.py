@@ -13,8 +13,8 @@ import pytest
 import yaml
 from starlette.routing import Match
 
-from manager.settings import ManagerSettings
 from observer_service.settings import ServiceSettings
+from orch_manager.settings import ManagerSettings
 from tests.unit.test_deploy_files import ROOT, orch_command, orch_env_names
 
 K8S = ROOT / "deploy" / "k8s"
@@ -165,7 +165,7 @@ def test_every_orch_variable_is_read_by_something() -> None:
 
 
 def test_the_example_config_is_accepted_and_spans_clusters() -> None:
-    from manager.auth import Role, new_token
+    from orch_manager.auth import Role, new_token
 
     _, entry = new_token("k8s", Role("admin"))
     manager = _settings_of(_container("orch-manager"), ManagerSettings, api_tokens=entry)
@@ -180,7 +180,7 @@ def test_the_example_config_is_accepted_and_spans_clusters() -> None:
 
 def test_each_role_connects_to_the_broker_as_its_own_user_on_one_vhost() -> None:
     """deploy/rabbitmq-users.sh makes the vhost and the users (README, "Security")."""
-    from manager.auth import Role, new_token
+    from orch_manager.auth import Role, new_token
 
     _, entry = new_token("k8s", Role("admin"))
     manager = _settings_of(_container("orch-manager"), ManagerSettings, api_tokens=entry)
@@ -196,8 +196,8 @@ def test_each_role_connects_to_the_broker_as_its_own_user_on_one_vhost() -> None
 
 
 async def test_manager_probes_ask_routes_that_need_no_token() -> None:
-    from manager.app import create_app
-    from manager.auth import Role, new_token
+    from orch_manager.app import create_app
+    from orch_manager.auth import Role, new_token
 
     _, entry = new_token("k8s", Role("admin"))
     app = create_app(ManagerSettings(api_tokens=entry))

@@ -10,9 +10,9 @@ import time
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from contracts.adverts import read_advert
-from contracts.errors import AdvertRefused, InvalidParams
-from contracts.kinds import KindSpec, RestartPolicy, mask_params
+from orch_contracts.adverts import read_advert
+from orch_contracts.errors import AdvertRefused, InvalidParams
+from orch_contracts.kinds import KindSpec, RestartPolicy, mask_params
 
 
 class Auth(BaseModel):

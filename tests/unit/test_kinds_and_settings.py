@@ -11,23 +11,23 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from contracts.errors import InvalidParams, LeaseLost, UnknownKind
-from contracts.kinds import (
+from observer_service.context import ObserverContext
+from observer_service.settings import ServiceSettings
+from orch_contracts.errors import InvalidParams, LeaseLost, UnknownKind
+from orch_contracts.kinds import (
     KindLoadError,
     RestartPolicy,
     get_kind,
     load_kinds,
     observer_kind,
 )
-from contracts.settings import CommonSettings
-from observer_service.context import ObserverContext
-from observer_service.settings import ServiceSettings
+from orch_contracts.settings import CommonSettings
 
 
 def test_recorder_is_registered_only_when_asked_for() -> None:
     """It writes files wherever a caller says: no deployment gets it by default."""
     code = (
-        "import sys; from contracts.kinds import load_kinds; "
+        "import sys; from orch_contracts.kinds import load_kinds; "
         "print(sorted(load_kinds(sys.argv[1:])))"
     )
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -164,8 +164,8 @@ async def test_a_negative_or_nan_sleep_is_an_error_naming_it(seconds: float) -> 
 
 @pytest.mark.parametrize("seconds", [-5, float("nan")])
 async def test_the_kit_refuses_a_negative_or_nan_sleep_as_a_service_does(seconds: float) -> None:
-    from contracts.kinds import KindSpec
     from orch.testing import run_kind
+    from orch_contracts.kinds import KindSpec
 
     async def bad(ctx: Any) -> None:
         await ctx.sleep(seconds)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from contracts.messages import (
+from orch_contracts.messages import (
     CONTROL_MESSAGE,
     PROTOCOL,
     READS,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from manager.metrics import ManagerMetrics
 from observer_service.metrics import ServiceMetrics
+from orch_manager.metrics import ManagerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC = re.compile(r"\borch_[a-z_]+\b")

@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 
-from contracts.names import REFUSED_RANGES, name_key, normal, refusal
+from orch_contracts.names import REFUSED_RANGES, name_key, normal, refusal
 
 #: Unicode's default-ignorable code points (DerivedCoreProperties), beyond Cf.
 DEFAULT_IGNORABLE = [0x034F, 0x115F, 0x1160, 0x17B4, 0x180B, 0x3164, 0xFE00, 0xFE0F, 0xFFA0]

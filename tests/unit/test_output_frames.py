@@ -12,8 +12,8 @@ from pamqp import commands, frame
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-from contracts.output_frames import OutputFrames
-from contracts.outputs import CONTENT_TYPE, Committed, Output
+from orch_contracts.output_frames import OutputFrames
+from orch_contracts.outputs import CONTENT_TYPE, Committed, Output
 
 
 def _read(data: bytes) -> list[Any]:

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from contracts.errors import BrokerUnavailable
-from contracts.kinds import KindSpec, RestartPolicy
-from contracts.outputs import Committed
 from observer_service import outputs as outputs_module
 from observer_service.context import ObserverContext
 from observer_service.fakes import FakeSession
 from observer_service.outputs import LIMIT, CopyOutputs, OutputBudget, TooManyStaged
 from observer_service.ports import Checkpoint
+from orch_contracts.errors import BrokerUnavailable
+from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.outputs import Committed
 from tests.unit.test_service_core import KINDS, harness, until
 
 EMITTED: dict[uuid.UUID, int] = {}

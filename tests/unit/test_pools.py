@@ -7,16 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from contracts.messages import StartMessage
-from contracts.pools import check_pool
-from contracts.statuses import ObserverStatus
-from contracts.topology import Topology
-from manager.background import found, place
-from manager.rebalance import Load, plan_pools
-from manager.repository import Needs, Runs
 from observer_service.ports import Seen, StartRequest
 from observer_service.take import Decision, Departed, decide
 from observer_service.taking import facts
+from orch_contracts.messages import StartMessage
+from orch_contracts.pools import check_pool
+from orch_contracts.statuses import ObserverStatus
+from orch_contracts.topology import Topology
+from orch_manager.background import found, place
+from orch_manager.rebalance import Load, plan_pools
+from orch_manager.repository import Needs, Runs
 
 a, b, c = (uuid.UUID(int=i) for i in (1, 2, 3))
 

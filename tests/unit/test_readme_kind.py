@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RUN_ONE_STEP = """
 import asyncio, logging, uuid
-from contracts.kinds import load_kinds
-from contracts.settings import CommonSettings
+from orch_contracts.kinds import load_kinds
+from orch_contracts.settings import CommonSettings
 from observer_service import ObserverContext
 
 logging.basicConfig(level=logging.INFO)
@@ -80,8 +80,8 @@ def test_the_readme_kind_refuses_an_interval_that_is_not_positive(tmp_path: Path
     the schema the services advertise), not run as a hot loop."""
     (tmp_path / "mykinds.py").write_text(readme_kind_example())
     check = (
-        "from contracts.errors import InvalidParams\n"
-        "from contracts.kinds import KindSpec, load_kinds\n"
+        "from orch_contracts.errors import InvalidParams\n"
+        "from orch_contracts.kinds import KindSpec, load_kinds\n"
         "spec = load_kinds(['mykinds'])['price_watch']\n"
         "advertised = KindSpec.from_advert('price_watch', spec.advert())\n"
         "for s in (spec, advertised):\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from manager.rebalance import Ledger, Load, Seen, Sightings
+from orch_manager.rebalance import Ledger, Load, Seen, Sightings
 
 
 def ids(n: int) -> list[uuid.UUID]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from manager.rebalance import Load, balanced, plan_moves, plan_round, targets
+from orch_manager.rebalance import Load, balanced, plan_moves, plan_round, targets
 
 
 def ids(n: int) -> list[uuid.UUID]:

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
 
-from contracts import logs
-from contracts.errors import split_error, stored_error
-from contracts.kinds import KindSpec, mask_params, secret_values
-from contracts.logs import safe_text
-from contracts.masking import mask
 from observer_service.context import ObserverContext
+from orch_contracts import logs
+from orch_contracts.errors import split_error, stored_error
+from orch_contracts.kinds import KindSpec, mask_params, secret_values
+from orch_contracts.logs import safe_text
+from orch_contracts.masking import mask
 from tests.unit.test_service_core import KINDS, harness, until
 
 # ------------------------------------------------------------------------------ safe_text
@@ -286,7 +286,7 @@ def test_an_observers_own_secret_query_names_are_masked_too() -> None:
 
 
 def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
-    from manager.api.observers import shown
+    from orch_manager.api.observers import shown
 
     state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     row = {
@@ -301,7 +301,7 @@ def test_a_reader_sees_urls_in_the_last_error_masked() -> None:
 
 
 def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
-    from manager.api.observers import shown
+    from orch_manager.api.observers import shown
 
     state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)
@@ -322,7 +322,7 @@ def test_a_traceback_is_shown_apart_from_the_error_and_masked_alike() -> None:
 
 
 def test_a_reader_never_sees_a_secret_param_value_quoted_in_an_error() -> None:
-    from manager.api.observers import shown
+    from orch_manager.api.observers import shown
 
     state: Any = SimpleNamespace(secrets_of=lambda row: [SPEC])
     params = SPEC.validate_params(RAW)

@@ -17,11 +17,6 @@ from typing import Any
 
 import pytest
 
-from contracts import heap
-from contracts.deadline import LeaseTimings
-from contracts.kinds import KindSpec, RestartPolicy
-from contracts.messages import CancelMessage, DrainMessage, HandoffMessage
-from contracts.statuses import ObserverStatus as S
 from observer_service.context import ObserverContext
 from observer_service.fakes import (
     FakeBroker,
@@ -35,6 +30,11 @@ from observer_service.fakes import (
 from observer_service.lease import LeaseKeeper, LeaseState
 from observer_service.runner import StopReason
 from observer_service.service import ObserverService, ServiceConfig
+from orch_contracts import heap
+from orch_contracts.deadline import LeaseTimings
+from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.messages import CancelMessage, DrainMessage, HandoffMessage
+from orch_contracts.statuses import ObserverStatus as S
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.1, margin=0.1)
 TICKS: dict[uuid.UUID, int] = {}
@@ -936,7 +936,7 @@ def test_servers_run_with_the_collector_at_their_pace() -> None:
 async def test_an_ended_copy_is_freed_at_once_not_by_a_full_collection(how: str) -> None:
     """An ended copy's task kept its exception, whose traceback held the frames that held the
     copy: a cycle only a full collection frees, and a service running many copies runs one
-    rarely (``contracts.heap``). Settled, a copy leaves nothing behind for the collector."""
+    rarely (``orch_contracts.heap``). Settled, a copy leaves nothing behind for the collector."""
     async with harness(worker_count=60) as h:
         rows = [h.store.add("boom" if how == "failed" else "tick") for _ in range(40)]
         for row in rows:

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from contracts.statuses import ObserverStatus as S
 from observer_service.take import Decision as D
 from observer_service.take import Facts, decide
+from orch_contracts.statuses import ObserverStatus as S
 
 ME, OTHER = uuid.uuid4(), uuid.uuid4()
 

@@ -1,4 +1,4 @@
-"""``contracts.tracing``: off unless asked, a no-op when off, and the SDK's console exporter
+"""``orch_contracts.tracing``: off unless asked, a no-op when off, and the SDK's console exporter
 when asked for it (in a process of its own: a process sets its tracer provider once)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from contracts import tracing
-from contracts.errors import StartupError
+from orch_contracts import tracing
+from orch_contracts.errors import StartupError
 from tests.support.cluster import ROOT
 
 
@@ -49,7 +49,7 @@ def test_off_every_call_is_a_no_op() -> None:
 
 
 SCRIPT = """
-from contracts import tracing
+from orch_contracts import tracing
 assert tracing.configure("service", {"OTEL_TRACES_EXPORTER": "console"}, instance="svc-1")
 parent = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
 with tracing.span("take", parent=parent, kind="consumer", attributes={"orch.pool": "p"}):

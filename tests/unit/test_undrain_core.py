@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from contracts.messages import DrainMessage, UndrainMessage
 from observer_service.ports import Renewal
+from orch_contracts.messages import DrainMessage, UndrainMessage
 from tests.unit.test_service_core import harness, until
 
 

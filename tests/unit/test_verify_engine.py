@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from contracts import witness
-from contracts.errors import LeaseLost
-from contracts.witness import Record, Witness
 from observer_service.guard import Timing, guarded
 from observer_service.stalls import StallWatch
 from orch.cluster import Proc
+from orch_contracts import witness
+from orch_contracts.errors import LeaseLost
+from orch_contracts.witness import Record, Witness
 from orch_verify.campaign import FAULTS, Campaign, ObserverSpec, Planned, parse_faults, plan
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import GROWTH_FLAG, Verdict, judge
@@ -462,8 +462,8 @@ async def test_the_guard_records_what_it_lets_through_not_what_it_throws_in(
 
 
 def test_memory_goes_to_the_kind_whose_lines_made_it() -> None:
-    from contracts.kinds import load_kinds
     from observer_service.witnessing import attribute, source_of
+    from orch_contracts.kinds import load_kinds
 
     kinds = load_kinds(["tests.support.bad_kinds"])
     sources: dict[str, list[tuple[int, int, str]]] = {}
@@ -547,7 +547,7 @@ def test_orch_verify_says_how_to_give_the_params_a_kind_requires(tmp_path: Path)
 
 
 def test_outputs_are_judged_from_what_a_consumer_received() -> None:
-    from contracts.outputs import Output
+    from orch_contracts.outputs import Output
     from orch_verify.outputs import judge_outputs
 
     a, b = uuid.uuid4(), uuid.uuid4()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from contracts.witness import Record
+from orch_contracts.witness import Record
 from orch_verify.campaign import Campaign
 from orch_verify.cluster import FaultCluster
 from orch_verify.judge import GROWTH_FLAG, Verdict, judge, memory_growth, trend
