@@ -134,7 +134,8 @@ async def serve(
     )
     witness = None
     if settings.witness_dir is not None:
-        start_tracing()
+        if settings.witness_memory:
+            start_tracing()
         witness = Witness(settings.witness_dir, service_id)
     clock = Clock(settings.clock_hook)
     timings = settings.lease_timings

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
@@ -204,7 +205,7 @@ class ObserverService:
                 ("recovery", self._recovery()),
             )
         ]
-        if self.witness is not None:
+        if self.witness is not None and tracemalloc.is_tracing():
             memory = MemoryWitness(self.witness, self.intake.kinds, self.runners.values)
             side.append(asyncio.create_task(memory.run(), name="memory-witness"))
         side.append(asyncio.create_task(self._spawned_died.wait(), name="spawned-tasks"))

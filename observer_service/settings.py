@@ -32,6 +32,10 @@ class ServiceSettings(CommonSettings):
     output_buffer_bytes: int = Field(default=256 << 20, ge=4 << 20)
     #: Verify mode: record what kind code did in this directory (``contracts/witness.py``).
     witness_dir: str | None = None
+    #: In verify mode, also trace every allocation (``tracemalloc``) to write each kind's
+    #: memory: it makes the whole process several times slower (``witnessing.py``). The soak
+    #: turns it off and judges each process's memory from outside.
+    witness_memory: bool = True
     #: Serve Prometheus metrics on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65_535)
     #: The address the metrics port listens on: loopback unless set (``0.0.0.0`` where a

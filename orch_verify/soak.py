@@ -217,6 +217,9 @@ async def soak(minutes: float, settings: CommonSettings, workdir: Path) -> bool:
                         "ORCH_PREFIX": scratch.prefix("run"),
                         "ORCH_KIND_MODULES": "tests.support.kinds",
                         "ORCH_WITNESS_DIR": str(witness_dir),
+                        # No memory tracing: it slows every process several times over, and
+                        # the soak's memory judge is each process's size, read from outside.
+                        "ORCH_WITNESS_MEMORY": "false",
                         "ORCH_HTTP_POLL_ALLOW": f"127.0.0.1:{http_port},127.0.0.1:{ws_port}",
                         "ORCH_BROKER_ADVICE": "false",
                         "ORCH_API_TOKENS": entry,
