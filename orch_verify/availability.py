@@ -33,7 +33,11 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
   from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
 - its own restart back-off, its delete and its failure are not gaps; a row of its locked from
-  outside explains its own wait until the lock ends.
+  outside explains its own wait until the lock ends;
+- a silence inside one copy (the same process and epoch on both sides) while that process's
+  event loop kept resuming other copies (never more than ``TOLERANCE`` without one) is not a
+  gap: the copy was there and its process live; its code was awaiting its own work (a slow
+  answer from the page it polls). A silence of the whole process is judged as any other gap.
 
 Anything beyond is ``UNAVAILABLE``. The mirror for deletes: once a delete was answered, every
 copy of the observer is asked to stop within ``TOLERANCE`` plus one lease renewal (the renewal
@@ -45,6 +49,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -353,11 +358,14 @@ def judge_availability(
     a fault on that process."""
     faults = [*faults, *_stalls(records)]
     evidence: dict[str, list[Record]] = defaultdict(list)
+    resumed: dict[int, list[float]] = defaultdict(list)
     for r in records:
         if r.observer is not None and r.r in EVIDENCE:
             evidence[r.observer].append(r)
+            resumed[r.pid].append(r.at)
     out = Availability()
     judge_ = _Judge(faults, ttl, renew_interval, lives, shutdown_timeout)
+    judge_.resumed = {pid: sorted(ats) for pid, ats in resumed.items()}
     for observer, kind in kinds.items():
         points = sorted(evidence.get(observer, []), key=lambda r: r.at)
         downtime = out.downtime.setdefault(kind, KindDowntime())
@@ -417,6 +425,16 @@ class _Judge:
         self.renew_interval = renew_interval
         self.lives = lives
         self.shutdown_timeout = shutdown_timeout
+        #: Per process, when any copy of it resumed (sorted): its event loop was running.
+        self.resumed: dict[int, list[float]] = {}
+
+    def loop_ran(self, pid: int, start: float, stop: float) -> bool:
+        """Whether ``pid``'s event loop resumed some copy at least every ``TOLERANCE`` seconds
+        from ``start`` to ``stop``."""
+        ats = self.resumed.get(pid, [])
+        inside = ats[bisect_right(ats, start) : bisect_right(ats, stop)]
+        marks = [start, *inside, stop]
+        return all(b - a <= TOLERANCE for a, b in pairwise(marks))
 
     def gaps(
         self,
@@ -436,7 +454,13 @@ class _Judge:
         for r in [*points, None]:
             start = born if before is None else before.at
             stop = last if r is None else min(r.at, last)
-            if stop > start:
+            waiting = (
+                before is not None
+                and r is not None
+                and r.copy == before.copy
+                and self.loop_ran(r.pid, start, stop)
+            )
+            if stop > start and not waiting:
                 unrun = stop - start - (0.0 if before is None else step)
                 if unrun > 0:
                     gap = Gap(

@@ -68,6 +68,21 @@ def test_a_move_within_the_tolerance_is_no_finding_and_a_longer_one_unexplained_
     assert a.lines(0.0)[0].startswith("UNAVAILABLE k " + OID + ": no copy ran for 2.90s")
 
 
+def test_a_copy_awaiting_its_own_work_in_a_live_process_has_no_gap() -> None:
+    """A silence inside one copy while its process's loop resumes another copy all along: its
+    code awaited its own I/O. The same silence with the whole process silent is a gap."""
+    other = "22222222-2222-2222-2222-222222222222"
+    neighbour = [
+        Record("run", other, 1, "svc", 10, 0.1 + i * 0.1, {}) for i in range(round(12 / 0.1))
+    ]
+    waited = [*ticks(10, 1, 0.1, 5.0), *ticks(10, 1, 8.0, 12.0)]
+    assert judged([*waited, *neighbour]).gaps == []
+    (gap,) = judged(waited).unavailable  # no neighbour: the process was silent too
+    assert gap.before == gap.after == 10
+    moved = [*ticks(10, 1, 0.1, 5.0), *ticks(10, 2, 8.0, 12.0)]  # another copy: a real gap
+    assert judged([*moved, *neighbour]).unavailable
+
+
 def test_a_kill_of_the_holder_explains_a_gap_up_to_the_lease_ttl_and_two_seconds() -> None:
     kill = Fault("kill", 5.05, 5.05, pid=10)
     within = [*ticks(10, 1, 0.1, 5.0), *ticks(20, 2, 11.5, 14.0)]
