@@ -279,8 +279,18 @@ class ObserverEvent(Base):
     service_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     epoch: Mapped[int | None] = mapped_column(BigInteger)
     detail: Mapped[str | None] = mapped_column(Text)
+    #: The API token whose request wrote it (its name); NULL for the orchestrator's own doing.
+    actor: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (Index("ix_observer_events_observer_id", "observer_id", "id"),)
+    __table_args__ = (
+        Index("ix_observer_events_observer_id", "observer_id", "id"),
+        Index(
+            "ix_observer_events_actor",
+            "actor",
+            "id",
+            postgresql_where=text("actor IS NOT NULL"),
+        ),
+    )
 
 
 #: How many observers there are by status, kind, pool and holder. Its rows are deltas, a key's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -102,6 +103,10 @@ class Authenticator:
         return found
 
 
+#: The name of the API token whose request is being served (None: none, or the API runs without
+#: tokens). Set by the route's role check; history rows record it (``repository.record_events``).
+ACTOR: ContextVar[str | None] = ContextVar("orch_actor", default=None)
+
 _bearer = HTTPBearer(auto_error=False, description="An API token (ORCH_API_TOKENS)")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
@@ -118,6 +123,7 @@ def requires(role: Role) -> params.Depends:
         if token is None:
             raise Unauthenticated("a valid API token is needed (Authorization: Bearer …)")
         request.state.who = token.name
+        ACTOR.set(token.name)
         if not token.allows(role):
             raise Forbidden(f"token {token.name!r} has the {token.role} role; this needs {role}")
 

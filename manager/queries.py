@@ -118,15 +118,16 @@ SERVICE_COLUMNS = (
 )
 
 # ---------------------------------------------------------------------------------- history
-# :ids, :event, :detail (one event for many observers)
+# :ids, :event, :detail, :actor (one event for many observers; the token that asked, or NULL)
 EVENTS = (
-    "INSERT INTO observer_events (observer_id, event, detail) "
-    "SELECT i, :event, :detail FROM unnest(CAST(:ids AS uuid[])) AS i"
+    "INSERT INTO observer_events (observer_id, event, detail, actor) "
+    "SELECT i, :event, :detail, :actor FROM unnest(CAST(:ids AS uuid[])) AS i"
 )
-# :ids, :event, :details (one event, a detail each)
+# :ids, :event, :details, :actor (one event, a detail each)
 EVENTS_EACH = (
-    "INSERT INTO observer_events (observer_id, event, detail) "
-    "SELECT i, :event, d FROM unnest(CAST(:ids AS uuid[]), CAST(:details AS text[])) AS x(i, d)"
+    "INSERT INTO observer_events (observer_id, event, detail, actor) "
+    "SELECT i, :event, d, :actor "
+    "FROM unnest(CAST(:ids AS uuid[]), CAST(:details AS text[])) AS x(i, d)"
 )
 # :ids, :event, :detail, :services (one event, the service each was sent to; NULL: none)
 EVENTS_TO = (
@@ -134,10 +135,22 @@ EVENTS_TO = (
     "SELECT i, :event, :detail, s FROM unnest(CAST(:ids AS uuid[]), CAST(:services AS uuid[])) "
     "AS x(i, s)"
 )
+# The newest actions asked through the API: by one token (:by), or by any (:by NULL); :n at most.
+# Two plans, each by the partial index on (actor, id): one token's newest, or every token's.
+ACTIONS_BY = (
+    "SELECT e.at, e.event, e.actor, e.detail, e.observer_id, o.name AS observer_name, o.kind "
+    "FROM observer_events e JOIN observers o ON o.id = e.observer_id "
+    "WHERE e.actor = :by ORDER BY e.id DESC LIMIT :n"
+)
+ACTIONS = (
+    "SELECT e.at, e.event, e.actor, e.detail, e.observer_id, o.name AS observer_name, o.kind "
+    "FROM observer_events e JOIN observers o ON o.id = e.observer_id "
+    "WHERE e.actor IS NOT NULL ORDER BY e.id DESC LIMIT :n"
+)
 # The service's name too, for services long gone (their rows stay, deleted).
 # A take's detail names the holder it took from by id ("from <uuid>"): shown by its name.
 LIST_EVENTS = (
-    "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, "
+    "SELECT e.at, e.event, e.service_id, s.name AS service_name, e.epoch, e.actor, "
     "CASE WHEN e.detail ~ '^from [0-9a-f-]{36}$' THEN 'from ' || coalesce("
     "(SELECT f.name || ' (' || left(f.id::text, 8) || ')' FROM services f "
     "WHERE f.id = CAST(substr(e.detail, 6) AS uuid)), substr(e.detail, 6)) "
@@ -171,9 +184,10 @@ WITH v AS (
     SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:names AS text[]), CAST(:keys AS text[]),
                          CAST(:kinds AS text[]), CAST(:params AS text[]), CAST(:ds AS uuid[]),
                          CAST(:rps AS text[]), CAST(:bodies AS text[]), CAST(:pools AS text[]),
-                         CAST(:versions AS text[]), CAST(:traces AS text[]))
+                         CAST(:versions AS text[]), CAST(:traces AS text[]),
+                         CAST(:actors AS text[]))
            WITH ORDINALITY AS v(id, name, name_key, kind, params, d, rp, body, pool, version,
-                                trace, n)
+                                trace, actor, n)
 ), o AS (
     INSERT INTO observers AS o (id, name, name_key, kind, params, status, dispatch_id,
                                 restart_policy, pool, kind_version)
@@ -183,7 +197,8 @@ WITH v AS (
     ON CONFLICT DO NOTHING
     RETURNING {OBSERVER_COLUMNS}
 ), e AS (
-    INSERT INTO observer_events (observer_id, event) SELECT id, {_v(Event.CREATED)} FROM o
+    INSERT INTO observer_events (observer_id, event, actor)
+    SELECT o.id, {_v(Event.CREATED)}, v.actor FROM o JOIN v ON v.id = o.id
 ), b AS (
     INSERT INTO outbox (route, pool, body, trace)
     SELECT :route, v.pool, CAST(v.body AS jsonb), CAST(v.trace AS jsonb)

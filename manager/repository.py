@@ -9,7 +9,7 @@ import functools
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +32,7 @@ from orch_contracts.routing import BROADCAST, Destination, Route
 from orch_contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
 from orch_contracts.tracing import Carrier, carrier
 from orch_manager import queries as q
+from orch_manager.auth import ACTOR
 from orch_manager.store import Row, Tx
 
 #: The one way the manager turns data into JSON for the database.
@@ -76,20 +77,32 @@ def _row(row: Row) -> dict[str, Any]:
     return dict(row)
 
 
+async def actions(tx: Tx, by: str | None, limit: int) -> list[Row]:
+    """The newest actions asked through the API, newest first: by the token named ``by``, or by
+    any token."""
+    if by is None:
+        return await tx.rows(q.ACTIONS, n=limit)
+    return await tx.rows(q.ACTIONS_BY, by=by, n=limit)
+
+
 async def record_events(
     tx: Tx,
     ids: Sequence[uuid.UUID],
     event: Event,
     detail: str | Sequence[str] | None = None,
 ) -> None:
-    """History rows: one event for each observer, with one detail for all or one each. The one
-    writer of history on the manager's side."""
+    """History rows: one event for each observer, with one detail for all or one each, and the
+    API token whose request this is (``ACTOR``; None in the background loops). The one writer
+    of history on the manager's side."""
     if not ids:
         return
+    actor = ACTOR.get()
     if detail is None or isinstance(detail, str):
-        await tx.rows(q.EVENTS, ids=list(ids), event=event.value, detail=detail)
+        await tx.rows(q.EVENTS, ids=list(ids), event=event.value, detail=detail, actor=actor)
     else:
-        await tx.rows(q.EVENTS_EACH, ids=list(ids), event=event.value, details=list(detail))
+        await tx.rows(
+            q.EVENTS_EACH, ids=list(ids), event=event.value, details=list(detail), actor=actor
+        )
 
 
 # ----------------------------------------------------------------------------------- outbox
@@ -154,6 +167,8 @@ class NewObserver:
     kind_version: str | None = None
     #: The trace context of the request that asks for it (``orch_contracts.tracing``).
     trace: Carrier | None = None
+    #: The API token that asks for it (its create is written by another task: a group commit).
+    actor: str | None = field(default_factory=ACTOR.get)
 
     @functools.cached_property
     def key(self) -> str:
@@ -184,6 +199,7 @@ async def create_observers(
         pools=[n.pool for n in new],
         versions=[n.kind_version for n in new],
         traces=[_trace_json(n.trace) for n in new],
+        actors=[n.actor for n in new],
     )
     made = {r.id: _row(r) for r in rows}
     pending = [

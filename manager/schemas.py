@@ -217,6 +217,11 @@ class ObserverEventOut(BaseModel):
     service_name: str | None = Field(default=None, description="that service's name")
     epoch: int | None
     detail: str | None
+    actor: str | None = Field(
+        default=None,
+        description="the name of the API token whose request did it (none: the orchestrator "
+        "did it by itself, or the API runs without tokens)",
+    )
 
 
 class ServiceOut(BaseModel):

@@ -461,12 +461,17 @@ def _render_observer(o: dict[str, Any]) -> None:
 
 
 def _render_events(rows: list[dict[str, Any]]) -> None:
-    table = Table("at", "event", "service", "epoch", "detail")
+    table = Table("at", "event", "service", "epoch", "by", "detail")
     for e in rows:
         epoch = "" if e["epoch"] is None else str(e["epoch"])
         service = e.get("service_name") or (e["service_id"] or "")[:8]
         table.add_row(
-            shown(e["at"][:23]), shown(e["event"]), shown(service), epoch, shown(e["detail"] or "")
+            shown(e["at"][:23]),
+            shown(e["event"]),
+            shown(service),
+            epoch,
+            shown(e.get("actor") or ""),
+            shown(e["detail"] or ""),
         )
     out.print(table)
 

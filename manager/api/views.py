@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orch_contracts.errors import BrokerUnavailable, NotFound, OrchError
 from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.masking import mask
 from orch_contracts.statuses import Event, ObserverStatus
 from orch_manager import queries as q
 from orch_manager import repository as repo
@@ -387,6 +388,38 @@ async def view_broker(state: RuntimeDep) -> dict[str, Any]:
         "ready": ready,
         "consumers": consumers,
     }
+
+
+class ActionOut(BaseModel):
+    at: datetime
+    event: str
+    actor: str = Field(description="the name of the API token whose request did it")
+    observer_id: uuid.UUID
+    observer_name: SafeText
+    kind: SafeText
+    detail: str | None
+
+
+@router.get(
+    "/views/actions",
+    response_model=list[ActionOut],
+    operation_id="viewActions",
+    dependencies=[READ],
+    responses=responses(*AUTH, 422),
+)
+async def view_actions(
+    state: RuntimeDep,
+    by: Annotated[
+        str | None, Query(max_length=200, description="only this token's actions (its name)")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[dict[str, Any]]:
+    """Who did what: the newest creates, pauses, resumes, restarts, moves and deletes asked
+    through the API, each with the name of the token that asked (never its secret), newest
+    first; only one token's with ``by``."""
+    async with state.store.autocommit() as tx:
+        rows = await repo.actions(tx, by, limit)
+    return [{**r, "detail": mask(r["detail"]) if r["detail"] else None} for r in rows]
 
 
 @router.get(

@@ -211,6 +211,8 @@ async function start() {
     debounce = setTimeout(() => { state.lists.observers.offset = 0; refresh(); }, 250);
   });
   filtersFromUrl();
+  $("#a-filter").addEventListener("submit", (e) => e.preventDefault());
+  $("#a-filter").addEventListener("input", () => { clearTimeout(debounce); debounce = setTimeout(refresh, 250); });
   $("#create-go").onclick = createMany;
   for (const b of $$("#bulk button")) b.onclick = () => bulkOverview(b.dataset.verb);
   $("#bulk-pool").onchange = () => state.lists.observers.changed();
@@ -697,6 +699,18 @@ async function renderFailed() {
   $("#failed-count").textContent = page.total ? count(page.total) : "";
 }
 
+async function renderActions() {
+  const by = $("#a-by").value.trim();
+  const query = by ? `?by=${encodeURIComponent(by)}&limit=200` : "?limit=200";
+  const rows = await api("GET", `/views/actions${query}`);
+  $("#a-actions tbody").replaceChildren(...rows.map((a) => {
+    const tr = el("tr");
+    tr.append(td(when(a.at)), td(a.actor), td(a.event),
+      td(nameNode(a.observer_name, `#/observers/${a.observer_id}`)), td(a.kind), td(a.detail ?? ""));
+    return tr;
+  }));
+}
+
 async function bulk(verb) {
   const list = state.lists.failed;
   if ($("#f-every").checked) return bulkEveryFailed(verb);
@@ -843,7 +857,7 @@ async function renderObserver(id) {
   $("#o-events tbody").replaceChildren(...events.slice().reverse().map((e) => {
     const s = state.services.get(e.service_id);
     const tr = el("tr");
-    tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : e.service_name ? nameNode(e.service_name) : short(e.service_id)), td(e.epoch ?? ""), td(e.detail ?? ""));
+    tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : e.service_name ? nameNode(e.service_name) : short(e.service_id)), td(e.epoch ?? ""), td(e.actor ?? ""), td(e.detail ?? ""));
     return tr;
   }));
 }
@@ -930,10 +944,13 @@ function route() {
   if ((m = h.match(/^#\/observers\/([0-9a-f-]{36})$/))) return ["observer", m[1]];
   if ((m = h.match(/^#\/services\/([0-9a-f-]{36})$/))) return ["service", m[1]];
   if (h === "#/failed") return ["failed", null];
+  if (h === "#/actions") return ["actions", null];
   return ["overview", null];
 }
 
-const RENDER = { overview: renderOverview, service: renderService, failed: renderFailed, observer: renderObserver };
+const RENDER = {
+  overview: renderOverview, service: renderService, failed: renderFailed, actions: renderActions, observer: renderObserver,
+};
 
 async function refresh() {
   if (!state.who) return;

@@ -132,6 +132,20 @@ async def test_the_console_follows_a_move_and_acts(
     assert (await cluster.observer(watched))["status"] == "paused"
     await page.click("#o-actions button:text('Resume')")
     await wait_for(lambda: _status_is(cluster, watched, "processing"), timeout=15, what="resumed")
+    # Who did it: the history names the token that paused it; the Actions page lists it too.
+    await page.wait_for_selector("#o-events tbody tr:has(td:text-is('resumed'))")
+    paused_row = page.locator("#o-events tbody tr:has(td:text-is('pausing'))")
+    assert "local-admin" in await paused_row.inner_text()
+    await page.click("#nav a[data-nav=actions]")
+    await page.wait_for_selector("#a-actions tbody tr")
+    newest = (await page.locator("#a-actions tbody tr").first.inner_text()).split("\t")
+    assert newest[1:3] == ["local-admin", "resumed"], newest
+    await page.fill("#a-by", "nobody")
+
+    async def none_listed() -> bool:
+        return await page.locator("#a-actions tbody tr").count() == 0
+
+    await wait_for(none_listed, timeout=5, what="the Actions list filtered by token")
 
     # Sign out: the form again, nothing of the cluster left on the page, the token forgotten.
     await page.click("#logout")
