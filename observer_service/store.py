@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import asyncpg
@@ -379,9 +379,19 @@ class PgLeaseSession:
     #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
     _closing: bool = False
+    #: The statements a lease lives by, parsed once when the session opens (see ``prepare``).
+    _statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.conn.add_termination_listener(self._terminated)
+
+    async def prepare(self, timeout: float) -> None:
+        """Parse the join, the renewal and the read of held copies now, before the lease's
+        clock starts: a statement's first run costs a round trip more, and on a slow link
+        (a round trip of a second or more) the first renewal then outlasted the deadline its
+        join had set, fencing the service at once, again after each rejoin."""
+        for name, query in (("join", q.JOIN), ("renew", q.RENEW), ("held", q.HELD_COPIES)):
+            self._statements[name] = await self.conn.prepare(query, timeout=timeout)
 
     def _terminated(self, _: object) -> None:
         if not self._closing:
@@ -404,7 +414,9 @@ class PgLeaseSession:
     async def join(self, ttl: float) -> bool:
         """Register (or come back) with this session's lock key; returns draining."""
         with self._errors():
-            row = await self.conn.fetchrow(q.JOIN, self.service_id, *self.row, self.lock_key, ttl)
+            row = await self._statements["join"].fetchrow(
+                self.service_id, *self.row, self.lock_key, ttl
+            )
         return bool(row["draining"])
 
     async def renew(
@@ -416,8 +428,7 @@ class PgLeaseSession:
         taking: Collection[uuid.UUID] = (),
     ) -> Renewal | None:
         with self._errors():
-            row = await self.conn.fetchrow(
-                q.RENEW,
+            row = await self._statements["renew"].fetchrow(
                 self.service_id,
                 ttl,
                 self.lock_key,
@@ -444,7 +455,7 @@ class PgLeaseSession:
 
     async def held(self, timeout: float) -> set[Copy]:
         with self._errors():
-            rows = await self.conn.fetch(q.HELD_COPIES, self.service_id, timeout=timeout)
+            rows = await self._statements["held"].fetch(self.service_id, timeout=timeout)
         return {Copy(r["id"], r["epoch"]) for r in rows}
 
     async def close(self, *, deleted: bool) -> None:
@@ -497,11 +508,13 @@ class PgLeaseDatabase:
                 timeout=self.connect_timeout,
                 server_settings={"application_name": f"orch lease {self.service_id}"},
             )
+            session = PgLeaseSession(
+                conn, lock_key, self.service_id, self._row, on_end, self.usage, self.directed_after
+            )
             try:
                 await conn.execute("SELECT pg_advisory_lock($1)", lock_key, timeout=5)
+                await session.prepare(timeout=self.connect_timeout)
             except BaseException:
-                conn.terminate()
+                session.terminate()
                 raise
-        return PgLeaseSession(
-            conn, lock_key, self.service_id, self._row, on_end, self.usage, self.directed_after
-        )
+        return session

@@ -277,6 +277,11 @@ async def test_a_service_starts_on_a_slow_database_link(cluster: Cluster) -> Non
     ids = await cluster.create_recorders(3)
     await cluster.wait_all_running(ids, timeout=60, on={await cluster.service_id(slow)})
     assert slow.alive
+    # Its join and renewals are statements parsed when the session opens: the first renewal
+    # parsed on the lease's clock outlasted the deadline the join had set (a round trip of up to
+    # 1.6 s each way), and the service was fenced at once, then after every rejoin, for 35 s.
+    assert slow.log is not None
+    assert "lease lost" not in slow.log.read_text(errors="replace"), slow.tail()
     # Each take lasts seconds on this link. The leader's audit sent the starts of observers
     # still being taken anew every second or two (19 to 28 starts for these 3), and each start
     # sent anew cost the link a round trip to drop it as stale: the first checkpoints landed
