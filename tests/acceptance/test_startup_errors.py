@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 import uuid
@@ -33,10 +34,13 @@ class Ended:
 
 
 async def _orch(*args: str, env: dict[str, str], timeout: float = 60) -> Ended:
-    """``orch ARGS`` as a real process, until it exits (killed, by its pid, if it does not)."""
+    """``orch ARGS`` as a real process, until it exits. One still running after ``timeout`` is
+    made to print where each of its threads is (faulthandler, on SIGABRT), then killed by its
+    pid, and the test fails with that output."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
     full = {
         **base,
+        "PYTHONFAULTHANDLER": "1",
         "PYTHONPATH": str(ROOT),
         "COLUMNS": "300",  # one line stays one line
         "ORCH_KIND_MODULES": "tests.support.kinds",
@@ -52,12 +56,21 @@ async def _orch(*args: str, env: dict[str, str], timeout: float = 60) -> Ended:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
+    reading = asyncio.ensure_future(proc.communicate())
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        done, _ = await asyncio.wait([reading], timeout=timeout)
+        if not done:
+            proc.send_signal(signal.SIGABRT)
+            done, _ = await asyncio.wait([reading], timeout=10)
+            hung = reading.result()[0].decode(errors="replace") if done else ""
+            pytest.fail(f"orch {' '.join(args)} still ran after {timeout} s:\n{hung}")
+        out, _ = reading.result()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        if not reading.done():
+            reading.cancel()
     assert proc.returncode is not None
     return Ended(proc.returncode, out.decode(errors="replace"), time.monotonic() - started)
 
