@@ -218,6 +218,7 @@ LIST = (
     "WHERE (CAST(:status AS text) IS NULL OR o.status = :status) "
     "AND (CAST(:kind AS text) IS NULL OR o.kind = :kind) "
     "AND (CAST(:pool AS text) IS NULL OR o.pool = :pool) "
+    "AND (CAST(:params AS jsonb) IS NULL OR o.params @> CAST(:params AS jsonb)) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
     r"AND (CAST(:name AS text) IS NULL OR o.name ILIKE '%' || :name || '%' ESCAPE '\') "
     f"AND (CAST(:with_deleted AS boolean) OR o.status <> {_v(S.DELETED)}) "
@@ -676,10 +677,12 @@ UNHELD_BY_POOL = (
 # ------------------------------------------------------------------ console views (api/views.py)
 # The console's list: filters, one sort from VIEW_SORTS (a whitelist: {order} is never user
 # text), server-side paging. :q matches any part of the name, :idp the start of the id, :id one
-# observer; deleted observers only when asked for (or filtered on).
+# observer, :params (JSON) is contained in the params; deleted observers only when asked for
+# (or filtered on).
 VIEW_FILTER = (
     "(CAST(:kind AS text) IS NULL OR o.kind = :kind) "
     "AND (CAST(:pool AS text) IS NULL OR o.pool = :pool) "
+    "AND (CAST(:params AS jsonb) IS NULL OR o.params @> CAST(:params AS jsonb)) "
     "AND (CAST(:sid AS uuid) IS NULL OR o.service_id = :sid) "
     "AND (CAST(:id AS uuid) IS NULL OR o.id = :id) "
     r"AND (CAST(:q AS text) IS NULL OR o.name ILIKE '%' || :q || '%' ESCAPE '\' "

@@ -248,13 +248,16 @@ async def list_observers(
     limit: int,
     offset: int,
     pool: str | None = None,
+    params: str | None = None,
 ) -> list[dict[str, Any]]:
-    """A page of observers, oldest first; ``name`` matches any part of the name."""
+    """A page of observers, oldest first; ``name`` matches any part of the name, ``params``
+    (JSON) is contained in theirs."""
     rows = await tx.rows(
         q.LIST,
         status=status.value if status else None,
         kind=kind,
         pool=pool,
+        params=params,
         sid=service_id,
         name=_like(name) if name else None,
         with_deleted=include_deleted or status is ObserverStatus.DELETED,

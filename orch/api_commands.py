@@ -392,6 +392,13 @@ def list_observers(
     kind: Annotated[str | None, typer.Option(help="only this kind")] = None,
     pool: Annotated[str | None, typer.Option(help="only this pool")] = None,
     name: Annotated[str | None, typer.Option(help="names containing this")] = None,
+    param: Annotated[
+        str | None,
+        typer.Option(
+            help="PATH=VALUE: params holding VALUE (JSON, else text) at PATH (keys joined by "
+            "dots); an admin token's search"
+        ),
+    ] = None,
     service: Annotated[str | None, typer.Option(help="only held by this service id")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows per page")] = 100,
     offset: Annotated[int, typer.Option(min=0)] = 0,
@@ -415,6 +422,7 @@ def list_observers(
         "kind": kind,
         "pool": pool,
         "name": name,
+        "param": param,
         "service_id": service,
         "include_deleted": deleted,
     }

@@ -528,18 +528,21 @@ class _Actions:
         pool: str | None = None,
         service_id: uuid.UUID | str | None = None,
         name: str | None = None,
+        param: str | None = None,
         include_deleted: bool = False,
         limit: int = 100,
         offset: int = 0,
     ) -> Any:
         """One page (``ObserverPage``), oldest first; its ``next_offset`` is None on the last.
-        ``observers()`` goes through every page."""
+        ``observers()`` goes through every page. ``param``: ``PATH=VALUE``, only observers whose
+        params hold that value there (``feed.symbol=BTC``; an admin token's search)."""
         params = {
             "status": status,
             "kind": kind,
             "pool": pool,
             "service_id": service_id,
             "name": name,
+            "param": param,
             "include_deleted": include_deleted,
             "limit": limit,
             "offset": offset,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import uuid
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from orch_contracts import tracing
 from orch_contracts.errors import (
     Conflict,
+    InvalidInput,
     NameTaken,
     NotFound,
     OrchError,
@@ -26,7 +28,7 @@ from orch_contracts.pools import DEFAULT_POOL
 from orch_contracts.statuses import ObserverStatus
 from orch_manager import repository as repo
 from orch_manager.api.deps import RuntimeDep
-from orch_manager.auth import ADMIN, READ, Authenticator, Credentials, Role
+from orch_manager.auth import ADMIN, READ, Authenticator, Credentials, Forbidden, Role
 from orch_manager.outbox import Pending
 from orch_manager.problems import field_errors, problem_for, problem_of, responses, status_of
 from orch_manager.runtime import ManagerRuntime
@@ -67,6 +69,51 @@ async def sees_secrets(request: Request, credentials: Credentials) -> bool:
 SeesSecrets = Annotated[bool, Depends(sees_secrets)]
 #: The list filters ``GET /observers`` and the console's view share.
 StatusFilter = Annotated[ObserverStatus | None, Query(alias="status")]
+ParamFilter = Annotated[
+    str | None,
+    Query(
+        alias="param",
+        min_length=2,
+        max_length=1000,
+        description="only observers whose params hold this value at this path: `PATH=VALUE`, "
+        "the path's keys joined by dots (`symbol=BTC`, `feed.interval=5`); the value as JSON "
+        "if it reads as JSON, else as text. Needs an admin token: a read token's search would "
+        "tell a secret param's value one guess at a time.",
+    ),
+]
+#: Keys a param path holds at most.
+PARAM_DEPTH = 8
+
+
+def param_filter(given: str | None, raw: bool) -> str | None:
+    """``PATH=VALUE`` as the JSON object that ``params @>`` takes (None: no filter). Raises
+    Forbidden for a caller who sees params masked, InvalidInput for a malformed one."""
+    if given is None:
+        return None
+    if not raw:
+        raise Forbidden(
+            "searching by params needs an admin token: a read token sees secret params masked, "
+            "and a search would tell their values one guess at a time"
+        )
+    path, eq, text_ = given.partition("=")
+    keys = path.split(".")
+    if not eq or not all(keys) or len(keys) > PARAM_DEPTH:
+        raise InvalidInput(
+            f"param: expected PATH=VALUE with a path of 1 to {PARAM_DEPTH} keys joined by dots "
+            "(symbol=BTC, feed.interval=5)"
+        )
+    value: Any = text_
+    with contextlib.suppress(ValueError):  # not JSON (or NaN, which JSON has not): the text
+        value = json.loads(text_, parse_constant=_no_constant)
+    for key in reversed(keys):
+        value = {key: value}
+    return json.dumps(value)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
 KindFilter = Annotated[KindName | None, Query()]
 PoolFilter = Annotated[PoolName | None, Query(description="only observers of this pool")]
 
@@ -316,6 +363,7 @@ async def list_observers(
     status_: StatusFilter = None,
     kind: KindFilter = None,
     pool: PoolFilter = None,
+    param: ParamFilter = None,
     service_id: uuid.UUID | None = None,
     name: Annotated[
         SafeText | None,
@@ -328,12 +376,14 @@ async def list_observers(
     ] = True,
 ) -> dict[str, Any]:
     """A page of observers, oldest first; `next_offset` is null on the last page."""
+    contains = param_filter(param, raw)
     async with state.store.autocommit() as tx:
         items = await repo.list_observers(
             tx,
             status=status_,
             kind=kind,
             pool=pool,
+            params=contains,
             service_id=service_id,
             name=name,
             include_deleted=include_deleted,

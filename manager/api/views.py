@@ -27,7 +27,15 @@ from orch_contracts.statuses import Event, ObserverStatus
 from orch_manager import queries as q
 from orch_manager import repository as repo
 from orch_manager.api.deps import RuntimeDep
-from orch_manager.api.observers import KindFilter, PoolFilter, SeesSecrets, StatusFilter, shown
+from orch_manager.api.observers import (
+    KindFilter,
+    ParamFilter,
+    PoolFilter,
+    SeesSecrets,
+    StatusFilter,
+    param_filter,
+    shown,
+)
 from orch_manager.auth import ADMIN, READ, Authenticator, Credentials, Role, Unauthenticated
 from orch_manager.outbox import Pending
 from orch_manager.problems import Problem, problem_for, responses, status_of
@@ -249,6 +257,7 @@ async def view_observers(
     status_: StatusFilter = None,
     kind: KindFilter = None,
     pool: PoolFilter = None,
+    param: ParamFilter = None,
     service_id: uuid.UUID | None = None,
     q_: Annotated[
         SafeText | None,
@@ -269,11 +278,18 @@ async def view_observers(
     status. Deleted observers are left out unless asked for (or filtered on)."""
     started = time.perf_counter()
     direction = "DESC" if order == "desc" else "ASC"
+    contains = param_filter(param, raw)
     async with state.store.autocommit() as tx:
         rows, totals = await repo.view_observers(
             tx,
             order=_order(sort, direction),
-            filters={"kind": kind, "pool": pool, "sid": service_id, **_lookup(q_)},
+            filters={
+                "kind": kind,
+                "pool": pool,
+                "params": contains,
+                "sid": service_id,
+                **_lookup(q_),
+            },
             status=status_.value if status_ else None,
             deleted=include_deleted,
             limit=limit,

@@ -12,7 +12,15 @@ const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;  // direction co
 const state = {
   who: null, timer: null, busy: false, again: false, services: new Map(), kinds: [],
   lists: {}, skew: 0,
+  // The live refresh paused by the operator (an action or a click on a page still refreshes).
+  paused: false,
+  // The activity charts' range in minutes, and the last answer for a long one (read again
+  // once a minute: a day of history is not read every two seconds).
+  minutes: 30, activity: null,
 };
+/** The activity ranges offered, in minutes, and the longest a chart's column may stand for. */
+const RANGES = [[30, "30 min"], [360, "6 h"], [1440, "24 h"]];
+const COLUMNS_MAX = 60;
 const $ = (sel) => document.querySelector(sel);
 const $$ = (sel) => Array.from(document.querySelectorAll(sel));
 
@@ -214,6 +222,8 @@ async function start() {
   $("#a-filter").addEventListener("submit", (e) => e.preventDefault());
   $("#a-filter").addEventListener("input", () => { clearTimeout(debounce); debounce = setTimeout(refresh, 250); });
   $("#create-go").onclick = createMany;
+  $("#pause").onclick = togglePause;
+  showRanges();
   for (const b of $$("#bulk button")) b.onclick = () => bulkOverview(b.dataset.verb);
   $("#bulk-pool").onchange = () => state.lists.observers.changed();
   $("#bulk-every").onchange = () => state.lists.observers.changed();
@@ -233,8 +243,8 @@ function showLogin(message) {
   clearInterval(state.timer);
   state.timer = null;
   $("#login").hidden = false;
-  for (const s of ["overview", "service", "failed", "observer"]) $(`#${s}`).hidden = true;
-  for (const s of ["#nav", "#whoami", "#logout"]) $(s).hidden = true;
+  for (const s of Object.keys(RENDER)) $(`#${s}`).hidden = true;
+  for (const s of ["#nav", "#whoami", "#logout", "#pause"]) $(s).hidden = true;
   const e = $("#login-error");
   e.hidden = !message;
   e.textContent = message || "";
@@ -274,6 +284,7 @@ async function signedIn(who) {
   $("#login").hidden = true;
   $("#nav").hidden = false;
   $("#whoami").hidden = false;
+  $("#pause").hidden = false;
   $("#logout").hidden = !who.auth;
   $("#who-name").textContent = who.name;
   $("#who-role").textContent = who.role;
@@ -300,7 +311,7 @@ async function signedIn(who) {
     filtersFromUrl();  // a kind or pool named in the address can be chosen only now
   } catch (err) { report("Loading the kinds", err); }
   clearInterval(state.timer);
-  state.timer = setInterval(refresh, REFRESH_MS);
+  state.timer = setInterval(() => { if (!state.paused) refresh(); }, REFRESH_MS);
   await refresh();
 }
 
@@ -442,7 +453,10 @@ class List {
 function makeLists() {
   const filters = () => {
     const f = Object.fromEntries(new FormData($("#filters")));
-    return { q: f.q?.trim(), status: f.status, kind: f.kind, pool: f.pool, include_deleted: f.include_deleted ? "true" : "" };
+    return {
+      q: f.q?.trim(), status: f.status, kind: f.kind, pool: f.pool, param: f.param?.trim(),
+      include_deleted: f.include_deleted ? "true" : "",
+    };
   };
   state.lists.observers = new List("observers",
     ["name", "kind", "pool", "status", "service", "epoch", "restarts", "checkpoint", "created"], filters,
@@ -490,17 +504,27 @@ const SERIES = [["taken", "takes"], ["restarted", "restarts"], ["failed", "failu
 /** One chart per series: a column a minute, the y axis from 0 to the peak (labelled), the time
  * axis from the first minute to now (labelled), and the live value: this minute's so far. */
 function activity(figure, data) {
-  const W = 240, H = 44, L = 24, B = 12, n = data.buckets.length, bw = W / n;
+  const minutes = data.buckets.length, per = Math.ceil(minutes / COLUMNS_MAX);
+  const buckets = [];  // a column stands for `per` minutes (one, for the last 30 minutes)
+  for (let i = 0; i < minutes; i += per) {
+    const group = data.buckets.slice(i, i + per);
+    const column = { at: group[0].at };
+    for (const [key] of SERIES) column[key] = group.reduce((sum, b) => sum + b[key], 0);
+    buckets.push(column);
+  }
+  const unit = per === 1 ? "min" : `${per} min`;
+  const span = minutes >= 120 ? `${minutes / 60} h` : `${minutes} min`;
+  const W = 240, H = 44, L = 24, B = 12, n = buckets.length, bw = W / n;
   figure.replaceChildren(...SERIES.map(([key, label]) => {
-    const values = data.buckets.map((b) => b[key]);
+    const values = buckets.map((b) => b[key]);
     const max = Math.max(1, ...values);
     const total = values.reduce((a, b) => a + b, 0);
     const box = el("div", null, `spark spark-${key}`);
     const head = el("div", null, "spark-head");
     const now = el("strong", count(values[n - 1] ?? 0), "spark-now");
-    now.title = "this minute so far";
-    head.append(el("span", `${label} / min`, "muted"), now);
-    const chart = svg("svg", { viewBox: `0 0 ${L + W} ${H + B}`, width: L + W, height: H + B, role: "img", "aria-label": `${label} per minute, the last ${n} minutes` });
+    now.title = per === 1 ? "this minute so far" : `these ${per} minutes so far`;
+    head.append(el("span", `${label} / ${unit}`, "muted"), now);
+    const chart = svg("svg", { viewBox: `0 0 ${L + W} ${H + B}`, width: L + W, height: H + B, role: "img", "aria-label": `${label} per ${unit}, the last ${span}` });
     const tick = (x, y, text, anchor, cls) => {
       const t = svg("text", { x, y, "text-anchor": anchor, class: `tick ${cls}` });
       t.textContent = text;
@@ -511,9 +535,9 @@ function activity(figure, data) {
       svg("line", { x1: L - 0.5, y1: 0, x2: L - 0.5, y2: H, class: "axis" }),
       svg("line", { x1: L, y1: 2.5, x2: L + W, y2: 2.5, class: "grid" }),
       tick(L - 3, 8, count(max), "end", "y-max"), tick(L - 3, H, "0", "end", "y-min"),
-      tick(L, H + B - 1, `${n} min ago`, "start", "x-from"), tick(L + W, H + B - 1, "now", "end", "x-to"),
+      tick(L, H + B - 1, `${span} ago`, "start", "x-from"), tick(L + W, H + B - 1, "now", "end", "x-to"),
     );
-    data.buckets.forEach((b, i) => {
+    buckets.forEach((b, i) => {
       if (!b[key]) return;
       const h = Math.max(2, (b[key] / max) * (H - 3));
       const r = svg("rect", { x: (L + i * bw + 0.5).toFixed(2), y: (H - h).toFixed(2), width: Math.max(1, bw - 1).toFixed(2), height: h.toFixed(2), class: `bar-${key}` });
@@ -522,7 +546,7 @@ function activity(figure, data) {
       r.append(t);
       chart.append(r);
     });
-    box.append(head, chart, el("div", `${count(total)} in ${n} min · peak ${count(max === 1 && total === 0 ? 0 : max)}`, "muted small"));
+    box.append(head, chart, el("div", `${count(total)} in ${span} · peak ${count(max === 1 && total === 0 ? 0 : max)}`, "muted small"));
     return box;
   }));
 }
@@ -632,6 +656,35 @@ function durability(node, health) {
   node.className = mode === "synchronous" || !mode ? "muted" : "warn";
 }
 
+/** The overview's activity for the chosen range: the last 30 minutes read at every refresh, a
+ * longer range once a minute. */
+async function overviewActivity() {
+  const kept = state.activity;
+  if (kept && kept.minutes === state.minutes && state.minutes > 30 && Date.now() - kept.read < 60_000) return kept.data;
+  const data = await api("GET", "/views/activity", { minutes: state.minutes });
+  state.activity = { minutes: state.minutes, read: Date.now(), data };
+  return data;
+}
+
+function showRanges() {
+  $("#range").replaceChildren(...RANGES.map(([minutes, label]) => {
+    const b = el("button", label, minutes === state.minutes ? "chip on" : "chip");
+    b.type = "button";
+    b.dataset.minutes = String(minutes);
+    b.setAttribute("aria-pressed", String(minutes === state.minutes));
+    b.onclick = () => { state.minutes = minutes; showRanges(); refresh(); };
+    return b;
+  }));
+}
+
+function togglePause() {
+  state.paused = !state.paused;
+  $("#pause").textContent = state.paused ? "Resume refresh" : "Pause refresh";
+  $("#pause").setAttribute("aria-pressed", String(state.paused));
+  if (state.paused) $("#updated").textContent = `paused · ${$("#updated").textContent}`;
+  else refresh();
+}
+
 async function renderOverview() {
   const [services, leader, health, broker_, cluster, act_, page] = await Promise.all([
     api("GET", "/services"),
@@ -639,7 +692,7 @@ async function renderOverview() {
     api("GET", "/healthz"),
     api("GET", "/views/broker"),
     api("GET", "/views/totals"),
-    api("GET", "/views/activity", { minutes: 30 }),
+    overviewActivity(),
     state.lists.observers.load(),
   ]);
   totals(cluster, page);
@@ -763,6 +816,7 @@ function everyTarget() {
   const f = state.lists.observers.params();
   const page = state.lists.observers.page;
   if (f.q) return { why: "clear the lookup box first" };
+  if (f.param) return { why: "clear the params search first" };
   if (!f.status && !f.kind && !f.pool) return { why: "filter on a status, kind or pool first" };
   if (f.status === "deleted") return { why: "deleted ones take no action" };
   const selector = Object.fromEntries(["status", "kind", "pool"].filter((k) => f[k]).map((k) => [k, f[k]]));
@@ -913,7 +967,7 @@ async function createMany() {
 // ------------------------------------------------------------------------------ filters
 // The overview's filters live in the address (#/?status=failed&kind=…): a link or a reload
 // shows the same list.
-const FILTERS = ["q", "status", "kind", "pool", "include_deleted"];
+const FILTERS = ["q", "status", "kind", "pool", "param", "include_deleted"];
 
 function filtersToUrl() {
   const f = new FormData($("#filters"));
@@ -934,6 +988,7 @@ function filtersFromUrl() {
   form.elements.status.value = params.get("status") || "";
   form.elements.kind.value = params.get("kind") || "";
   form.elements.pool.value = params.get("pool") || "";
+  form.elements.param.value = params.get("param") || "";
   form.elements.include_deleted.checked = params.get("include_deleted") === "true";
 }
 
@@ -962,7 +1017,7 @@ async function refresh() {
     for (const a of $$("#nav a")) a.classList.toggle("on", a.dataset.nav === view);
     await RENDER[view](id);
     if (!state.who) return;
-    $("#updated").textContent = `updated ${stamp(new Date().toISOString())}`;
+    $("#updated").textContent = `${state.paused ? "paused · " : ""}updated ${stamp(new Date().toISOString())}`;
     $("#updated").classList.remove("stale");
   } catch (err) {
     if (state.who) {  // a refresh that failed says so here; it never clears a reported problem

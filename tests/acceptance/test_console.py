@@ -292,6 +292,24 @@ async def test_capacity_waiting_charts_tracebacks_a_whole_filter_and_a_phone(
     assert await page.text_content(f"{chart} text.y-min") == "0"
     assert await page.get_attribute(f"{chart} .spark-now", "title") == "this minute so far"
     await shot(page, shots, "capacity")
+    # Longer ranges: a column stands for several minutes, the axes say so.
+    await page.click("#range button[data-minutes='1440']")
+    await page.wait_for_selector(f"{chart} text.x-from:text-is('24 h ago')")
+    assert "takes / 24 min" in await page.inner_text(f"{chart} .spark-head")
+    assert await page.locator(f"{chart} rect.bar-taken").count() >= 1
+    await page.click("#range button[data-minutes='30']")
+    await page.wait_for_selector(f"{chart} text.x-from:text-is('30 min ago')")
+    # Paused, the page stops refreshing: a new observer shows only after the resume.
+    await page.click("#pause")
+    await page.wait_for_selector("#pause[aria-pressed=true]")
+    late = (await cluster.create("late", "ticker", interval=3600))["id"]
+    await page.wait_for_timeout(3 * 2000)  # a refresh is every 2 s: three would have come
+    assert not await _has(page, f'#observers tr[data-id="{late}"]'), "refreshed while paused"
+    assert (await page.inner_text("#updated")).startswith("paused")
+    await page.click("#pause")
+    await page.wait_for_selector(f'#observers tr[data-id="{late}"]')
+    async with cluster.api() as api:
+        assert (await api.delete(f"/observers/{late}")).status_code == 202
 
     # The failed observer's page: its error's line, and its traceback folded under it.
     await page.goto(f"http://127.0.0.1:{cluster.api_port}/console#/observers/{failing}")

@@ -89,3 +89,14 @@ def test_the_command_line_loads_no_server_module_for_an_api_command() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert loaded == "[]"
+
+
+def test_a_param_search_is_built_as_containment_json() -> None:
+    from orch_manager.api.observers import param_filter
+
+    assert param_filter("symbol=BTC", raw=True) == '{"symbol": "BTC"}'
+    assert param_filter("feed.interval=5", raw=True) == '{"feed": {"interval": 5}}'
+    assert param_filter('a=["x"]', raw=True) == '{"a": ["x"]}'
+    assert param_filter("a=NaN", raw=True) == '{"a": "NaN"}'  # no JSON number: the text
+    assert param_filter("url=https://x/?a=b", raw=True) == '{"url": "https://x/?a=b"}'
+    assert param_filter(None, raw=False) is None
