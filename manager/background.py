@@ -359,6 +359,9 @@ class Audit:
     metrics: ManagerMetrics
     #: The longest wait between two re-dispatches of one observer.
     patience: float
+    #: Seconds a start directed to a live service is left to it: that service's renewal reads
+    #: it from the database after a renewal interval, if the directed message was lost.
+    directed: float
     #: Observers re-dispatched lately: id -> (times in a row, not again before; monotonic).
     recent: dict[uuid.UUID, tuple[int, float]] = field(default_factory=dict)
 
@@ -376,7 +379,7 @@ class Audit:
             idle = await repo.idle_pools(tx, self.grace)
             if not idle:
                 return 0
-            stuck = await repo.unheld_stuck(tx, self.grace, idle)
+            stuck = await repo.unheld_stuck(tx, self.grace, idle, self.directed)
             if not stuck:
                 return 0
             free = await repo.free_slots(tx, self.margin)
@@ -405,7 +408,9 @@ class Audit:
         present = found(await probe(self.publisher, free))  # outside any transaction
         async with self.store.transaction() as tx:
             # Still unheld and stuck now (read again, locked): one taken meanwhile stays.
-            ids = sorted(set(ids) & set(await repo.unheld_stuck(tx, self.grace, idle)))
+            ids = sorted(
+                set(ids) & set(await repo.unheld_stuck(tx, self.grace, idle, self.directed))
+            )
             # One whose start is still unpublished (a broker alarm holds the publishers) is
             # sent anew only to a service, which also reads it from the database: another
             # start for the work queue would only wait behind the first.

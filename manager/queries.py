@@ -487,12 +487,20 @@ SELECT p.pool FROM (SELECT s.pool FROM services s WHERE {live_service("s")}
 # Of the pools :pools. A start still in the outbox is on its way, unless it has been there
 # longer than :g (the broker blocks publishers: an alarm); then it is stuck too. One a live
 # service was taking at its last renewal is not stuck: its take is slow (a slow database link),
-# and a start sent anew would only cost that link a round trip to drop it as stale.
+# and a start sent anew would only cost that link a round trip to drop it as stale. One directed
+# to a live service (a handoff's target, a re-dispatch's choice) in the last :directed seconds is
+# that service's to take: its renewal reads it from the database if the directed message was
+# lost, and a start sent anew would make the one on its way stale (a move caught by a host-wide
+# stall of 0.4 s was taken 1.04 s after its release, where others took a median 19 ms).
 UNHELD_STUCK = f"""
 SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.service_id IS NULL
    AND o.pool = ANY(:pools)
    AND o.waiting IS NULL AND o.dispatched_at < now() - make_interval(secs => :g)
    AND o.modified_at < now() - make_interval(secs => :g)
+   AND NOT (o.directed_to IS NOT NULL
+            AND o.modified_at > now() - make_interval(secs => :directed)
+            AND EXISTS (SELECT 1 FROM services s WHERE s.id = o.directed_to
+                           AND {live_service("s")}))
    AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text
                       AND b.created_at > now() - make_interval(secs => :g))
    AND NOT EXISTS (SELECT 1 FROM services s WHERE {live_service("s")} AND o.id = ANY(s.taking))

@@ -773,10 +773,13 @@ async def idle_pools(tx: Tx, grace: float) -> list[str]:
     return await tx.values(q.IDLE_POOLS, g=grace)
 
 
-async def unheld_stuck(tx: Tx, grace: float, pools: list[str]) -> dict[uuid.UUID, str]:
-    """Live observers of ``pools`` nobody holds, dispatched more than ``grace`` seconds ago:
-    their pools."""
-    return {r.id: r.pool for r in await tx.rows(q.UNHELD_STUCK, g=grace, pools=pools)}
+async def unheld_stuck(
+    tx: Tx, grace: float, pools: list[str], directed: float
+) -> dict[uuid.UUID, str]:
+    """Live observers of ``pools`` nobody holds, dispatched more than ``grace`` seconds ago, and
+    not directed to a live service in the last ``directed`` seconds: their pools."""
+    rows = await tx.rows(q.UNHELD_STUCK, g=grace, pools=pools, directed=directed)
+    return {r.id: r.pool for r in rows}
 
 
 async def statuses(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, ObserverStatus]:

@@ -305,6 +305,9 @@ class ManagerRuntime:
             margin=margin,
             metrics=self.metrics,
             patience=patience,
+            # Longer than a service's wait before its renewal reads a start directed to it and
+            # lost (a renewal interval, ttl / 5 by default), then the next renewal.
+            directed=s.lease_ttl,
         )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(

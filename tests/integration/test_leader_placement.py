@@ -72,10 +72,18 @@ async def join_broker(connection: AbstractConnection, prefix: str, sid: uuid.UUI
     )
 
 
-async def received(queue: AbstractQueue) -> list[AnyControl]:
+async def received(queue: AbstractQueue, expect: int = 0) -> list[AnyControl]:
+    """What the queue holds; with ``expect``, waits (5 s at most) until that many have come:
+    the leader publishes its messages after its transaction, in the background."""
     out: list[AnyControl] = []
-    while (message := await queue.get(no_ack=True, fail=False)) is not None:
-        out.append(CONTROL_MESSAGE.validate_json(message.body))
+
+    async def enough() -> bool:
+        while (message := await queue.get(no_ack=True, fail=False)) is not None:
+            out.append(CONTROL_MESSAGE.validate_json(message.body))
+        return len(out) >= expect
+
+    with contextlib.suppress(TimeoutError):
+        await wait_for(enough, timeout=5, what=f"{expect} control messages")
     return out
 
 
@@ -112,7 +120,9 @@ async def observers(conn: asyncpg.Connection, n: int, holder: uuid.UUID | None) 
     return out
 
 
-def audit(store: ManagerStore, publisher: Publisher, grace: float = 0.5) -> Audit:
+def audit(
+    store: ManagerStore, publisher: Publisher, grace: float = 0.5, directed: float = 5.0
+) -> Audit:
     return Audit(
         store,
         Outbox(store, publisher),
@@ -121,6 +131,7 @@ def audit(store: ManagerStore, publisher: Publisher, grace: float = 0.5) -> Audi
         margin=1.0,
         metrics=ManagerMetrics(),
         patience=5.0,
+        directed=directed,
     )
 
 
@@ -174,10 +185,11 @@ async def test_directed_starts_go_only_to_services_whose_control_queue_exists(
     assert sorted((r["route"], r["service_id"]) for r in routes) == sorted(
         [("service", on)] * 5 + [("work", None)]
     ), f"placed by the lease alone (on={on}, off={off})"
-    got = await received(queue)
+    got = await received(queue, expect=5)
     assert len(got) == 5
     assert all(isinstance(m, DirectedStart) for m in got)
     assert {m.observer_id for m in got if isinstance(m, DirectedStart)} < set(stuck)
+    assert await wait_for(publisher.work_queue_ready, timeout=5, what="the work queue's start")
     assert await publisher.work_queue_ready() == 1
 
 
@@ -436,7 +448,7 @@ async def test_a_handoff_that_did_not_reach_its_target_puts_no_cooldown(
     for round_ in range(3):
         assert await r.once() == 1, f"round {round_ + 1} moved nothing"
         await asyncio.sleep(0.2)
-    got = await received(queue)
+    got = await received(queue, expect=3)
     assert len(got) == 3
     assert all(isinstance(m, HandoffMessage) and m.to == target for m in got)
 
@@ -503,6 +515,41 @@ async def test_the_audit_leaves_alone_what_a_live_service_is_taking(
     assert [r["observer_id"] for r in await conn.fetch(sent)] == lost
     await conn.execute("UPDATE services SET lease_expires_at = now() WHERE id = $1", sid)
     assert await audit(store, publisher).once() == 2
+
+
+async def test_the_audit_leaves_a_start_directed_to_a_live_service_to_it(
+    db: tuple[asyncpg.Connection, ManagerStore],
+    publisher: Publisher,
+    services_connection: AbstractConnection,
+    prefix: str,
+) -> None:
+    """A move's donor released its observers towards their target (``directed_to``) 0.6 s ago,
+    and a host-wide stall kept the target from taking them yet. A start sent anew would make
+    the handoff's start on its way stale (a soak's move took 1.04 s so): the audit leaves them
+    to the target for ``directed`` seconds, which its renewal covers if the message was lost.
+    One directed to a service whose lease ended, or directed longer ago, is sent anew."""
+    conn, store = db
+    target = await service(conn, worker_count=10)
+    gone = await service(conn, worker_count=10)
+    await join_broker(services_connection, prefix, target)
+    moving = await observers(conn, 2, holder=None)
+    stranded = await observers(conn, 1, holder=None)
+    await conn.execute(
+        "UPDATE observers SET directed_to = $2, modified_at = now() - interval '0.6 seconds' "
+        "WHERE id = ANY($1)",
+        moving + stranded,
+        target,
+    )
+    await conn.execute("UPDATE observers SET directed_to = $2 WHERE id = ANY($1)", stranded, gone)
+    await conn.execute("UPDATE services SET lease_expires_at = now() WHERE id = $1", gone)
+    assert await audit(store, publisher, directed=3.0).once() == 1
+    sent = "SELECT observer_id FROM observer_events WHERE event = 'redispatched'"
+    assert [r["observer_id"] for r in await conn.fetch(sent)] == stranded
+    await conn.execute(
+        "UPDATE observers SET modified_at = now() - interval '4 seconds' WHERE id = ANY($1)",
+        moving,
+    )
+    assert await audit(store, publisher, directed=3.0).once() == 2
 
 
 async def test_the_audit_finds_lost_starts_whatever_else_the_work_queue_holds(
