@@ -162,7 +162,7 @@ class Publisher:
             if old is not None and not old.is_closed:
                 with contextlib.suppress(Exception):
                     await old.close()  # a channel or one connection closed alone: afresh
-        backoff = Backoff(0.1, 2.0)
+        backoff = Backoff(0.1, 1.0, jitter=0.5)  # as a service's: back within 1.5 s of it
         while not self._closing:
             try:
                 await self._open()

@@ -107,6 +107,31 @@ async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> No
     assert a.alive
 
 
+async def test_a_service_is_back_on_the_broker_soon_after_it_returns(cluster: Cluster) -> None:
+    """Its broker link refused for 8 s (a broker restart, as the service sees it): back on the
+    broker within 2 s of the link's return. Its retries waited up to 5 s once doubled, and a
+    chaos run's observers, stopped by a lost lease during a broker restart, waited 4.7 s after
+    the broker was back for their service to try again."""
+    a, a_id, proxy, _, _ = await _a_behind_a_proxy_and_b(cluster, 3)
+    topology = CommonSettings(prefix=cluster.prefix).topology
+    proxy.refuse()
+    proxy.reset()
+    await _wait_off_broker(cluster, a_id)
+    await quiet(8.0, "the refused link would stop the service")
+    proxy.accept()
+    back_from = time.monotonic()
+    connection = await aio_pika.connect(cluster.amqp_url, timeout=5)
+    async with connection:
+
+        async def present() -> bool:
+            return await service_present(connection, topology, a_id)
+
+        await wait_for(present, timeout=10, what="the service back on the broker", every=0.02)
+    took = time.monotonic() - back_from
+    assert took < 2.0, f"back on the broker {took:.2f} s after the link returned"
+    assert a.alive
+
+
 async def _a_behind_a_proxy_and_b(
     cluster: Cluster, n: int
 ) -> tuple[Proc, uuid.UUID, Proxy, list[uuid.UUID], Proc]:
