@@ -27,6 +27,8 @@ STOPPING = frozenset(STOPPED)
 HELD = frozenset({ObserverStatus.PROCESSING, *STOPPING})
 #: Should be running somewhere.
 LIVE = frozenset({ObserverStatus.CREATED, ObserverStatus.PROCESSING})
+#: No copy runs and none starts until asked: its params may be edited.
+EDITABLE = frozenset({ObserverStatus.PAUSED, ObserverStatus.FAILED})
 
 
 class Event(StrEnum):
@@ -46,6 +48,7 @@ class Event(StrEnum):
     PAUSED = "paused"
     RESUMED = "resumed"
     MOVE_REQUESTED = "move requested"
+    PARAMS_EDITED = "params edited"
 
 
 def sql_in(column: str, statuses: Iterable[ObserverStatus]) -> str:

@@ -4,6 +4,7 @@ liveness are built from ``orch_contracts.statuses``, never spelled out as litera
 from __future__ import annotations
 
 from orch_contracts.statuses import (
+    EDITABLE,
     HELD,
     LIVE,
     Event,
@@ -284,6 +285,13 @@ HOLDER_LIVE = (
     f"SELECT COALESCE((SELECT {live_service('s')} FROM services s WHERE s.id = :sid), false)"
 )
 SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
+# New params (:params, JSON) for an observer no copy runs and none starts (paused or failed),
+# unless its params are no longer :expected, those the edit was made from (edited meanwhile).
+EDIT_PARAMS = (
+    "UPDATE observers SET params = CAST(:params AS jsonb), modified_at = now() "
+    f"WHERE id = :id AND {sql_in('status', EDITABLE)} "
+    "AND params IS NOT DISTINCT FROM CAST(:expected AS jsonb) RETURNING id"
+)
 # Being stopped by a holder that is gone: complete the stop (deleted, paused).
 COMPLETE_STOPS = (
     f"UPDATE observers SET status = {sql_stopped('status')}, service_id = NULL, waiting = NULL, "

@@ -29,7 +29,7 @@ from orch_contracts.names import name_key
 from orch_contracts.outputs import Committed
 from orch_contracts.pools import DEFAULT_POOL
 from orch_contracts.routing import BROADCAST, Destination, Route
-from orch_contracts.statuses import STOPPED, STOPPING, Event, ObserverStatus
+from orch_contracts.statuses import EDITABLE, STOPPED, STOPPING, Event, ObserverStatus
 from orch_contracts.tracing import Carrier, carrier
 from orch_manager import queries as q
 from orch_manager.auth import ACTOR
@@ -409,6 +409,28 @@ async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, An
 async def resume_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
     """A paused observer starts again, from its last checkpoint, on some service."""
     return await _start_anew(tx, observer_id, _RESUME)
+
+
+async def edit_params(
+    tx: Tx, observer_id: uuid.UUID, params: dict[str, Any], expected: dict[str, Any]
+) -> dict[str, Any]:
+    """New params for a paused or failed observer (its resume or restart starts with them),
+    made from ``expected``: Conflict when it is in another status or was edited meanwhile. The
+    history names the keys that changed, never their values (a secret's among them)."""
+    edited = await tx.value(
+        q.EDIT_PARAMS, id=observer_id, params=json.dumps(params), expected=json.dumps(expected)
+    )
+    if edited is None:
+        status = (await get_observer(tx, observer_id))["status"]  # NotFound
+        if status not in EDITABLE:
+            raise Conflict(
+                f"only a paused or failed observer's params can be edited; this one is {status} "
+                "(pause it, edit it, then resume it)"
+            )
+        raise Conflict("its params were edited meanwhile: read them again")
+    keys = sorted(k for k in params.keys() | expected.keys() if params.get(k) != expected.get(k))
+    await record_events(tx, [observer_id], Event.PARAMS_EDITED, ", ".join(keys) or "unchanged")
+    return await get_observer(tx, observer_id)
 
 
 async def list_services(tx: Tx, *, include_deleted: bool) -> list[dict[str, Any]]:

@@ -150,6 +150,18 @@ class ObserverCreate(BaseModel):
     )
 
 
+class ObserverEdit(BaseModel):
+    """New params for a paused or failed observer, as a JSON merge patch (RFC 7396)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    params: Annotated[dict[str, Any], AfterValidator(clean_params)] = Field(
+        description="merged into its params: a key given replaces that key's value (an object "
+        "is merged key by key), a key given as null is removed; the result is validated by "
+        "the kind as a create's params are"
+    )
+
+
 #: Observers in one bulk create at most.
 MAX_BATCH = 1000
 

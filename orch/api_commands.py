@@ -679,6 +679,46 @@ def move(
     )
 
 
+@observers_app.command("edit")
+def edit(
+    observer: Annotated[str, typer.Argument(help="its id or name")],
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", help="KEY=VALUE to set (JSON values allowed)"),
+    ] = None,
+    params_json: Annotated[
+        str | None, typer.Option("--params", help="a JSON object merged into its params")
+    ] = None,
+    unset: Annotated[
+        list[str] | None, typer.Option("--unset", help="KEY to remove from its params")
+    ] = None,
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """New params for a paused or failed observer, merged into its own and validated by its
+    kind; its resume (or restart) starts with them. A running one: pause it, edit it, resume
+    it. Example: orch observers edit btc -p interval=10 --unset headers."""
+    patch = _params(param or [], params_json)
+    for key in unset or []:
+        if key in patch:
+            raise _usage(f"{key!r} is both set and unset")
+        patch[key] = None
+    if not patch:
+        raise _usage("nothing to change: give --param, --params or --unset")
+    client = _client(api, token)
+    try:
+        path = f"/observers/{_resolve(client, observer)}"
+        o = client.request("PATCH", path, json_={"params": patch})
+    except ApiError as exc:
+        raise _failed(exc) from None
+    if as_json:
+        _show_json(o)
+        return
+    out.print(f"edited {shown(o['name'])} ({shown(o['status'])}): its params are now")
+    _show_json(o["params"])
+
+
 _action("delete", "DELETE", "", "deleted", "Cancel an observer for good (--wait: until stopped).")
 _action("pause", "POST", "/pause", "paused", "Stop an observer, keep its checkpoint (--wait).")
 _action("resume", "POST", "/resume", "processing", "Start a paused observer again (--wait).")

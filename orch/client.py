@@ -567,6 +567,13 @@ class _Actions:
         """Revive a failed one, from its last checkpoint, with a fresh restart budget."""
         return self._by_id(observer, "POST", "/restart", _as(Observer))
 
+    def edit(self, observer: str | uuid.UUID, params: Mapping[str, Any]) -> Any:
+        """New params for a paused or failed one, merged into its own (a key given as None is
+        removed) and validated by its kind; its resume or restart starts with them.
+        ``Conflict`` while it runs: pause it first."""
+        body = {"params": dict(params)}
+        return self._by_id(observer, "PATCH", "", _as(Observer), body)
+
     def act(
         self,
         action: str,
@@ -647,14 +654,26 @@ class _Actions:
         return self._call(Request("GET", "/views/totals"), _as(Totals))
 
     def _by_id(
-        self, observer: str | uuid.UUID, method: str, suffix: str, then: Callable[[Any], Any]
+        self,
+        observer: str | uuid.UUID,
+        method: str,
+        suffix: str,
+        then: Callable[[Any], Any],
+        body: Any = None,
     ) -> Any:
         if _is_id(observer):
-            return self._call(Request(method, f"/observers/{_ref(observer)}{suffix}"), then)
-        return self._named_then(str(observer), method, suffix, then)
+            path = f"/observers/{_ref(observer)}{suffix}"
+            return self._call(Request(method, path, body=body), then)
+        return self._named_then(str(observer), Request(method, suffix, body=body), then)
 
-    def _named_then(self, name: str, method: str, suffix: str, then: Callable[[Any], Any]) -> Any:
+    def _named_then(self, name: str, request: Request, then: Callable[[Any], Any]) -> Any:
+        """``request`` (its path a suffix) for the live observer of that name."""
         raise NotImplementedError
+
+
+def _for(found: Observer, request: Request) -> Request:
+    """``request``, whose path is a suffix, for that observer."""
+    return dataclasses.replace(request, path=f"/observers/{found.id}{request.path}")
 
 
 def _as(cls: type[M]) -> Callable[[Any], M]:
@@ -706,9 +725,9 @@ class Client(_Actions):
                 time.sleep(wait)
                 attempt += 1
 
-    def _named_then(self, name: str, method: str, suffix: str, then: Callable[[Any], Any]) -> Any:
+    def _named_then(self, name: str, request: Request, then: Callable[[Any], Any]) -> Any:
         found: Observer = self.get(name)
-        return self._call(Request(method, f"/observers/{found.id}{suffix}"), then)
+        return self._call(_for(found, request), then)
 
     def _connection(self) -> http.client.HTTPConnection:
         import http.client
@@ -821,11 +840,9 @@ class AsyncClient(_Actions):
                 await asyncio.sleep(wait)
                 attempt += 1
 
-    async def _named_then(
-        self, name: str, method: str, suffix: str, then: Callable[[Any], Any]
-    ) -> Any:
+    async def _named_then(self, name: str, request: Request, then: Callable[[Any], Any]) -> Any:
         found: Observer = await self.get(name)
-        return await self._call(Request(method, f"/observers/{found.id}{suffix}"), then)
+        return await self._call(_for(found, request), then)
 
     async def _send(self, request: Request) -> Any:
         import httpx

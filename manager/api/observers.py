@@ -1,4 +1,4 @@
-"""/observers: create, list, read, history, delete, restart, pause, resume."""
+"""/observers: create, list, read, history, edit, delete, restart, pause, resume."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from orch_manager.schemas import (
     ObserverBatch,
     ObserverBatchOut,
     ObserverCreate,
+    ObserverEdit,
     ObserverEventOut,
     ObserverMove,
     ObserverMoveOut,
@@ -446,6 +447,42 @@ async def observer_events(
         }
         for e in events
     ]
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396: ``patch`` applied to ``target`` (a new value; neither is changed)."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+@router.patch(
+    "/{observer_id}",
+    response_model=ObserverOut,
+    operation_id="editObserver",
+    dependencies=[ADMIN],
+    responses=responses(*ONE, 409, 413),
+)
+async def edit_observer(observer_id: uuid.UUID, body: ObserverEdit, state: RuntimeDep) -> Any:
+    """New params for a `paused` or `failed` observer, merged into its own (a JSON merge
+    patch) and validated by its kind as a create's are; its resume or restart starts with them.
+    A running observer is refused (409): pause it, edit it, resume it."""
+    async with state.store.autocommit() as tx:
+        row = await repo.get_observer(tx, observer_id)
+    expected = row["params"] or {}
+    spec = await state.kind(row["kind"], row["pool"], row["kind_version"])
+    params = spec.validate_params(merge_patch(expected, body.params))
+    limit = state.settings.max_params_bytes
+    if len(json.dumps(params)) > limit:
+        raise TooLarge(f"params are larger than {limit} bytes")
+    async with state.store.transaction() as tx:
+        return await repo.edit_params(tx, observer_id, params, expected)
 
 
 async def _change(state: RuntimeDep, change: repo.Change, observer_id: uuid.UUID) -> dict[str, Any]:

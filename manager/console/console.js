@@ -17,6 +17,8 @@ const state = {
   // The activity charts' range in minutes, and the last answer for a long one (read again
   // once a minute: a day of history is not read every two seconds).
   minutes: 30, activity: null,
+  // The observer whose params are being edited (the refresh keeps its editor open).
+  editing: null,
 };
 /** The activity ranges offered, in minutes, and the longest a chart's column may stand for. */
 const RANGES = [[30, "30 min"], [360, "6 h"], [1440, "24 h"]];
@@ -881,8 +883,7 @@ async function renderObserver(id) {
     ["created", when(o.created_at)], ["started", when(o.started_at)],
     ["last checkpoint", when(o.checkpointed_at)],
     ["last commit", o.committed_at ? when(o.committed_at) : el("span", "none (it emits nothing)", "muted")],
-    ["last output", o.output_seq ? `seq ${o.output_seq}` : "none"],
-    ["last commit", when(o.committed_at)], ["modified", when(o.modified_at)]];
+    ["last output", o.output_seq ? `seq ${o.output_seq}` : "none"], ["modified", when(o.modified_at)]];
   $("#o-fields").replaceChildren(...fields.flatMap(([k, val]) => {
     const dd = el("dd", null, k === "status" ? `status-${val}` : "");
     dd.id = `o-field-${k.replace(" ", "-")}`;
@@ -906,7 +907,19 @@ async function renderObserver(id) {
     if (o.status === "paused") button("Resume", "POST", "/resume", null);
     if (o.status === "failed") button("Restart", "POST", "/restart", "Restart this failed observer?");
     if (o.status !== "deleted") button("Delete", "DELETE", "", "Delete this observer for good?", true);
+    // Params change only while no copy runs: a running one is paused, edited, resumed.
+    if (["paused", "failed"].includes(o.status)) {
+      const b = el("button", "Edit params");
+      b.type = "button";
+      b.onclick = () => editParams(o);
+      buttons.push(b);
+    }
+    const clone = el("button", "Create like this");
+    clone.type = "button";
+    clone.onclick = () => createLike(o);
+    buttons.push(clone);
   }
+  if (state.editing !== o.id) $("#o-edit").hidden = true;
   $("#o-actions").replaceChildren(...buttons);
   $("#o-events tbody").replaceChildren(...events.slice().reverse().map((e) => {
     const s = state.services.get(e.service_id);
@@ -914,6 +927,47 @@ async function renderObserver(id) {
     tr.append(td(when(e.at)), td(e.event), td(s ? nameNode(s.name) : e.service_name ? nameNode(e.service_name) : short(e.service_id)), td(e.epoch ?? ""), td(e.actor ?? ""), td(e.detail ?? ""));
     return tr;
   }));
+}
+
+// ------------------------------------------------------------------------------ editing
+/** A JSON merge patch (RFC 7396) that turns `before` into `after` (a key gone: null). */
+function mergePatch(before, after) {
+  const plain = (x) => x !== null && typeof x === "object" && !Array.isArray(x);
+  if (!plain(before) || !plain(after)) return after;
+  const patch = {};
+  for (const k of Object.keys(before)) if (!(k in after)) patch[k] = null;
+  for (const [k, v] of Object.entries(after)) {
+    if (JSON.stringify(before[k]) !== JSON.stringify(v)) patch[k] = k in before ? mergePatch(before[k], v) : v;
+  }
+  return patch;
+}
+
+function editParams(o) {
+  state.editing = o.id;
+  $("#o-edit").hidden = false;
+  $("#o-edit-text").value = JSON.stringify(o.params, null, 2);
+  $("#o-edit-cancel").onclick = () => { state.editing = null; $("#o-edit").hidden = true; };
+  $("#o-edit-save").onclick = async () => {
+    let after;
+    try { after = JSON.parse($("#o-edit-text").value); } catch (err) { report("Edit params", err); return; }
+    try {
+      await api("PATCH", `/observers/${o.id}`, null, { params: mergePatch(o.params, after) });
+      state.editing = null;
+      $("#o-edit").hidden = true;
+    } catch (err) { report(`Edit params of ${o.name}`, err); }
+    await refresh();
+  };
+  $("#o-edit-text").focus();
+}
+
+/** The create form, filled in with this observer's kind, pool and params, under a new name. */
+function createLike(o) {
+  const like = { name: `${o.name}-copy`, kind: o.kind, params: o.params };
+  if (o.pool !== "default") like.pool = o.pool;
+  window.location.hash = "#/";
+  $("#create").open = true;
+  $("#create-text").value = JSON.stringify(like, null, 2);
+  $("#create-text").focus();
 }
 
 // ------------------------------------------------------------------------------ creating

@@ -130,8 +130,31 @@ async def test_the_console_follows_a_move_and_acts(
 
     await wait_for(paused, timeout=15, what="the observer paused")
     assert (await cluster.observer(watched))["status"] == "paused"
+    # Paused, its params can be edited: the editor holds them as JSON; a bad value is refused
+    # with the kind's reason, a good one saved (the refresh every two seconds keeps the editor).
+    await page.click("#o-actions button:text('Edit params')")
+    text = json.loads(await page.input_value("#o-edit-text"))
+    assert text["interval"] == 0.1
+    await page.fill("#o-edit-text", json.dumps({**text, "interval": -1}))
+    await page.click("#o-edit-save")
+    await page.wait_for_selector(".problem:has-text('Edit params')")
+    assert await page.locator("#o-edit").is_visible()
+    await page.fill("#o-edit-text", json.dumps({**text, "interval": 0.2}))
+    await page.click("#o-edit-save")
+    await page.wait_for_selector("#o-events tbody tr:has(td:text-is('params edited'))")
+    assert await page.locator("#o-edit").is_hidden()
+    saved = (await cluster.observer(watched))["params"]
+    assert (json.loads(saved) if isinstance(saved, str) else saved)["interval"] == 0.2
     await page.click("#o-actions button:text('Resume')")
     await wait_for(lambda: _status_is(cluster, watched, "processing"), timeout=15, what="resumed")
+    # Running, it is offered no editor; "Create like this" fills the create form with its own.
+    await page.wait_for_selector("#o-actions button:text('Pause')")
+    assert await page.locator("#o-actions button:text('Edit params')").count() == 0
+    await page.click("#o-actions button:text('Create like this')")
+    await page.wait_for_selector("#create[open]")
+    like = json.loads(await page.input_value("#create-text"))
+    assert like == {"name": "rec-0-copy", "kind": "recorder", "params": {**text, "interval": 0.2}}
+    await page.evaluate(f"window.location.hash = '#/observers/{watched}'")
     # Who did it: the history names the token that paused it; the Actions page lists it too.
     await page.wait_for_selector("#o-events tbody tr:has(td:text-is('resumed'))")
     paused_row = page.locator("#o-events tbody tr:has(td:text-is('pausing'))")

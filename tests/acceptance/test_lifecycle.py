@@ -12,6 +12,7 @@ import uuid
 
 import aio_pika
 
+from orch_bench.ticklog import Tick, read_ticks
 from orch_contracts.messages import StartMessage
 from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import queue_counts
@@ -300,6 +301,35 @@ async def test_pause_keeps_the_checkpoint_and_resume_goes_on_from_it(cluster: Cl
     await wait_for(lambda: _gt(cluster, oid, kept + 3), timeout=10, what="ticks after resume")
     row = await cluster.observer(oid)
     assert row["epoch"] == 2, "resumed as a new copy"
+
+
+async def test_a_paused_observer_resumes_with_the_params_it_was_given(cluster: Cluster) -> None:
+    """Pause, edit, resume: the copy that runs after the resume runs with the new params (its
+    ticks go to the directory it was given), none runs before it, and its count goes on from
+    the checkpoint. Judged from the recorder's own tick files."""
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=4)
+    (oid,) = await cluster.create_recorders(1)
+    await cluster.wait_all_running([oid], timeout=10)
+    async with cluster.api() as c:
+        assert (await c.post(f"/observers/{oid}/pause")).status_code == 202
+        await cluster.wait_status(oid, "paused", timeout=10)
+        paused_at = time.time()
+        moved = cluster.workdir / "edited-ticks"
+        r = await c.patch(f"/observers/{oid}", json={"params": {"dir": str(moved)}})
+        assert r.status_code == 200, r.text
+        assert r.json()["params"]["dir"] == str(moved)
+        assert (await c.post(f"/observers/{oid}/resume")).status_code == 200
+
+    async def ticked_there() -> list[Tick]:
+        return [t for t in read_ticks(moved) if t.observer == str(oid)] if moved.exists() else []
+
+    there = await wait_for(ticked_there, timeout=10, what="ticks in the new directory")
+    assert all(t.epoch == 2 for t in there)
+    before = [t for t in read_ticks(cluster.tick_dir) if t.observer == str(oid)]
+    assert before, "it ticked before the pause"
+    assert all(t.at <= paused_at for t in before), "a copy ran on in the old directory"
+    assert there[0].count > before[-1].count - 2, "it started over instead of going on"
 
 
 async def test_a_pause_whose_holder_died_is_completed_by_the_sweeper(cluster: Cluster) -> None:

@@ -100,3 +100,30 @@ def test_a_param_search_is_built_as_containment_json() -> None:
     assert param_filter("a=NaN", raw=True) == '{"a": "NaN"}'  # no JSON number: the text
     assert param_filter("url=https://x/?a=b", raw=True) == '{"url": "https://x/?a=b"}'
     assert param_filter(None, raw=False) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((), "nothing to change"),
+        (("-p", "interval=5", "--unset", "interval"), "'interval' is both set and unset"),
+        (("-p", "interval=NaN"), "'interval=NaN'"),
+    ],
+)
+def test_an_edit_with_nothing_or_a_contradiction_is_refused(
+    args: tuple[str, ...], says: str
+) -> None:
+    code, output = _orch("observers", "edit", "btc", *args, "--api", NOWHERE)
+    assert code == 2
+    assert says in output
+
+
+def test_an_edit_is_a_merge_patch() -> None:
+    from orch_manager.api.observers import merge_patch
+
+    before = {"url": "https://x", "headers": {"a": "1", "b": "2"}, "interval": 5}
+    patch = {"headers": {"b": None, "c": "3"}, "interval": None, "timeout": 2}
+    after = {"url": "https://x", "headers": {"a": "1", "c": "3"}, "timeout": 2}
+    assert merge_patch(before, patch) == after
+    assert before["headers"] == {"a": "1", "b": "2"}  # neither side is changed
+    assert merge_patch(before, {"headers": ["x"]})["headers"] == ["x"]
