@@ -27,7 +27,8 @@ STOPPING = frozenset(STOPPED)
 HELD = frozenset({ObserverStatus.PROCESSING, *STOPPING})
 #: Should be running somewhere.
 LIVE = frozenset({ObserverStatus.CREATED, ObserverStatus.PROCESSING})
-#: No copy runs and none starts until asked: its params may be edited.
+#: No copy is meant to run and none starts until asked: its params may be edited (a failed
+#: row's last copy may still be stopping on a service that has not seen the failure yet).
 EDITABLE = frozenset({ObserverStatus.PAUSED, ObserverStatus.FAILED})
 
 

@@ -10,7 +10,12 @@ Then:
   cancel of the failover;
 - a create the new primary lacks is reported: logged, counted
   (``orch_failover_lost_creates_total``) and shown by ``/healthz`` for an hour, with the ids
-  and names. Its client may create it again under the same name.
+  and names. Its client may create it again under the same name;
+- an edit of params the new primary lacks is reported the same way (logged, in ``/healthz``):
+  its observer runs with its old params until edited again.
+
+A change acknowledged later supersedes the one kept: a pause then a resume keeps nothing to
+apply again (applied, it stopped an observer its user had resumed).
 
 The journal is in memory: a replica that crashes with the database loses its part. Under
 synchronous replication there is nothing to make good; this is the best an asynchronous one
@@ -68,14 +73,26 @@ class Journal:
     #: Observer -> (its name, when; monotonic).
     created: dict[uuid.UUID, tuple[str, float]] = field(default_factory=dict)
     timeline: int | None = None
+    #: Observer -> (its name, the params an edit gave it, when; monotonic).
+    edited: dict[uuid.UUID, tuple[str, Any, float]] = field(default_factory=dict)
     #: Creates lost in the last failover: (when; wall time, id, name).
     lost: list[tuple[float, uuid.UUID, str]] = field(default_factory=list)
+    #: Edits lost in the last failover: (when; wall time, id, name).
+    lost_edits: list[tuple[float, uuid.UUID, str]] = field(default_factory=list)
     on_lost: Callable[[int], None] = lambda n: None
 
     def changed(self, observer_id: uuid.UUID, what: str) -> None:
-        """A delete or a pause of ``observer_id`` was acknowledged."""
+        """A change of ``observer_id`` was acknowledged: a delete or a pause is kept; any other
+        (a resume, a restart) supersedes the one kept."""
         if what in _APPLY:
             self.changes[observer_id] = (what, time.monotonic())
+        else:
+            self.changes.pop(observer_id, None)
+
+    def params_edited(self, row: dict[str, Any]) -> None:
+        """An edit of this observer's params was acknowledged: ``row`` as it answered."""
+        oid = uuid.UUID(str(row["id"]))
+        self.edited[oid] = (str(row["name"]), row["params"], time.monotonic())
 
     def made(self, rows: list[dict[str, Any]]) -> None:
         """These observers' creates were acknowledged."""
@@ -84,15 +101,21 @@ class Journal:
             self.created[uuid.UUID(str(row["id"]))] = (str(row["name"]), now)
 
     def warnings(self) -> list[str]:
-        recent = [(at, oid, name) for at, oid, name in self.lost if time.time() - at < SHOWN]
-        if not recent:
-            return []
-        shown = ", ".join(f"{name} ({oid})" for _, oid, name in recent[:20])
-        more = f" and {len(recent) - 20} more" if len(recent) > 20 else ""
-        return [
-            f"a failover of the database lost {len(recent)} acknowledged creates: {shown}{more}; "
-            "create them again"
-        ]
+        out = []
+        for lost, what, fix in (
+            (self.lost, "creates", "create them again"),
+            (self.lost_edits, "edits of params", "edit them again"),
+        ):
+            recent = [(at, oid, name) for at, oid, name in lost if time.time() - at < SHOWN]
+            if not recent:
+                continue
+            shown = ", ".join(f"{name} ({oid})" for _, oid, name in recent[:20])
+            more = f" and {len(recent) - 20} more" if len(recent) > 20 else ""
+            out.append(
+                f"a failover of the database lost {len(recent)} acknowledged {what}: "
+                f"{shown}{more}; {fix}"
+            )
+        return out
 
     async def once(self) -> None:
         """Read the timeline; after a change, make good what this replica acknowledged."""
@@ -110,10 +133,12 @@ class Journal:
         )
         await self._reapply()
         await self._report_lost()
+        await self._report_lost_edits()
 
     def _forget(self, now: float) -> None:
         self.changes = {o: c for o, c in self.changes.items() if now - c[1] < KEEP}
         self.created = {o: c for o, c in self.created.items() if now - c[1] < KEEP}
+        self.edited = {o: e for o, e in self.edited.items() if now - e[2] < KEEP}
 
     async def _reapply(self) -> None:
         async with self.store.autocommit() as tx:
@@ -155,6 +180,27 @@ class Journal:
         log.error(
             "the failover lost %d creates this manager had acknowledged (their clients may "
             "create them again): %s",
+            len(lost),
+            ", ".join(f"{name} ({oid})" for oid, name in lost[:20]),
+        )
+
+    async def _report_lost_edits(self) -> None:
+        async with self.store.autocommit() as tx:
+            now_params = await repo.params_of(tx, list(self.edited))
+        lost = [
+            (oid, name)
+            for oid, (name, params, _) in self.edited.items()
+            if oid in now_params and now_params[oid] != params
+        ]
+        if not lost:
+            return
+        now = time.time()
+        self.lost_edits += [(now, oid, name) for oid, name in lost]
+        for oid, _ in lost:
+            self.edited.pop(oid, None)
+        log.error(
+            "the failover lost %d edits of params this manager had acknowledged (their "
+            "observers have their old params; edit them again): %s",
             len(lost),
             ", ".join(f"{name} ({oid})" for oid, name in lost[:20]),
         )

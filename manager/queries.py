@@ -4,7 +4,6 @@ liveness are built from ``orch_contracts.statuses``, never spelled out as litera
 from __future__ import annotations
 
 from orch_contracts.statuses import (
-    EDITABLE,
     HELD,
     LIVE,
     Event,
@@ -285,12 +284,11 @@ HOLDER_LIVE = (
     f"SELECT COALESCE((SELECT {live_service('s')} FROM services s WHERE s.id = :sid), false)"
 )
 SET_STATUS = "UPDATE observers SET status = :status, modified_at = now() WHERE id = :id"
-# New params (:params, JSON) for an observer no copy runs and none starts (paused or failed),
-# unless its params are no longer :expected, those the edit was made from (edited meanwhile).
+# An observer about to have its params edited, locked until the edit commits (a pause, resume,
+# move or another edit meanwhile waits for it, and sees it).
+GET_LOCKED = f"SELECT {OBSERVER_COLUMNS} FROM observers o WHERE o.id = :id FOR UPDATE"
 EDIT_PARAMS = (
-    "UPDATE observers SET params = CAST(:params AS jsonb), modified_at = now() "
-    f"WHERE id = :id AND {sql_in('status', EDITABLE)} "
-    "AND params IS NOT DISTINCT FROM CAST(:expected AS jsonb) RETURNING id"
+    "UPDATE observers SET params = CAST(:params AS jsonb), modified_at = now() WHERE id = :id"
 )
 # Being stopped by a holder that is gone: complete the stop (deleted, paused).
 COMPLETE_STOPS = (
@@ -508,7 +506,8 @@ SELECT o.id, o.pool FROM observers o WHERE {sql_in("o.status", LIVE)} AND o.serv
    AND NOT (o.directed_to IS NOT NULL
             AND o.modified_at > now() - make_interval(secs => :directed)
             AND EXISTS (SELECT 1 FROM services s WHERE s.id = o.directed_to
-                           AND {live_service("s")}))
+                           AND {live_service("s")} AND NOT s.draining
+                           AND s.stalled_since IS NULL))
    AND NOT EXISTS (SELECT 1 FROM outbox b WHERE b.body->>'observer_id' = o.id::text
                       AND b.created_at > now() - make_interval(secs => :g))
    AND NOT EXISTS (SELECT 1 FROM services s WHERE {live_service("s")} AND o.id = ANY(s.taking))
@@ -596,6 +595,7 @@ LEADER = (
 PING = "SELECT 1"
 # The status of each of these observers that has a row.
 STATUSES = "SELECT id, status FROM observers WHERE id = ANY(:ids)"
+PARAMS_OF = "SELECT id, params FROM observers WHERE id = ANY(:ids)"
 # The server's settings the orchestrator shows (``manager/database_facts.py``).
 AUTOVACUUM = "SELECT current_setting('autovacuum')"
 

@@ -411,26 +411,28 @@ async def resume_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any
     return await _start_anew(tx, observer_id, _RESUME)
 
 
-async def edit_params(
-    tx: Tx, observer_id: uuid.UUID, params: dict[str, Any], expected: dict[str, Any]
-) -> dict[str, Any]:
-    """New params for a paused or failed observer (its resume or restart starts with them),
-    made from ``expected``: Conflict when it is in another status or was edited meanwhile. The
-    history names the keys that changed, never their values (a secret's among them)."""
-    edited = await tx.value(
-        q.EDIT_PARAMS, id=observer_id, params=json.dumps(params), expected=json.dumps(expected)
-    )
-    if edited is None:
-        status = (await get_observer(tx, observer_id))["status"]  # NotFound
-        if status not in EDITABLE:
-            raise Conflict(
-                f"only a paused or failed observer's params can be edited; this one is {status} "
-                "(pause it, edit it, then resume it)"
-            )
-        raise Conflict("its params were edited meanwhile: read them again")
-    keys = sorted(k for k in params.keys() | expected.keys() if params.get(k) != expected.get(k))
-    await record_events(tx, [observer_id], Event.PARAMS_EDITED, ", ".join(keys) or "unchanged")
-    return await get_observer(tx, observer_id)
+async def locked_for_edit(tx: Tx, observer_id: uuid.UUID) -> dict[str, Any]:
+    """A paused or failed observer, its row locked until the transaction ends (no copy runs it
+    and none starts while it stays so): NotFound, or Conflict in any other status."""
+    row = await tx.row(q.GET_LOCKED, id=observer_id)
+    if row is None:
+        raise NotFound(f"no observer with id {observer_id}")
+    if row.status not in EDITABLE:
+        raise Conflict(
+            f"only a paused or failed observer's params can be edited; this one is {row.status} "
+            "(pause it, edit it, then resume it)"
+        )
+    return _row(row)
+
+
+async def edit_params(tx: Tx, row: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """New params for the observer ``locked_for_edit`` gave as ``row``: its resume or restart
+    starts with them. The history names the keys that changed, never their values."""
+    before = row["params"] or {}
+    await tx.rows(q.EDIT_PARAMS, id=row["id"], params=json.dumps(params))
+    keys = sorted(k for k in params.keys() | before.keys() if params.get(k) != before.get(k))
+    await record_events(tx, [row["id"]], Event.PARAMS_EDITED, ", ".join(keys) or "unchanged")
+    return await get_observer(tx, row["id"])
 
 
 async def list_services(tx: Tx, *, include_deleted: bool) -> list[dict[str, Any]]:
@@ -808,6 +810,12 @@ async def statuses(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, ObserverStat
     """The status of each of ``ids`` that has a row."""
     rows = await tx.rows(q.STATUSES, ids=ids) if ids else []
     return {r.id: ObserverStatus(r.status) for r in rows}
+
+
+async def params_of(tx: Tx, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+    """The params of each of ``ids`` that has a row."""
+    rows = await tx.rows(q.PARAMS_OF, ids=ids) if ids else []
+    return {r.id: r.params for r in rows}
 
 
 async def unsent(tx: Tx, ids: list[uuid.UUID]) -> set[uuid.UUID]:

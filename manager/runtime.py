@@ -305,9 +305,9 @@ class ManagerRuntime:
             margin=margin,
             metrics=self.metrics,
             patience=patience,
-            # Longer than a service's wait before its renewal reads a start directed to it and
-            # lost (a renewal interval, ttl / 5 by default), then the next renewal.
-            directed=s.lease_ttl,
+            # A service's wait before its renewal reads a start directed to it and lost (a
+            # renewal interval, ttl / 5 by default), the next renewal, and the audit's grace.
+            directed=min(s.lease_ttl, 2 * s.lease_ttl / 5 + s.audit_grace),
         )
         loops: dict[str, Loop] = {
             "outbox-relay": background.every(

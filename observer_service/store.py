@@ -410,6 +410,15 @@ class PgLeaseSession:
             if self.conn.is_closed():
                 raise SessionEnded(str(exc)) from exc
             raise
+        except (
+            asyncpg.exceptions.InvalidCachedStatementError,
+            asyncpg.exceptions.InvalidSQLStatementNameError,
+        ) as exc:
+            # A statement parsed when the session opened no longer holds (a migration changed
+            # a table it reads; a pooler lost it): the session ends, and the keeper bridges
+            # onto a new one, parsed afresh. Raised as it was, it ended the service.
+            self.conn.terminate()
+            raise SessionEnded(f"the lease's statements must be parsed again: {exc}") from exc
 
     async def join(self, ttl: float) -> bool:
         """Register (or come back) with this session's lock key; returns draining."""

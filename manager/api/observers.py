@@ -473,16 +473,16 @@ async def edit_observer(observer_id: uuid.UUID, body: ObserverEdit, state: Runti
     """New params for a `paused` or `failed` observer, merged into its own (a JSON merge
     patch) and validated by its kind as a create's are; its resume or restart starts with them.
     A running observer is refused (409): pause it, edit it, resume it."""
-    async with state.store.autocommit() as tx:
-        row = await repo.get_observer(tx, observer_id)
-    expected = row["params"] or {}
-    spec = await state.kind(row["kind"], row["pool"], row["kind_version"])
-    params = spec.validate_params(merge_patch(expected, body.params))
-    limit = state.settings.max_params_bytes
-    if len(json.dumps(params)) > limit:
-        raise TooLarge(f"params are larger than {limit} bytes")
     async with state.store.transaction() as tx:
-        return await repo.edit_params(tx, observer_id, params, expected)
+        row = await repo.locked_for_edit(tx, observer_id)
+        spec = await state.kind(row["kind"], row["pool"], row["kind_version"])
+        params = spec.validate_params(merge_patch(row["params"] or {}, body.params))
+        limit = state.settings.max_params_bytes
+        if len(json.dumps(params)) > limit:
+            raise TooLarge(f"params are larger than {limit} bytes")
+        edited = await repo.edit_params(tx, row, params)
+    state.journal.params_edited(edited)
+    return shown(state, edited, True)
 
 
 async def _change(state: RuntimeDep, change: repo.Change, observer_id: uuid.UUID) -> dict[str, Any]:

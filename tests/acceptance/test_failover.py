@@ -80,8 +80,19 @@ async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_repo
     await cluster.wait_all_running(kept + doomed, timeout=20)
     async with cluster.api() as c:
         shown = (await c.get("/healthz")).json()
+        # Paused then resumed long before the crash: nothing of it is to be made good (the
+        # pause was applied again after the failover, stopping an observer its user resumed).
+        resumed = kept[0]
+        assert (await c.post(f"/observers/{resumed}/pause")).status_code < 300
+        await cluster.wait_status(resumed, "paused", timeout=10)
+        assert (await c.post(f"/observers/{resumed}/resume")).status_code < 300
+        # One paused, whose params are edited within the standby's lag below.
+        edited = await _recorder(cluster, "edited")
+        assert (await c.post(f"/observers/{edited}/pause")).status_code < 300
+        await cluster.wait_status(edited, "paused", timeout=10)
     assert shown["database"]["durability"] == "asynchronous", shown
     assert any("asynchronous" in w for w in shown["warnings"]), shown
+    await cluster.wait_all_running(kept, timeout=10)
     await async_pair.caught_up(timeout=LAG + 10)
 
     # Within the standby's lag: b is killed and its observers taken by a, two deletes are
@@ -100,6 +111,9 @@ async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_repo
     for oid in doomed:
         await cluster.wait_status(oid, "deleted", timeout=LAG / 4)
     late = [await _recorder(cluster, f"late-{i}") for i in range(2)]
+    async with cluster.api() as c:
+        r = await c.patch(f"/observers/{edited}", json={"params": {"interval": 0.2}})
+        assert r.status_code == 200, r.text
     if cluster.db is not None:  # the test's own pool would hold the dead server's connections
         cluster.db.terminate()
         cluster.db = None
@@ -127,6 +141,14 @@ async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_repo
 
     report = await wait_for(reported, timeout=15, what="the lost creates reported")
     assert all(str(o) in report[0] for o in late), report
+
+    async def edit_reported() -> list[str]:
+        async with cluster.api() as c:
+            warnings: list[str] = (await c.get("/healthz")).json()["warnings"]
+        return [w for w in warnings if "lost 1 acknowledged edits of params" in w]
+
+    report = await wait_for(edit_reported, timeout=15, what="the lost edit reported")
+    assert str(edited) in report[0], report
 
     settle = cluster.lease_ttl * 2 + 2.0
     await asyncio.sleep(settle)  # every observer that runs is seen running, the rest stopped

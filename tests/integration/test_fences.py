@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from observer_service.ports import Checkpoint, Locked, StartRequest, TakeResult, Written
-from observer_service.store import PgLeaseDatabase, PgStore
+from observer_service.store import PgLeaseDatabase, PgStore, SessionEnded
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
 from orch_contracts.kinds import RestartPolicy
@@ -294,6 +294,40 @@ async def test_a_renewal_never_revives_an_expired_lease(database_url: str) -> No
     finally:
         await session.close(deleted=False)
     assert ended == [], "a session we closed is not reported as ended"
+
+
+async def test_a_lease_statement_a_migration_made_stale_ends_the_session(
+    database_url: str, pool: asyncpg.Pool
+) -> None:
+    """The lease's statements are parsed when its session opens. A migration that changes what
+    the renewal reads makes them stale ("cached plan must not change result type"): the
+    renewal ends the session (the keeper bridges onto a new one, parsed afresh) rather than
+    raising a PostgreSQL error that ended the service."""
+    ended: list[bool] = []
+    db = lease_database(database_url)
+    session = await db.connect(lambda: ended.append(True))
+    try:
+        await session.join(ttl=60)
+        assert await session.renew(60, timeout=5) is not None
+        await pool.execute(
+            "ALTER TABLE services ALTER COLUMN draining DROP DEFAULT, "
+            "ALTER COLUMN draining TYPE int USING draining::int"
+        )
+        with pytest.raises(SessionEnded, match="parsed again"):
+            await session.renew(60, timeout=5)
+        assert session.ended
+        for _ in range(100):  # the driver calls its termination listeners soon after
+            if ended:
+                break
+            await asyncio.sleep(0.01)
+        assert ended == [True]
+        again = await db.connect(lambda: None)
+        try:
+            assert await again.renew(60, timeout=5) is not None, "a new session renews"
+        finally:
+            await again.close(deleted=False)
+    finally:
+        await session.close(deleted=False)
 
 
 async def test_a_lease_session_ended_by_the_server_is_reported(
