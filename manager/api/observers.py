@@ -49,6 +49,7 @@ from orch_manager.schemas import (
     ObserverSelector,
     PoolName,
     SafeText,
+    clean_params,
 )
 from orch_manager.store import Tx
 
@@ -108,6 +109,10 @@ def param_filter(given: str | None, raw: bool) -> str | None:
         value = json.loads(text_, parse_constant=_no_constant)
     for key in reversed(keys):
         value = {key: value}
+    try:  # what no params hold, and PostgreSQL's JSON refuses: NUL, 1e999 (a 500 before)
+        clean_params(value)
+    except ValueError as exc:
+        raise InvalidInput(f"param: {exc}") from None
     return json.dumps(value)
 
 
@@ -332,9 +337,9 @@ async def move_observers(body: ObserverMove, state: RuntimeDep) -> dict[str, Any
     }
 
 
-@router.api_route("/move", methods=["GET", "DELETE"], include_in_schema=False)
-@router.api_route("/batch", methods=["GET", "DELETE"], include_in_schema=False)
-@router.api_route("/actions", methods=["GET", "DELETE"], include_in_schema=False)
+@router.api_route("/move", methods=["GET", "DELETE", "PATCH"], include_in_schema=False)
+@router.api_route("/batch", methods=["GET", "DELETE", "PATCH"], include_in_schema=False)
+@router.api_route("/actions", methods=["GET", "DELETE", "PATCH"], include_in_schema=False)
 async def batch_is_post_only() -> None:
     """Without it, ``GET /observers/batch`` would read "batch" as an observer id (422)."""
     raise HTTPException(405)

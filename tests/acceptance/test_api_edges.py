@@ -202,6 +202,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
     ("drain a service by a name too long", "POST", f"/services/{'x' * 201}/drain", {}, 422),
     ("a method the route does not have", "PUT", "/observers", {"json": {}}, 405),
     ("GET on the bulk create (not an observer id)", "GET", "/observers/batch", {}, 405),
+    ("PATCH on the bulk actions (not an observer id)", "PATCH", "/observers/actions", {}, 405),
     ("a route that does not exist", "GET", "/nope", {}, 404),
 ]
 
@@ -221,7 +222,11 @@ async def test_fifty_malformed_requests_get_the_right_4xx(cluster: Cluster) -> N
                 and body["detail"]
             )
             if expected == 405:  # every method of the resource, and only those
-                allow = {"/observers": "GET, POST", "/observers/batch": "POST"}[path]
+                allow = {
+                    "/observers": "GET, POST",
+                    "/observers/batch": "POST",
+                    "/observers/actions": "POST",
+                }[path]
                 ok = ok and r.headers.get("allow") == allow
             if not ok:
                 wrong.append(

@@ -16,6 +16,7 @@ import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import aio_pika
 import asyncpg
@@ -40,6 +41,7 @@ from orch_manager.outbox import Outbox
 from orch_manager.publisher import Publisher
 from orch_manager.rebalance import Rebalancer
 from orch_manager.store import ManagerStore
+from orch_verify.proxy import Proxy, via
 from tests.conftest import Servers
 from tests.support.faults import memory_alarm
 
@@ -550,6 +552,39 @@ async def test_the_audit_leaves_a_start_directed_to_a_live_service_to_it(
         moving,
     )
     assert await audit(store, publisher, directed=3.0).once() == 2
+
+
+async def test_the_audit_places_stuck_observers_through_the_database_while_the_broker_is_away(
+    db: tuple[asyncpg.Connection, ManagerStore], servers: Servers, database_url: str, prefix: str
+) -> None:
+    """The manager cannot reach the broker (restarted, cut off): the audit still places the
+    observers nobody holds, each directed to a live service with room, which reads its
+    directed start from the database at its next renewal. It gave up instead (its first
+    question went to the broker), and a chaos run's observers waited 10.6 s for the broker and
+    the publisher to come back."""
+    conn, store = db
+    parts = urlsplit(servers.amqp_url)
+    proxy = await Proxy(parts.hostname or "127.0.0.1", parts.port or 5672).start()
+    away = Publisher(
+        CommonSettings(
+            database_url=database_url, amqp_url=via(servers.amqp_url, proxy), prefix=prefix
+        )
+    )
+    await away.start()
+    try:
+        sid = await service(conn, worker_count=10)
+        stuck = await observers(conn, 2, holder=None)
+        proxy.refuse()
+        proxy.reset()
+        await wait_for(
+            lambda: asyncio.sleep(0, not away.connected), timeout=10, what="the broker gone"
+        )
+        assert await audit(store, away).once() == 2
+        rows = await conn.fetch("SELECT directed_to FROM observers WHERE id = ANY($1)", stuck)
+        assert [r["directed_to"] for r in rows] == [sid, sid]
+    finally:
+        await away.close()
+        await proxy.close()
 
 
 async def test_the_audit_finds_lost_starts_whatever_else_the_work_queue_holds(

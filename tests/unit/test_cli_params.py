@@ -100,6 +100,12 @@ def test_a_param_search_is_built_as_containment_json() -> None:
     assert param_filter("a=NaN", raw=True) == '{"a": "NaN"}'  # no JSON number: the text
     assert param_filter("url=https://x/?a=b", raw=True) == '{"url": "https://x/?a=b"}'
     assert param_filter(None, raw=False) is None
+    from orch_contracts.errors import InvalidInput
+
+    # What PostgreSQL's JSON refuses (a 500 before): NUL, a number past a double's range.
+    for bad in ("a=1e999", 'a="\\u0000"', "a\x00=1", "a=x\x00y"):
+        with pytest.raises(InvalidInput):
+            param_filter(bad, raw=True)
 
 
 @pytest.mark.parametrize(
