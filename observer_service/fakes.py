@@ -417,6 +417,9 @@ class FakeLeaseSession:
         if not self.db.available:
             raise DatabaseUnavailable("the fake database is down")
 
+    async def prepare_join(self) -> None:
+        pass
+
     async def join(self, ttl: float) -> bool:
         self._up()
         self.db.joins.append(self.lock_key)

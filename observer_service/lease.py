@@ -238,6 +238,7 @@ class LeaseKeeper:
     async def _join(self) -> None:
         """Register or come back after a fence, on a new session (new lock key)."""
         session = await self._connect()
+        await session.prepare_join()
         sent = self.clock.now()
         await session.join(self.timings.ttl)
         self._bridging = False

@@ -284,6 +284,9 @@ class LeaseSession(Protocol):
     @property
     def ended(self) -> bool: ...
 
+    async def prepare_join(self) -> None:
+        """Ready the join, before the lease's clock starts (a slow link's round trip)."""
+
     async def join(self, ttl: float) -> bool: ...
 
     async def renew(

@@ -379,6 +379,8 @@ class PgLeaseSession:
     #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
     _closing: bool = False
+    #: Seconds the join's parse may take.
+    join_timeout: float = 5.0
     #: The statements a lease lives by, parsed once when the session opens (see ``prepare``).
     _statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = field(default_factory=dict)
 
@@ -386,12 +388,18 @@ class PgLeaseSession:
         self.conn.add_termination_listener(self._terminated)
 
     async def prepare(self, timeout: float) -> None:
-        """Parse the join, the renewal and the read of held copies now, before the lease's
-        clock starts: a statement's first run costs a round trip more, and on a slow link
-        (a round trip of a second or more) the first renewal then outlasted the deadline its
-        join had set, fencing the service at once, again after each rejoin."""
-        for name, query in (("join", q.JOIN), ("renew", q.RENEW), ("held", q.HELD_COPIES)):
+        """Parse the renewal and the read of held copies now, before the lease's clock starts:
+        a statement's first run costs a round trip more, and on a slow link (a round trip of a
+        second or more) the first renewal then outlasted the deadline its join had set, fencing
+        the service at once, again after each rejoin. The join's is parsed by ``prepare_join``
+        alone: a session that bridges a blip never joins, and a round trip more there cost a
+        service on a slow link its lease."""
+        for name, query in (("renew", q.RENEW), ("held", q.HELD_COPIES)):
             self._statements[name] = await self.conn.prepare(query, timeout=timeout)
+
+    async def prepare_join(self) -> None:
+        with self._errors():
+            self._statements["join"] = await self.conn.prepare(q.JOIN, timeout=self.join_timeout)
 
     def _terminated(self, _: object) -> None:
         if not self._closing:
@@ -422,6 +430,8 @@ class PgLeaseSession:
 
     async def join(self, ttl: float) -> bool:
         """Register (or come back) with this session's lock key; returns draining."""
+        if "join" not in self._statements:
+            await self.prepare_join()
         with self._errors():
             row = await self._statements["join"].fetchrow(
                 self.service_id, *self.row, self.lock_key, ttl
@@ -520,6 +530,7 @@ class PgLeaseDatabase:
             session = PgLeaseSession(
                 conn, lock_key, self.service_id, self._row, on_end, self.usage, self.directed_after
             )
+            session.join_timeout = self.connect_timeout
             try:
                 await conn.execute("SELECT pg_advisory_lock($1)", lock_key, timeout=5)
                 await session.prepare(timeout=self.connect_timeout)
