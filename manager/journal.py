@@ -170,19 +170,9 @@ class Journal:
         async with self.store.autocommit() as tx:
             statuses = await repo.statuses(tx, list(self.created))
         lost = [(oid, name) for oid, (name, _) in self.created.items() if oid not in statuses]
-        if not lost:
-            return
-        now = time.time()
-        self.lost += [(now, oid, name) for oid, name in lost]
-        for oid, _ in lost:
-            self.created.pop(oid, None)
-        self.on_lost(len(lost))
-        log.error(
-            "the failover lost %d creates this manager had acknowledged (their clients may "
-            "create them again): %s",
-            len(lost),
-            ", ".join(f"{name} ({oid})" for oid, name in lost[:20]),
-        )
+        self._lost(lost, self.created, self.lost, "creates", "their clients may create them again")
+        if lost:
+            self.on_lost(len(lost))
 
     async def _report_lost_edits(self) -> None:
         async with self.store.autocommit() as tx:
@@ -192,15 +182,34 @@ class Journal:
             for oid, (name, params, _) in self.edited.items()
             if oid in now_params and now_params[oid] != params
         ]
+        self._lost(
+            lost,
+            self.edited,
+            self.lost_edits,
+            "edits of params",
+            "their observers have their old params; edit them again",
+        )
+
+    def _lost(
+        self,
+        lost: list[tuple[uuid.UUID, str]],
+        kept: dict[uuid.UUID, Any],
+        into: list[tuple[float, uuid.UUID, str]],
+        what: str,
+        fix: str,
+    ) -> None:
+        """Acknowledged changes (``lost``: id, name) the failover lost: no longer kept, shown by
+        ``warnings`` from ``into``, and logged."""
         if not lost:
             return
         now = time.time()
-        self.lost_edits += [(now, oid, name) for oid, name in lost]
+        into += [(now, oid, name) for oid, name in lost]
         for oid, _ in lost:
-            self.edited.pop(oid, None)
+            kept.pop(oid, None)
         log.error(
-            "the failover lost %d edits of params this manager had acknowledged (their "
-            "observers have their old params; edit them again): %s",
+            "the failover lost %d %s this manager had acknowledged (%s): %s",
             len(lost),
+            what,
+            fix,
             ", ".join(f"{name} ({oid})" for oid, name in lost[:20]),
         )
