@@ -203,6 +203,29 @@ class OutputRelay:
         return count
 
 
+#: A sweep slower than this many seconds is logged with the time of each of its steps.
+SLOW_SWEEP = 0.5
+
+
+class Laps:
+    """The time each step of one pass took, for the log: ``look 0.002s, probes 1.003s``."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps.append((step, now - self.last))
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {secs:.3f}s" for step, secs in self.steps)
+
+
 @dataclass
 class Sweeper:
     """Services whose lease expired are dead; so are those whose process is provably gone (its
@@ -239,6 +262,7 @@ class Sweeper:
     async def once(self) -> int:
         # Three short transactions around the broker probes: a probe may wait for its timeout
         # (a broker alarm) and must not hold a transaction, its locks and snapshot meanwhile.
+        laps = Laps()
         async with self.store.transaction() as tx:
             for d in await repo.sweep_expired(tx):
                 log.warning("service %s (%s) missed its lease: marked deleted", d.id, d.name)
@@ -249,8 +273,10 @@ class Sweeper:
             if not ended and not await repo.any_orphan(tx) and not await repo.any_waiting(tx):
                 self.suspects = {}  # "twice in a row": a sweep that suspects none breaks a row
                 return 0
+        laps.mark("look")
         probed = await reachable(self.store, self.publisher, self.margin, also=ended)
         present = found(probed)
+        laps.mark("probes")
         async with self.store.transaction() as tx:
             # declare_gone checks again that the lock is free and the row names that session.
             for d in await repo.declare_gone(tx, self._gone(ended, probed)):
@@ -271,8 +297,11 @@ class Sweeper:
             pending = await redispatch(
                 tx, moving, "holder gone", present=present, margin=self.margin, by="sweeper"
             )
+        laps.mark("re-dispatch")
         if moving:
-            log.warning("re-dispatching %d observers of dead services", len(moving))
+            log.warning("re-dispatching %d observers of dead services (%s)", len(moving), laps)
+        elif laps.total() > SLOW_SWEEP:
+            log.warning("a sweep took %s", laps)
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
         self.box.publish_soon(pending)
         return len(orphans) + await self._place_waiting(present)
