@@ -88,6 +88,37 @@ MUTANTS = [
         (f"{PLACEMENT}::test_the_audit_leaves_alone_what_a_live_service_is_taking",),
     ),
     Mutant(
+        "audit: a start directed to a live service is sent anew within the grace",
+        "manager/queries.py",
+        "            AND o.modified_at > now() - make_interval(secs => :directed)\n",
+        "            AND false\n",
+        (f"{PLACEMENT}::test_the_audit_leaves_a_start_directed_to_a_live_service_to_it",),
+    ),
+    Mutant(
+        "audit: nothing is placed while the broker cannot be asked",
+        "manager/background.py",
+        "        with contextlib.suppress(BrokerUnavailable):\n            ready = {",
+        "        if True:\n            ready = {",
+        (
+            f"{PLACEMENT}::"
+            "test_the_audit_places_stuck_observers_through_the_database_while_the_broker_is_away",
+        ),
+    ),
+    Mutant(
+        "service: an absent broker tried again only every 5 s",
+        "observer_service/service.py",
+        "        backoff = Backoff(0.05, 1.0, jitter=0.5)",
+        "        backoff = Backoff(0.05, 5.0, jitter=0.5)",
+        (f"{BROKER}::test_a_service_is_back_on_the_broker_soon_after_it_returns",),
+    ),
+    Mutant(
+        "lease: the join's statement parsed after the lease's clock started",
+        "observer_service/lease.py",
+        "        await session.prepare_join()\n        sent = self.clock.now()\n",
+        "        sent = self.clock.now()\n        await session.prepare_join()\n",
+        (f"{ALWAYS}::test_a_service_starts_on_a_slow_database_link",),
+    ),
+    Mutant(
         "renewal: the takes in flight are not reported",
         "observer_service/lease.py",
         "            taking=self.listener.taking(),\n",
