@@ -250,14 +250,19 @@ class ObserverService:
             self.clean = False
             if self.witness is not None:
                 for r in hung:
+                    if r.task is not None and r.task.done():
+                        continue  # its code ended (witnessed): its release is what hangs
                     # In its commit now: the orchestrator's wait, not the kind's.
                     waited = r.outputs.stop_waiting_now() if r.outputs is not None else 0.0
                     self.witness.hung(r.observer_id, r.epoch, waited)
+            running = sum(1 for r in hung if r.task is None or not r.task.done())
             log.error(
-                "%d observers did not stop within %.1fs; leaving without releasing them "
-                "(the process exit frees them)",
+                "%d observers not settled within %.1fs (%d still running, %d stopped with their "
+                "release or start message unsettled); leaving: the process exit frees the rest",
                 len(hung),
                 timeout,
+                running,
+                len(hung) - running,
             )
             return
         log.info("released %d observers; leaving", len(runners))

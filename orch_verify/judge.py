@@ -390,8 +390,10 @@ def copies_of(records: list[Record]) -> dict[tuple[str, int, int], Copy]:
             copy.end_at = rec.at
             copy.waited = float(rec.detail.get("w", 0.0))
         elif rec.r == "hung":
+            # A copy whose code had ended (its release was what the service gave up on) keeps
+            # the wait its end recorded.
             copy.hung = True
-            copy.waited = float(rec.detail.get("w", 0.0))
+            copy.waited = max(copy.waited, float(rec.detail.get("w", 0.0)))
     return copies
 
 

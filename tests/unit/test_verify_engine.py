@@ -395,6 +395,21 @@ def test_a_stop_waiting_on_its_commit_is_the_orchestrators_not_the_kinds() -> No
     assert any(line.startswith("STOP WAITED ON ITS COMMIT k:") for line in v.lines())
 
 
+def test_a_copy_that_ended_before_its_service_gave_up_keeps_its_commit_wait() -> None:
+    """Its code ended after a slow commit (a locked row); the service then gave up on its
+    release and said so: the wait stays the orchestrator's (chaos seed 10 blamed the kind)."""
+    records = [
+        rec("run", O1, 1, 10, 0.0),
+        rec("stop", O1, 1, 10, 1.0, x="service draining"),
+        rec("end", O1, 1, 10, 3.8, w=2.8),
+        rec("hung", O1, 1, 10, 5.8),
+    ]
+    v = verdict_of(records, live=set(), kinds={O1: "k"}, shutdown_timeout=2.0)
+    assert not v.kinds["k"].ignored
+    (waited,) = v.kinds["k"].waited_on_commit
+    assert "2.8s of them in the orchestrator's commit" in waited
+
+
 def test_stalls_name_the_observer_and_memory_growth_is_per_observer() -> None:
     records = [rec("run", O1, 1, 10, 0.0), rec("run", O2, 1, 10, 0.0)]
     records += [rec("stall", O1, 1, 10, 5.0, d=0.3), rec("stall", O2, 1, 10, 6.0, d=2.1)]
