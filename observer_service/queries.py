@@ -341,7 +341,8 @@ SELECT (SELECT draining FROM services WHERE id = $2) AS draining,
 # $1 me, $2 name, $3 worker_count, $4 host, $5 pid, $6 version, $7 the kinds it runs (JSON
 # text), $8 its pool, $9 lock key, $10 ttl: register, or come back after a fence (with the new
 # session's lock key; ``rejoined_at`` keeps the leader's directed starts and moves away for a
-# while: see manager FREE_SLOTS).
+# while: see manager FREE_SLOTS). A death proven earlier is over: ``gone_at`` kept made the
+# sweeper, at the next death by lease alone, wait for a requeue the broker never made.
 JOIN = """
 INSERT INTO services AS s (id, name, worker_count, host, pid, version, kinds, pool, lock_key,
                            lease_expires_at)
@@ -350,7 +351,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, $9,
 ON CONFLICT (id) DO UPDATE
    SET lock_key = EXCLUDED.lock_key, lease_expires_at = EXCLUDED.lease_expires_at,
        is_deleted = false, last_heartbeat_at = clock_timestamp(), modified_at = now(),
-       stalled_since = NULL, rejoined_at = clock_timestamp()
+       stalled_since = NULL, rejoined_at = clock_timestamp(), gone_at = NULL
 RETURNING s.draining
 """
 

@@ -119,6 +119,15 @@ MUTANTS = [
         (f"{ALWAYS}::test_a_service_starts_on_a_slow_database_link",),
     ),
     Mutant(
+        "join: a death proven earlier stays on the row of a service that came back",
+        "observer_service/queries.py",
+        "rejoined_at = clock_timestamp(), gone_at = NULL\n",
+        "rejoined_at = clock_timestamp()\n",
+        (
+            f"{SWEEPER}::test_a_service_back_after_it_was_proven_gone_is_not_left_to_a_requeue_later",
+        ),
+    ),
+    Mutant(
         "renewal: the takes in flight are not reported",
         "observer_service/lease.py",
         "            taking=self.listener.taking(),\n",

@@ -13,6 +13,7 @@ import asyncpg
 
 from observer_service import queries as service_queries
 from orch.cluster import wait_for
+from orch_contracts.pools import DEFAULT_POOL
 from orch_contracts.settings import asyncpg_dsn
 from orch_manager import repository as repo
 from orch_manager.background import Sweeper
@@ -232,6 +233,39 @@ async def test_a_requeue_stuck_at_a_frozen_consumer_waits_no_longer_than_the_gra
 
     await wait_for(done, timeout=5, what="the stuck requeue's observer re-dispatched")
     assert asyncio.get_running_loop().time() - began < 4 * grace
+
+
+async def test_a_service_back_after_it_was_proven_gone_is_not_left_to_a_requeue_later(
+    db: tuple[asyncpg.Connection, ManagerStore],
+) -> None:
+    """Proven gone once, a service rejoins under the same id (its own join statement) and runs
+    an observer that came by the work queue; then its lease ends while its broker connection
+    lives (its database link cut): the broker requeued nothing, and the observer is re-dispatched
+    at once. Its row kept when it was proven gone the first time, so the sweeper left the
+    observer to a requeue that never came for the grace (chaos seed 4: 2 s past the bound)."""
+    conn, store = db
+    sid, _ = await _held_by_a_live_service(conn)
+    sweeper = await _gone(conn, _requeue_sweeper(store, grace=30.0), sid)
+    await conn.execute(
+        service_queries.JOIN,
+        sid,
+        "a",
+        10,
+        "h",
+        1,
+        "v",
+        None,
+        DEFAULT_POOL,
+        secrets.randbits(63),
+        60,
+    )
+    queued = await _queued(conn, sid)
+    await conn.execute(
+        "UPDATE services SET lease_expires_at = clock_timestamp() WHERE id = $1", sid
+    )
+    await sweeper.once()
+    assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
+    assert await _holder(conn, queued) is None, "left to a requeue of an earlier death"
 
 
 async def test_a_stalled_service_is_not_taken_over_before_its_lease_expires(
