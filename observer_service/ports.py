@@ -1,8 +1,8 @@
 """What the service core needs from the outside world, as protocols, and the values it trades.
 
 ``store.PgStore``/``store.PgLeaseDatabase`` and ``broker.AmqpBroker`` are the real parts;
-``fakes`` has in-memory ones for unit tests of the core's own logic. Every claim about how
-PostgreSQL or RabbitMQ behave is tested against the real servers.
+the tests' ``tests/support/fakes.py`` has in-memory ones for unit tests of the core's own logic.
+Every claim about how PostgreSQL or RabbitMQ behave is tested against the real servers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The observer service: takes start messages, runs observers, stops them when it must.
 
-It is given its store, broker, lease and clock (``main`` builds the real ones, ``fakes`` has
-in-memory ones). Its side tasks (lease, batch writers, broker session, renewals, recovery) are
-named and supervised: if one dies, the service stops every observer and exits non-zero.
+It is given its store, broker, lease and clock (``main`` builds the real ones; the tests'
+``tests/support/fakes.py`` has in-memory ones). Its side tasks (lease, batch writers, broker
+session, renewals, recovery) are named and supervised: if one dies, the service stops every
+observer and exits non-zero.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from typing import Any, Protocol, TypeVar
 import asyncpg
 import pytest
 
-from observer_service.fakes import FakeService, InMemoryStore
 from observer_service.intake import checkpoint_json
 from observer_service.ports import (
     LOCKED,
@@ -36,6 +35,7 @@ from orch_contracts.kinds import RestartPolicy
 from orch_contracts.messages import StartMessage
 from orch_contracts.settings import asyncpg_dsn
 from orch_contracts.statuses import ObserverStatus as S
+from tests.support.fakes import FakeService, InMemoryStore
 
 T = TypeVar("T")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from observer_service.fakes import ManualClock
 from observer_service.guard import guarded
 from orch_contracts.clock import Clock, set_suspend_lag
 from orch_contracts.deadline import LeaseDeadline, LeaseTimings
 from orch_contracts.errors import LeaseLost
+from tests.support.fakes import ManualClock
 from tests.unit.test_kinds_and_settings import _ctx as context
 
 TIMINGS = LeaseTimings(ttl=5, renew_interval=1, margin=1)

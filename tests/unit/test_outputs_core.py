@@ -12,12 +12,12 @@ import pytest
 
 from observer_service import outputs as outputs_module
 from observer_service.context import ObserverContext
-from observer_service.fakes import FakeSession
 from observer_service.outputs import LIMIT, CopyOutputs, OutputBudget, TooManyStaged
 from observer_service.ports import Checkpoint
 from orch_contracts.errors import BrokerUnavailable
 from orch_contracts.kinds import KindSpec, RestartPolicy
 from orch_contracts.outputs import Committed
+from tests.support.fakes import FakeSession
 from tests.unit.test_service_core import KINDS, harness, until
 
 EMITTED: dict[uuid.UUID, int] = {}
@@ -218,9 +218,9 @@ async def test_a_copy_new_while_another_lookup_is_in_flight_still_gets_its_older
     """The publisher looks up what other copies left before a copy's first records. A copy whose
     first commit lands while another copy's lookup awaits the database is looked up in the
     next round: its observer's older commits still go out before its own."""
-    from observer_service.fakes import InMemoryStore
     from observer_service.metrics import ServiceMetrics
     from observer_service.outputs import OutputPublisher
+    from tests.support.fakes import InMemoryStore
 
     store = InMemoryStore(uuid.uuid4())
     a, b = uuid.uuid4(), uuid.uuid4()

@@ -18,15 +18,6 @@ from typing import Any
 import pytest
 
 from observer_service.context import ObserverContext
-from observer_service.fakes import (
-    FakeBroker,
-    FakeLeaseDatabase,
-    FakeService,
-    FakeThreadWrites,
-    InMemoryStore,
-    ManualClock,
-    Row,
-)
 from observer_service.lease import LeaseKeeper, LeaseState
 from observer_service.runner import StopReason
 from observer_service.service import ObserverService, ServiceConfig
@@ -35,6 +26,15 @@ from orch_contracts.deadline import LeaseTimings
 from orch_contracts.kinds import KindSpec, RestartPolicy
 from orch_contracts.messages import CancelMessage, DrainMessage, HandoffMessage
 from orch_contracts.statuses import ObserverStatus as S
+from tests.support.fakes import (
+    FakeBroker,
+    FakeLeaseDatabase,
+    FakeService,
+    FakeThreadWrites,
+    InMemoryStore,
+    ManualClock,
+    Row,
+)
 
 TIMINGS = LeaseTimings(ttl=1.0, renew_interval=0.1, margin=0.1)
 TICKS: dict[uuid.UUID, int] = {}

@@ -6,11 +6,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from observer_service.fakes import FakeService, InMemoryStore
 from observer_service.ports import LOCKED, Locked, Seen, StartRequest, TakeResult, Written
 from observer_service.take import Decision, Departed
 from observer_service.taking import ROUNDS, take_many
 from orch_contracts.statuses import ObserverStatus as S
+from tests.support.fakes import FakeService, InMemoryStore
 
 
 class Meddling:

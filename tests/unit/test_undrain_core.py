@@ -73,7 +73,7 @@ async def test_a_missed_undrain_broadcast_is_made_up_for_by_a_renewal() -> None:
 async def test_the_broker_advice_can_be_left_to_orch_up(
     advise: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from observer_service import fakes
+    from tests.support import fakes
 
     real = fakes.FakeSession.__init__
 
