@@ -29,6 +29,10 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
 - a process the observer was placed on in the gap (taken by it, or a start directed to it, as
   the database recorded it) held it there, though no step of its copy was seen: a fault on it
   counts as one on its holder;
+- a start that went to a process cut off from taking it (its broker or database link cut,
+  reset or slow), or cut off within ``RECOVERY`` after it came (while it took it), waits there
+  until the fault ends, a lease TTL at most, and ``RECOVERY`` more: a start directed there, a
+  new observer's, or a holder's taken by a fault (the broker requeued it to any consumer);
 - a queue deleted while the observer was between two holders took its start: recovery counts
   from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
@@ -554,12 +558,18 @@ class _Judge:
         if f.name in TAKE_THE_START and gap.start <= f.start <= gap.end:
             return f.start + recovered
         if f.name in CANNOT_TAKE:
-            # Its start went (a new observer's, to any consumer) or was directed to a process
-            # cut off from taking it: it waits there until the fault ends or the manager's
-            # audit sends it elsewhere.
+            # Its start went to any consumer (a new observer's; a holder's taken with it, which
+            # the broker requeued) or was directed to a process cut off from taking it, or that
+            # was cut off while it took it (a take is a few round trips): it waits there until
+            # the fault ends or the manager sends it elsewhere.
             sent = [gap.start] if initial else []
+            sent += [g.start for g in self.faults if g.name in TAKE_AT_START and g.pid in pids]
             sent += [at for at, pid in placed if pid == f.pid]
-            waits = [min(f.end, at + self.ttl) + RECOVERY for at in sent if f.start <= at <= f.end]
+            waits = [
+                min(f.end, max(at, f.start) + self.ttl) + RECOVERY
+                for at in sent
+                if f.start - RECOVERY <= at <= f.end and gap.start - TOLERANCE <= at <= gap.end
+            ]
             return max(waits, default=None)
         if f.name in BLOCK_RECOVERY and taken:
             return f.end + recovered

@@ -245,6 +245,21 @@ def test_a_start_sent_to_a_process_cut_off_from_taking_waits_for_the_audit() -> 
     assert gap.explained_until == pytest.approx(3.0 + TTL + 2.0)
 
 
+def test_a_holders_start_requeued_to_a_process_cut_off_while_it_takes_it_waits_there() -> None:
+    """The holder is killed; the broker requeues its start to another consumer, whose database
+    link turns slow 0.4 s later, while it takes it (chaos seed 9): the start waits there as a
+    new observer's would, until the fault ends, a lease TTL at most, and the recovery."""
+    records = [*ticks(10, 1, 0.1, 2.0), *ticks(30, 2, 9.3, 10.0)]
+    kill = Fault("kill", 2.05, 2.05, pid=10)
+    slow = Fault("slow_link", 2.45, 12.0, pid=20)
+    assert not judged(records, [kill]).held
+    (gap,) = judged(records, [kill, slow]).gaps
+    assert gap.explained_until == pytest.approx(2.45 + TTL + 2.0)
+    # A link that turned slow long after the start came held nothing of it.
+    late = Fault("slow_link", 6.0, 12.0, pid=20)
+    assert not judged(records, [kill, late]).held
+
+
 def test_a_drain_during_a_broker_restart_moves_once_the_broker_is_back() -> None:
     """A drained holder hands its observers over through the broker: a restart of the broker
     holds the move until it is back, as it holds a crashed holder's."""
