@@ -116,7 +116,7 @@ MUTANTS = [
         "observer_service/lease.py",
         "        await session.prepare_join()\n        sent = self.clock.now()\n",
         "        sent = self.clock.now()\n        await session.prepare_join()\n",
-        (f"{ALWAYS}::test_a_service_starts_on_a_slow_database_link",),
+        (f"{CORE}::test_the_leases_clock_starts_once_the_join_is_parsed",),
     ),
     Mutant(
         "join: a death proven earlier stays on the row of a service that came back",

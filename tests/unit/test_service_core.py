@@ -29,6 +29,7 @@ from orch_contracts.statuses import ObserverStatus as S
 from tests.support.fakes import (
     FakeBroker,
     FakeLeaseDatabase,
+    FakeLeaseSession,
     FakeService,
     FakeThreadWrites,
     InMemoryStore,
@@ -676,6 +677,31 @@ async def test_a_superseded_copy_never_runs_its_cleanup() -> None:
         await h.stopped(taken)
         assert CLEANUP.get(taken.id, 0) == 0, "the superseded copy's cleanup ran"
         assert not h.lease.fenced
+
+
+async def test_the_leases_clock_starts_once_the_join_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new session parses the join first: a round trip, a second or more on a slow link. The
+    lease's clock starts when the join is sent, after that; started before, the parse ate into
+    the deadline the join set, and the first renewal on a slow link outlasted it."""
+
+    async def slow_parse(_: FakeLeaseSession) -> None:
+        await asyncio.sleep(0.3)
+
+    since_sent: list[float] = []
+    confirmed = LeaseKeeper._confirmed
+
+    def timed(self: LeaseKeeper, sent: float) -> None:
+        since_sent.append(self.clock.now() - sent)
+        confirmed(self, sent)
+
+    monkeypatch.setattr(FakeLeaseSession, "prepare_join", slow_parse)
+    monkeypatch.setattr(LeaseKeeper, "_confirmed", timed)
+    async with harness():
+        pass
+    assert since_sent, "no join"
+    assert since_sent[0] < 0.2, f"the lease's clock ran {since_sent[0]:.2f}s before its join"
 
 
 async def test_a_lease_session_that_cannot_be_replaced_fences_at_the_deadline() -> None:
