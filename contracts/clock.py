@@ -70,3 +70,15 @@ class Clock:
 def set_suspend_lag(hook: Path, seconds: float) -> None:
     """Make the hooked clocks' monotonic time lag by ``seconds`` (tests)."""
     hook.write_bytes(struct.pack("d", seconds))
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (its start time as the kernel recorded it, so the
+    interpreter's own start and the imports count); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime, field 22
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

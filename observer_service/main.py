@@ -28,7 +28,7 @@ from observer_service.store import (
 from observer_service.witnessing import start_tracing
 from orch_contracts import __version__, logs, pgconnect
 from orch_contracts.backoff import Backoff
-from orch_contracts.clock import Clock
+from orch_contracts.clock import Clock, process_age
 from orch_contracts.durability import REPLICATION, Replication
 from orch_contracts.errors import DatabaseUnavailable, StartupError, database_errors, timed_out
 from orch_contracts.kinds import KindSpec
@@ -128,6 +128,8 @@ async def serve(
 
     If a graceful stop leaves copies running (a kind that does not stop in time), the process
     exits at once instead of returning: the copies must end with it."""
+    age = process_age()
+    started = None if age is None else time.monotonic() - age
     service_id = uuid.uuid4()
     logs.configure(
         settings.log_level, settings.log_format, service=settings.name, service_id=service_id
@@ -170,6 +172,7 @@ async def serve(
             output_buffer_bytes=settings.output_buffer_bytes,
             broker_advice=settings.broker_advice,
             pool=settings.pool,
+            process_started=started,
         ),
         kinds=kinds,
         store=PgStore(pool, service_id),

@@ -89,6 +89,8 @@ class ServiceConfig:
     broker_advice: bool = True
     #: The pool it joined: it takes only observers of that pool.
     pool: str = DEFAULT_POOL
+    #: When its process started (``time.monotonic()``; None: unknown), for the log's "up in".
+    process_started: float | None = None
 
 
 class ObserverService:
@@ -186,9 +188,10 @@ class ObserverService:
         await self.lease.start(join_until)
         self.stalls.start()
         log.info(
-            "service %s (%s) up: worker_count=%d",
+            "service %s (%s) up%s: worker_count=%d",
             self.id,
             self.config.name,
+            self._since_start(),
             self.config.worker_count,
         )
         side: list[asyncio.Task[Any]] = [
@@ -282,6 +285,11 @@ class ObserverService:
         if self.session is not None:
             await self.session.close()
 
+    def _since_start(self) -> str:
+        """`` in 1.23s`` since the process started, where that is known."""
+        started = self.config.process_started
+        return "" if started is None else f" in {time.monotonic() - started:.2f}s"
+
     # ----------------------------------------------------------------- broker
     async def _broker_loop(self) -> None:
         """One broker session after another. A closed session stops nothing: the copies
@@ -310,6 +318,8 @@ class ObserverService:
                 continue
             backoff.reset()
             opened += 1
+            if opened == 1:
+                log.info("on the broker%s", self._since_start())
             advise = opened == 1 and self.config.broker_advice
             if advise and (advice := consumer_timeout_advice(session.version)):
                 log.warning("%s", advice)

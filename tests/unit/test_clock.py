@@ -3,6 +3,9 @@ back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from orch_contracts.clock import Clock
@@ -56,3 +59,19 @@ def test_clocks_all_stepped_back_still_see_time_pass_in_the_tick_count() -> None
     start = clock.now()
     r.advance(-30.0, -30.0, -30.0, 2.0)
     assert clock.now() == pytest.approx(start + 2.0)
+
+
+def test_a_process_knows_its_age_from_the_kernels_start_time() -> None:
+    """What the service's "up in" line counts from: the interpreter's start and imports too."""
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.3); "
+            "from orch_contracts.clock import process_age; print(process_age())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert 0.3 <= float(started.stdout) < 30
