@@ -15,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from asyncpg.exceptions import TargetServerAttributeNotMatched
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from orch_contracts import database_url as dburl
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger(__name__)
 #: Seconds a shutdown waits for the connections still in use to come back, before it drops
@@ -55,6 +57,10 @@ def create_engine(
 ) -> AsyncEngine:
     """``create_async_engine`` for the asyncpg driver; with several hosts its connections come
     from ``connect``."""
+    # Here, not at the top: a service never makes an engine, and the import costs its start
+    # 60 ms.
+    from sqlalchemy.ext.asyncio import create_async_engine
+
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
     canonical = dburl.parse(text)
     if len(dburl.hosts(text)) > 1:
