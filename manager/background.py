@@ -300,9 +300,9 @@ class Sweeper:
         laps.mark("re-dispatch")
         if moving:
             log.warning("re-dispatching %d observers of dead services (%s)", len(moving), laps)
-        elif laps.total() > SLOW_SWEEP:
-            log.warning("a sweep took %s", laps)
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
+        elif laps.total() > SLOW_SWEEP:
+            log.debug("a sweep took %s", laps)
         self.box.publish_soon(pending)
         return len(orphans) + await self._place_waiting(present)
 

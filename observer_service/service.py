@@ -255,7 +255,7 @@ class ObserverService:
             if self.witness is not None:
                 for r in hung:
                     if r.task is not None and r.task.done():
-                        continue  # its code ended (witnessed): its release is what hangs
+                        continue  # its code ended (its end recorded): its release hangs
                     # In its commit now: the orchestrator's wait, not the kind's.
                     waited = r.outputs.stop_waiting_now() if r.outputs is not None else 0.0
                     self.witness.hung(r.observer_id, r.epoch, waited)

@@ -30,9 +30,10 @@ Each such *gap* longer than ``TOLERANCE`` must be explained by the faults around
   the database recorded it) held it there, though no step of its copy was seen: a fault on it
   counts as one on its holder;
 - a start that went to a process cut off from taking it (its broker or database link cut,
-  reset or slow), or cut off within ``RECOVERY`` after it came (while it took it), waits there
-  until the fault ends, a lease TTL at most, and ``RECOVERY`` more: a start directed there, a
-  new observer's, or a holder's taken by a fault (the broker requeued it to any consumer);
+  reset or slow) waits there until the fault ends, a lease TTL at most, and ``RECOVERY`` more:
+  a start directed there, or a new observer's (any consumer may have it); or a killed holder's,
+  which the broker requeued to any consumer, when a process taking work was cut off then or
+  within ``TOLERANCE`` after (while it took it);
 - a queue deleted while the observer was between two holders took its start: recovery counts
   from the deletion, as for a holder taken;
 - a create waits for what blocks every publish (the broker stopped or alarmed, the leader gone);
@@ -99,6 +100,9 @@ GRACEFUL = frozenset({"term", "drain"})
 #: Faults that take the start of an observer between two holders (its start message in the
 #: queue): recovery counts from the fault, as for a holder taken.
 TAKE_THE_START = frozenset({"queue_deleted"})
+#: Faults that close the holder's broker connection at once: the broker requeues its start to
+#: any consumer.
+REQUEUE_AT_ONCE = frozenset({"kill", "crash_blip"})
 #: Faults that block every service's recovery until they end.
 BLOCK_RECOVERY = frozenset({"broker_restart", "leader"})
 #: Faults that block every publish, and so a new observer's first start, until they end.
@@ -193,11 +197,15 @@ class Lives:
                 return found
             start, until = found, max(until, found + RECOVERY)
 
+    def took_work(self, pid: int | None, t: float) -> bool:
+        """Whether process ``pid`` took work at ``t`` (a process the run did not record: maybe)."""
+        if pid is None or pid not in self.takers:
+            return True
+        a, b = self.takers[pid]
+        return a <= t < b and not any(x <= t < y for x, y in self.paused.get(pid, []))
+
     def _taking_at(self, t: float) -> bool:
-        return any(
-            a <= t < b and not any(x <= t < y for x, y in self.paused.get(pid, []))
-            for pid, (a, b) in self.takers.items()
-        )
+        return any(self.took_work(pid, t) for pid in self.takers)
 
     def _next_taking(self, t: float) -> float:
         starts = sorted(
@@ -558,18 +566,28 @@ class _Judge:
         if f.name in TAKE_THE_START and gap.start <= f.start <= gap.end:
             return f.start + recovered
         if f.name in CANNOT_TAKE:
-            # Its start went to any consumer (a new observer's; a holder's taken with it, which
-            # the broker requeued) or was directed to a process cut off from taking it, or that
-            # was cut off while it took it (a take is a few round trips): it waits there until
-            # the fault ends or the manager sends it elsewhere.
-            sent = [gap.start] if initial else []
-            sent += [g.start for g in self.faults if g.name in TAKE_AT_START and g.pid in pids]
-            sent += [at for at, pid in placed if pid == f.pid]
-            waits = [
-                min(f.end, max(at, f.start) + self.ttl) + RECOVERY
-                for at in sent
-                if f.start - RECOVERY <= at <= f.end and gap.start - TOLERANCE <= at <= gap.end
+            # Its start was directed to a process cut off from taking it, or went to any
+            # consumer (a new observer's), and so maybe to one cut off then; or the broker
+            # requeued it to any consumer when a kill closed its holder's connection, maybe to
+            # a process taking work that was cut off then or within ``TOLERANCE`` after (while
+            # it took it: a take is a few round trips). It waits there until the fault ends or
+            # the manager sends it elsewhere.
+            sent = [at for at, pid in placed if pid == f.pid and f.start <= at <= f.end]
+            if initial and f.start <= gap.start <= f.end:
+                sent.append(gap.start)
+            requeued = [
+                g.start
+                for g in self.faults
+                if g.name in REQUEUE_AT_ONCE
+                and g.pid in pids
+                and gap.start - TOLERANCE <= g.start <= gap.end
             ]
+            sent += [
+                at
+                for at in requeued
+                if f.start - TOLERANCE <= at <= f.end and self.lives.took_work(f.pid, at)
+            ]
+            waits = [min(f.end, max(at, f.start) + self.ttl) + RECOVERY for at in sent]
             return max(waits, default=None)
         if f.name in BLOCK_RECOVERY and taken:
             return f.end + recovered

@@ -98,11 +98,16 @@ async def test_a_service_gone_twice_in_a_row_is_declared_gone(
 ) -> None:
     conn, store = db
     sid, oid = await _held_by_a_live_service(conn)
-    sweeper = Sweeper(store, _Box(), _Broker(), margin=1.0, metrics=ManagerMetrics())  # type: ignore[arg-type]
+    metrics = ManagerMetrics()
+    sweeper = Sweeper(store, _Box(), _Broker(), margin=1.0, metrics=metrics)  # type: ignore[arg-type]
     await sweeper.once()
     await sweeper.once()
     assert await conn.fetchval("SELECT is_deleted FROM services WHERE id = $1", sid)
     assert await conn.fetchval("SELECT service_id FROM observers WHERE id = $1", oid) is None
+    counted = metrics.registry.get_sample_value(
+        "orch_redispatches_total", {"reason": "holder_gone"}
+    )
+    assert counted == 1, "the re-dispatch was not counted"
 
 
 def _requeue_sweeper(store: ManagerStore, *, grace: float, patience: float = 60.0) -> Sweeper:

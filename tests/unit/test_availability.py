@@ -258,6 +258,12 @@ def test_a_holders_start_requeued_to_a_process_cut_off_while_it_takes_it_waits_t
     # A link that turned slow long after the start came held nothing of it.
     late = Fault("slow_link", 6.0, 12.0, pid=20)
     assert not judged(records, [kill, late]).held
+    # Nor one of a process that took no work then (not a consumer the requeue could reach).
+    gone = {10: (0.0, 2.05), 20: (0.0, 1.0), 30: (0.0, 20.0)}
+    assert not judged(records, [kill, slow], takers=gone).held
+    # A frozen holder keeps its broker connection: nothing of its was requeued.
+    frozen = Fault("freeze", 2.05, 2.1, pid=10)
+    assert not judged(records, [frozen, slow]).held
 
 
 def test_a_drain_during_a_broker_restart_moves_once_the_broker_is_back() -> None:
