@@ -203,24 +203,17 @@ class OutputRelay:
         return count
 
 
-#: A sweep slower than this many seconds is logged with the time of each of its steps.
-SLOW_SWEEP = 0.5
-
-
 class Laps:
     """The time each step of one pass took, for the log: ``look 0.002s, probes 1.003s``."""
 
     def __init__(self) -> None:
-        self.start = self.last = time.monotonic()
+        self.last = time.monotonic()
         self.steps: list[tuple[str, float]] = []
 
     def mark(self, step: str) -> None:
         now = time.monotonic()
         self.steps.append((step, now - self.last))
         self.last = now
-
-    def total(self) -> float:
-        return self.last - self.start
 
     def __str__(self) -> str:
         return ", ".join(f"{step} {secs:.3f}s" for step, secs in self.steps)
@@ -301,8 +294,6 @@ class Sweeper:
         if moving:
             log.warning("re-dispatching %d observers of dead services (%s)", len(moving), laps)
             self.metrics.redispatches.labels("holder_gone").inc(len(moving))
-        elif laps.total() > SLOW_SWEEP:
-            log.debug("a sweep took %s", laps)
         self.box.publish_soon(pending)
         return len(orphans) + await self._place_waiting(present)
 

@@ -252,21 +252,20 @@ class ObserverService:
         hung = [r for r in runners if not r.finished.is_set()]
         if hung:
             self.clean = False
+            # Those whose code ended (their end recorded) hang in their release, not their code.
+            running = [r for r in hung if r.task is None or not r.task.done()]
             if self.witness is not None:
-                for r in hung:
-                    if r.task is not None and r.task.done():
-                        continue  # its code ended (its end recorded): its release hangs
+                for r in running:
                     # In its commit now: the orchestrator's wait, not the kind's.
                     waited = r.outputs.stop_waiting_now() if r.outputs is not None else 0.0
                     self.witness.hung(r.observer_id, r.epoch, waited)
-            running = sum(1 for r in hung if r.task is None or not r.task.done())
             log.error(
                 "%d observers not settled within %.1fs (%d still running, %d stopped with their "
                 "release or start message unsettled); leaving: the process exit frees the rest",
                 len(hung),
                 timeout,
-                running,
-                len(hung) - running,
+                len(running),
+                len(hung) - len(running),
             )
             return
         log.info("released %d observers; leaving", len(runners))

@@ -379,15 +379,15 @@ class PgLeaseSession:
     #: Seconds after which a renewal reads what was directed here and not taken.
     directed_after: float = 1.0
     _closing: bool = False
-    #: Seconds the join's parse may take.
-    join_timeout: float = 5.0
+    #: Seconds the parse of each of its statements may take.
+    parse_timeout: float = 5.0
     #: The statements a lease lives by, parsed once when the session opens (see ``prepare``).
     _statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.conn.add_termination_listener(self._terminated)
 
-    async def prepare(self, timeout: float) -> None:
+    async def prepare(self) -> None:
         """Parse the renewal and the read of held copies now, before the lease's clock starts:
         a statement's first run costs a round trip more, and on a slow link (a round trip of a
         second or more) the first renewal then outlasted the deadline its join had set, fencing
@@ -395,11 +395,11 @@ class PgLeaseSession:
         alone: a session that bridges a blip never joins, and a round trip more there cost a
         service on a slow link its lease."""
         for name, query in (("renew", q.RENEW), ("held", q.HELD_COPIES)):
-            self._statements[name] = await self.conn.prepare(query, timeout=timeout)
+            self._statements[name] = await self.conn.prepare(query, timeout=self.parse_timeout)
 
     async def prepare_join(self) -> None:
         with self._errors():
-            self._statements["join"] = await self.conn.prepare(q.JOIN, timeout=self.join_timeout)
+            self._statements["join"] = await self.conn.prepare(q.JOIN, timeout=self.parse_timeout)
 
     def _terminated(self, _: object) -> None:
         if not self._closing:
@@ -528,12 +528,18 @@ class PgLeaseDatabase:
                 server_settings={"application_name": f"orch lease {self.service_id}"},
             )
             session = PgLeaseSession(
-                conn, lock_key, self.service_id, self._row, on_end, self.usage, self.directed_after
+                conn,
+                lock_key,
+                self.service_id,
+                self._row,
+                on_end,
+                self.usage,
+                self.directed_after,
+                parse_timeout=self.connect_timeout,
             )
-            session.join_timeout = self.connect_timeout
             try:
                 await conn.execute("SELECT pg_advisory_lock($1)", lock_key, timeout=5)
-                await session.prepare(timeout=self.connect_timeout)
+                await session.prepare()
             except BaseException:
                 session.terminate()
                 raise
