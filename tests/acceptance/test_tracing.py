@@ -135,6 +135,17 @@ def _parent(got: Collector, span: Span) -> Span:
     return got.by_id(span.parent_id)
 
 
+async def _parent_exported(got: Collector, span: Span) -> Span:
+    """Its parent, once exported: each process exports its spans in batches of its own, so a
+    child may arrive before its parent from another process (CI: the sweeper's re-dispatch)."""
+
+    async def found() -> Span | None:
+        with got.lock:
+            return next((s for s in got.spans if s.span_id == span.parent_id), None)
+
+    return await wait_for(found, timeout=30, what=f"the parent of {span.name}")
+
+
 def _ancestors(got: Collector, span: Span) -> list[Span]:
     """Its parent, their parent, … up to the trace's first span exported here."""
     out = []
@@ -221,7 +232,9 @@ async def test_a_start_a_delete_and_a_redispatch_are_each_one_trace_across_proce
 
     async with cluster.frozen(first, before_waking=lambda: first.signal(signal.SIGKILL)):
         again = (await wait_for(retaken, timeout=60, what="the moved observer started again"))[0]
-    redispatch = _parent(got, _parent(got, _parent(got, again)))
+    redispatch = again
+    for _ in range(3):
+        redispatch = await _parent_exported(got, redispatch)
     assert redispatch.name == "sweeper re-dispatch"
     assert redispatch.parent_id == ""  # a root
     assert redispatch.attributes["orch.reason"] == "holder gone"
