@@ -152,12 +152,22 @@ def configure(level: str = "INFO", fmt: LogFormat = "text", **process: object) -
     _PROCESS.update({k: str(v) for k, v in process.items() if v is not None})
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ProcessFields())
-    inner: logging.Formatter = _Json() if fmt == "json" else _Text()
-    handler.setFormatter(_Masked(inner))
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
+    set_levels(level)
+
+
+def formatter(fmt: LogFormat = "text") -> logging.Formatter:
+    """How a line of this project looks in ``fmt``, secrets masked."""
+    return _Masked(_Json() if fmt == "json" else _Text())
+
+
+def set_levels(level: str) -> None:
+    """The root logger at ``level``; the libraries that say too much, at WARNING at least."""
+    root = logging.getLogger()
     root.setLevel(level.upper())
     # httpx logs a line per request at INFO: an ``http_poll`` observer's every poll.
     for noisy in ("aiormq", "aio_pika", "httpx", "httpcore"):

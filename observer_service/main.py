@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -119,6 +120,94 @@ async def _warm(pool: asyncpg.Pool, n: int) -> None:
             await pool.release(conn)
 
 
+@contextlib.asynccontextmanager
+async def assembled(
+    settings: ServiceSettings,
+    kinds: dict[str, KindSpec],
+    *,
+    service_id: uuid.UUID,
+    wait_until: float = 0.0,
+    started: float | None = None,
+    witness: Witness | None = None,
+) -> AsyncIterator[ObserverService]:
+    """The service built from settings, its database pool open and its metrics served; the
+    pool is closed on the way out (``serve`` runs it in a process; the tests' in-process tier
+    runs several in one event loop). ``wait_until`` as ``serve``'s; ``started``, the
+    process's start (``time.monotonic()``), for the start-up lines."""
+    timings = settings.lease_timings
+    # A query slower than a lease is useless: whatever it guarded has been fenced by then.
+    # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
+    # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
+    size = settings.db_pool_max or min(20, 2 + settings.worker_count)
+    pool = await _open_pool(settings, size, timings.ttl, wait_until)
+    # Never the whole pool: takes arriving meanwhile find a connection.
+    warming: asyncio.Task[None] | None = None
+    try:
+        await _durability(pool, settings.require_synchronous_replication)
+        lease_database = PgLeaseDatabase(
+            settings.asyncpg_dsn,
+            service_id=service_id,
+            name=settings.name,
+            worker_count=settings.worker_count,
+            host=default_host(),
+            version=__version__,
+            connect_timeout=max(1.0, timings.ttl / 2),
+            kinds={name: spec.advert() for name, spec in kinds.items()},
+            pool=settings.pool,
+            directed_after=timings.renew_interval,
+        )
+        warming = asyncio.create_task(_warm(pool, min(4, size - 2)), name="warm-pool")
+        service = ObserverService(
+            service_id=service_id,
+            config=ServiceConfig(
+                name=settings.name,
+                worker_count=settings.worker_count,
+                shutdown_timeout=settings.shutdown_timeout,
+                check_every=settings.check_every,
+                loop_stall=settings.loop_stall,
+                output_buffer_bytes=settings.output_buffer_bytes,
+                broker_advice=settings.broker_advice,
+                pool=settings.pool,
+                process_started=started,
+            ),
+            kinds=kinds,
+            store=PgStore(pool, service_id),
+            broker=AmqpBroker(settings, settings.pool),
+            lease_database=lease_database,
+            timings=timings,
+            clock=Clock(settings.clock_hook),
+            thread_writes=ThreadWrites(settings.asyncpg_dsn, service_id),
+            witness=witness,
+        )
+        if settings.metrics_port is not None:
+            try:
+                service.metrics.serve(
+                    settings.metrics_port,
+                    settings.metrics_host,
+                    timeout=settings.metrics_timeout,
+                    max_connections=settings.metrics_max_connections,
+                )
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} "
+                    f"(ORCH_METRICS_HOST, ORCH_METRICS_PORT): {exc}"
+                ) from exc
+        yield service
+    finally:
+        if warming is not None:
+            warming.cancel()
+            await asyncio.gather(warming, return_exceptions=True)
+        await pgconnect.close_pool(pool)
+
+
+async def run(service: ObserverService, *, wait_until: float = 0.0) -> int:
+    """Run an assembled service until a stop is asked; its exit code."""
+    try:
+        return await service.run(join_until=wait_until)
+    except DatabaseUnavailable as exc:
+        raise StartupError(f"cannot register the service: {exc}") from exc
+
+
 async def serve(
     settings: ServiceSettings, kinds: dict[str, KindSpec], *, wait_until: float = 0.0
 ) -> int:
@@ -139,81 +228,23 @@ async def serve(
         if settings.witness_memory:
             start_tracing()
         witness = Witness(settings.witness_dir, service_id)
-    clock = Clock(settings.clock_hook)
-    timings = settings.lease_timings
-    # A query slower than a lease is useless: whatever it guarded has been fenced by then.
-    # Connections stay open and prepared (``prepare_connection``): a takeover after a crash
-    # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
-    size = settings.db_pool_max or min(20, 2 + settings.worker_count)
-    pool = await _open_pool(settings, size, timings.ttl, wait_until)
-    await _durability(pool, settings.require_synchronous_replication)
-    lease_database = PgLeaseDatabase(
-        settings.asyncpg_dsn,
+    async with assembled(
+        settings,
+        kinds,
         service_id=service_id,
-        name=settings.name,
-        worker_count=settings.worker_count,
-        host=default_host(),
-        version=__version__,
-        connect_timeout=max(1.0, timings.ttl / 2),
-        kinds={name: spec.advert() for name, spec in kinds.items()},
-        pool=settings.pool,
-        directed_after=timings.renew_interval,
-    )
-    # Never the whole pool: takes arriving meanwhile find a connection.
-    warming = asyncio.create_task(_warm(pool, min(4, size - 2)), name="warm-pool")
-    service = ObserverService(
-        service_id=service_id,
-        config=ServiceConfig(
-            name=settings.name,
-            worker_count=settings.worker_count,
-            shutdown_timeout=settings.shutdown_timeout,
-            check_every=settings.check_every,
-            loop_stall=settings.loop_stall,
-            output_buffer_bytes=settings.output_buffer_bytes,
-            broker_advice=settings.broker_advice,
-            pool=settings.pool,
-            process_started=started,
-        ),
-        kinds=kinds,
-        store=PgStore(pool, service_id),
-        broker=AmqpBroker(settings, settings.pool),
-        lease_database=lease_database,
-        timings=timings,
-        clock=clock,
-        thread_writes=ThreadWrites(settings.asyncpg_dsn, service_id),
+        wait_until=wait_until,
+        started=started,
         witness=witness,
-    )
-    if settings.metrics_port is not None:
-        try:
-            service.metrics.serve(
-                settings.metrics_port,
-                settings.metrics_host,
-                timeout=settings.metrics_timeout,
-                max_connections=settings.metrics_max_connections,
-            )
-        except OSError as exc:
-            await pgconnect.close_pool(pool)
-            raise StartupError(
-                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} "
-                f"(ORCH_METRICS_HOST, ORCH_METRICS_PORT): {exc}"
-            ) from exc
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.request_stop)
-    try:
-        code = await service.run(join_until=wait_until)
-    except DatabaseUnavailable as exc:
-        warming.cancel()
-        await asyncio.gather(warming, return_exceptions=True)
-        await pgconnect.close_pool(pool)
-        raise StartupError(f"cannot register the service: {exc}") from exc
-    finally:
-        warming.cancel()
-    if not service.clean:
-        logging.shutdown()
-        os._exit(code or 1)
-    if guard.abandoned():  # collecting their coroutines would run their cleanup: never
-        logging.shutdown()
-        os._exit(code)
-    await pgconnect.close_pool(pool)
+    ) as service:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.request_stop)
+        code = await run(service, wait_until=wait_until)
+        # Leaving here would close the pool; copies still running must end with the process.
+        if not service.clean:
+            logging.shutdown()
+            os._exit(code or 1)
+        if guard.abandoned():  # collecting their coroutines would run their cleanup: never
+            logging.shutdown()
+            os._exit(code)
     return code

@@ -143,6 +143,7 @@ def manager(
     """Run the HTTP API (and, if elected, the background loops)."""
     from orch_contracts import logs
     from orch_manager.leader import new_holder_id
+    from orch_manager.serving import serve
     from orch_manager.settings import ManagerSettings
 
     settings = _settings(ManagerSettings, host=host, port=port, workers=workers)
@@ -152,7 +153,7 @@ def manager(
         _run(
             settings,
             wait,
-            lambda kinds: _traced("manager", replica, _serve_manager, settings, kinds, replica),
+            lambda kinds: _traced("manager", replica, serve, settings, kinds, replica),
         )
     logs.configure(settings.log_level, settings.log_format)
     _run(settings, wait, lambda kinds: _serve_workers(settings, kinds))
@@ -176,58 +177,13 @@ def _serve_workers(settings: Any, kinds: Any) -> int:
     """``settings.workers`` replicas sharing one listening socket."""
     from orch.workers import run_workers
     from orch_contracts import logs
+    from orch_manager.serving import serve
 
     def worker(sock: socket.socket, replica: str) -> int:
         logs.configure(settings.log_level, settings.log_format, replica=replica)
-        return _traced("manager", replica, _serve_manager, settings, kinds, replica, sock)
+        return _traced("manager", replica, serve, settings, kinds, replica, sock)
 
     return run_workers(settings.host, settings.port, settings.workers, worker)
-
-
-async def _serve_manager(
-    settings: Any, kinds: Any, replica: str, sock: socket.socket | None = None
-) -> int:
-    """Serve until a signal (0), or until a task of the runtime dies (1)."""
-    import asyncio
-
-    import uvicorn
-
-    from orch_manager.app import create_app
-    from orch_manager.http import guarded_http, room_for
-    from orch_manager.runtime import ManagerRuntime
-
-    room_for(settings.max_connections)
-    runtime = ManagerRuntime(settings, kinds, replica=replica)
-    config = uvicorn.Config(
-        create_app(settings, runtime=runtime),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        # httptools with bounded request heads (by itself it has no limit on them).
-        http=guarded_http(
-            max_header_bytes=settings.max_header_bytes,
-            max_headers=settings.max_headers,
-            header_timeout=settings.header_timeout,
-            send_timeout=settings.send_timeout,
-            max_connections=settings.max_connections,
-        ),
-        timeout_keep_alive=settings.keep_alive_timeout,
-        # X-Forwarded-For/-Proto only from the proxies named (uvicorn's default believes any
-        # process on loopback, FORWARDED_ALLOW_IPS from the environment aside).
-        proxy_headers=bool(settings.forwarded_allow_list),
-        forwarded_allow_ips=settings.forwarded_allow_list or [],
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
-    fatal = asyncio.create_task(runtime.fatal.wait())
-    await asyncio.wait([serving, fatal], return_when=asyncio.FIRST_COMPLETED)
-    if fatal.done():
-        server.should_exit = True
-    else:
-        fatal.cancel()
-    await serving
-    return 1 if runtime.fatal.is_set() else 0
 
 
 @app.command()

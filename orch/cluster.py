@@ -54,8 +54,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class Logged:
+    """Something that runs under a ``name`` and writes its log to the file ``log``."""
+
+    name: str
+    log: Path | None
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def wait_log(self, text: str, *, timeout: float = 10) -> None:
+        """Wait until it has logged ``text``."""
+
+        async def logged() -> bool:
+            assert self.log is not None, f"{self.name} logs to a terminal"
+            return self.log.exists() and text in self.log.read_text(errors="replace")
+
+        await wait_for(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
+
+    def tail(self, lines: int = 30) -> str:
+        if self.log is None:
+            return ""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
 @dataclass
-class Proc:
+class Proc(Logged):
     name: str
     popen: subprocess.Popen[bytes]
     log: Path | None
@@ -76,23 +104,6 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.alive:
             os.kill(self.pid, sig)
-
-    async def wait_log(self, text: str, *, timeout: float = 10) -> None:
-        """Wait until the process has logged ``text``."""
-
-        async def logged() -> bool:
-            assert self.log is not None, "the process logs to a terminal"
-            return text in self.log.read_text(errors="replace")
-
-        await wait_for(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
-
-    def tail(self, lines: int = 30) -> str:
-        if self.log is None:
-            return ""
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 @dataclass
@@ -172,10 +183,14 @@ class LocalCluster:
         port = port or free_port()
         proc = self.spawn("manager", ["manager", "--port", str(port)], **env)
         proc.port = port
+        await self._wait_ready(proc, port)
+        return proc
 
+    @staticmethod
+    async def _wait_ready(manager: Logged, port: int) -> None:
         async def ready() -> bool:
-            if not proc.alive:
-                raise RuntimeError(f"manager exited:\n{proc.tail()}")
+            if not manager.alive:
+                raise RuntimeError(f"manager exited:\n{manager.tail()}")
             try:
                 async with httpx.AsyncClient() as c:
                     return (await c.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
@@ -183,7 +198,6 @@ class LocalCluster:
                 return False
 
         await wait_for(ready, timeout=30, what="manager ready")
-        return proc
 
     async def start_service(self, name: str, worker_count: int, **env: Any) -> Proc:
         """Start a service and wait until it takes work: registered, and its broker session
@@ -195,7 +209,7 @@ class LocalCluster:
         await self._wait_on_broker(proc, sid)
         return proc
 
-    async def _wait_on_broker(self, proc: Proc, service_id: uuid.UUID) -> None:
+    async def _wait_on_broker(self, proc: Logged, service_id: uuid.UUID) -> None:
         from orch_contracts.amqp import connect_first
         from orch_contracts.settings import CommonSettings, split_urls
         from orch_contracts.topology import service_present

@@ -170,11 +170,19 @@ async def prefix(servers: Servers) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def cluster(
-    servers: Servers, database_url: str, prefix: str, tmp_path: Path
+    request: pytest.FixtureRequest,
+    servers: Servers,
+    database_url: str,
+    prefix: str,
+    tmp_path: Path,
 ) -> AsyncIterator[Cluster]:
-    c = Cluster(
-        database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, workdir=tmp_path
-    )
+    """A manager and services on the test's database and prefix: in the test's event loop
+    (``tests/support/inprocess.py``), or real processes for a test marked ``processes``."""
+    # Imported here: the unit tier never loads what the in-process tier runs.
+    from tests.support.inprocess import InProcessCluster
+
+    kind = Cluster if request.node.get_closest_marker("processes") else InProcessCluster
+    c = kind(database_url=database_url, amqp_url=servers.amqp_url, prefix=prefix, workdir=tmp_path)
     await c.connect()
     try:
         yield c

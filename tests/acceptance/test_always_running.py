@@ -95,6 +95,7 @@ def _assert_moved_within(cluster: Cluster, killed: float, proc: Proc, n: int) ->
     print(f"moved {n} observers, the last {max(gaps.values()):.2f} s after the fault")
 
 
+@pytest.mark.processes
 async def test_a_crash_after_the_work_queue_was_deleted_moves_its_observers_at_once(
     cluster: Cluster,
 ) -> None:
@@ -116,6 +117,7 @@ async def test_a_crash_after_the_work_queue_was_deleted_moves_its_observers_at_o
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_a_drain_after_the_work_queue_was_deleted_moves_its_observers_at_once(
     cluster: Cluster,
 ) -> None:
@@ -226,6 +228,7 @@ async def test_directed_observers_of_a_crashed_service_move_during_a_disk_alarm(
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_a_service_at_its_descriptor_limit_fails_no_observer(cluster: Cluster) -> None:
     """One service may open 128 files. Its pollers' connections reach that limit: the copy that
     meets EMFILE goes to the other service, spending no restart, and the limited service takes
@@ -264,6 +267,7 @@ async def test_a_service_at_its_descriptor_limit_fails_no_observer(cluster: Clus
         assert 0 < where["small"] < 100, where
 
 
+@pytest.mark.processes
 async def test_a_service_starts_on_a_slow_database_link(cluster: Cluster) -> None:
     """Every chunk on its database link is delayed 200-800 ms from its first connection on. It
     starts all the same (its connections tried again, with a line in its log), holds its lease
@@ -333,6 +337,7 @@ async def _round(cluster: Cluster, kind: str, params: dict[str, object], n: int,
     await wait_for(gone, timeout=120, what=f"{kind} observers deleted")
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_a_service_keeps_no_memory_of_the_observers_it_ran(cluster: Cluster) -> None:
@@ -393,6 +398,7 @@ def _delivery_limit(queue: str, limit: int) -> Iterator[None]:
         rabbitmqctl("clear_policy", name)
 
 
+@pytest.mark.processes
 async def test_a_start_dead_lettered_by_a_delivery_limit_loses_no_observer(
     cluster: Cluster,
 ) -> None:

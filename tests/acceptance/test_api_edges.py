@@ -253,7 +253,9 @@ async def test_fifty_malformed_requests_get_the_right_4xx(cluster: Cluster) -> N
 async def test_every_route_answers_every_role_as_it_should(cluster: Cluster) -> None:
     read, read_entry = new_token("reader", Role.READ)
     admin, admin_entry = new_token("ops", Role.ADMIN)
-    await cluster.start_manager(api_tokens=f"{read_entry},{admin_entry}", access_log="true")
+    manager = await cluster.start_manager(
+        api_tokens=f"{read_entry},{admin_entry}", access_log="true"
+    )
     base = f"http://127.0.0.1:{cluster.api_port}"
     async with httpx.AsyncClient(base_url=base, timeout=30) as c:
         spec = (await c.get("/openapi.json")).json()
@@ -290,7 +292,7 @@ async def test_every_route_answers_every_role_as_it_should(cluster: Cluster) -> 
         assert checked >= 12
         for open_path in ("/healthz", "/readyz", "/metrics", "/console"):
             assert (await c.get(open_path)).status_code == 200, open_path
-    log = cluster.procs[0].log
+    log = manager.log
     assert log is not None
     text = await asyncio.to_thread(log.read_text)
     assert " ops" in text, "the access log names who did it"
@@ -300,6 +302,7 @@ async def test_every_route_answers_every_role_as_it_should(cluster: Cluster) -> 
 
 # --------------------------------------------------------------------------------- fuzzing
 @pytest.mark.slow
+@pytest.mark.processes
 async def test_schemathesis_finds_no_500_and_no_answer_off_the_schema(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ async def test_observers_ride_through_a_broker_restart(cluster: Cluster, down: f
     await cluster.wait_all_running([fresh], timeout=15)
 
 
+@pytest.mark.processes
 async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> None:
     """A blackholed AMQP link: the broker drops the connection and redelivers its starts to the
     other service, which drops them as duplicates; the cut service's observers never stop, and
@@ -107,6 +108,7 @@ async def test_a_service_cut_off_from_the_broker_goes_on(cluster: Cluster) -> No
     assert a.alive
 
 
+@pytest.mark.processes
 async def test_a_service_is_back_on_the_broker_soon_after_it_returns(cluster: Cluster) -> None:
     """Its broker link refused for 8 s (a broker restart, as the service sees it): back on the
     broker within 2 s of the link's return. Its retries waited up to 5 s once doubled, and a
@@ -160,6 +162,7 @@ async def _wait_off_broker(cluster: Cluster, service_id: uuid.UUID) -> None:
         await wait_for(gone, timeout=30, what="the broker to drop the cut link", every=0.02)
 
 
+@pytest.mark.processes
 async def test_a_partition_then_a_lost_lease_session_runs_one_copy(cluster: Cluster) -> None:
     """A's AMQP link is blackholed; the moment the broker drops it (its starts go to B, marked
     redelivered), A's lease session is ended while A still reaches the database. B may now take
@@ -182,6 +185,7 @@ async def test_a_partition_then_a_lost_lease_session_runs_one_copy(cluster: Clus
     assert _gaps_over(cluster, ids, ended_at, time.time()) == {}, "observers were stranded"
 
 
+@pytest.mark.processes
 async def test_a_start_that_meets_database_errors_is_settled(cluster: Cluster) -> None:
     """Starts arrive while the service's connections to the database are reset (a blip during
     a burst): each take is retried, none is left unsettled, and all run at once afterwards,
@@ -214,6 +218,7 @@ async def _value(v: bool) -> bool:
     return v
 
 
+@pytest.mark.processes
 async def test_a_kind_that_blocks_the_loop_is_failed_and_moves_its_neighbours_once(
     cluster: Cluster,
 ) -> None:

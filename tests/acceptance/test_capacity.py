@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
 from orch_bench.ticklog import read_ticks
 from tests.support.cluster import Cluster, wait_for
 from tests.support.faults import assert_no_overlap
@@ -46,6 +48,7 @@ async def _ticking_are(
     return _ticking_since(cluster, ids, since) == want
 
 
+@pytest.mark.processes
 async def test_capacity_and_waiting_are_shown_and_processing_means_a_live_holder(
     cluster: Cluster,
 ) -> None:

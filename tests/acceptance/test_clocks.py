@@ -27,9 +27,12 @@ from tests.support.cluster import Cluster, Proc
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
-pytestmark = pytest.mark.skipif(
-    not LIBFAKETIME.exists(), reason="libfaketime is not installed (scripts/test installs it)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not LIBFAKETIME.exists(), reason="libfaketime is not installed (scripts/test installs it)"
+    ),
+    pytest.mark.processes,
+]
 
 
 @dataclass

@@ -70,6 +70,7 @@ async def _confirm(page: Page, expect: str) -> None:
     await page.click("#confirm-ok")
 
 
+@pytest.mark.processes
 async def test_the_console_follows_a_move_and_acts(
     cluster: Cluster, browser: Browser, tmp_path: Path
 ) -> None:

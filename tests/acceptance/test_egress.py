@@ -13,6 +13,9 @@ from orch_contracts.errors import split_error
 from orch_verify.proxy import Proxy
 from tests.support.cluster import Cluster, wait_for
 
+#: Every test here needs processes of its own (faults, or what one process holds).
+pytestmark = pytest.mark.processes
+
 REFUSED = "refused by the egress policy"
 SECRET = "K-s3cret"
 

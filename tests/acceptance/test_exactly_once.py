@@ -31,6 +31,7 @@ async def loaded(cluster: Cluster, n: int = 8) -> tuple[list[uuid.UUID], uuid.UU
     return ids, await cluster.service_id(a)
 
 
+@pytest.mark.processes
 async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
     """SIGSTOP past the TTL: the observers run elsewhere; the resumed service stops its stale
     copies before they tick or write again."""
@@ -64,6 +65,7 @@ async def test_freeze_longer_than_the_lease(cluster: Cluster) -> None:
     assert failover <= cluster.lease_ttl + 2
 
 
+@pytest.mark.processes
 async def test_cut_off_from_postgres(cluster: Cluster) -> None:
     """A blackholed database: the holder fences itself within the TTL; others take over."""
     await cluster.start_manager()
@@ -92,6 +94,7 @@ async def test_cut_off_from_postgres(cluster: Cluster) -> None:
     assert a.popen.poll() is None
 
 
+@pytest.mark.processes
 async def test_blackout_every_service_killed(cluster: Cluster) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=10)
@@ -109,6 +112,7 @@ async def test_blackout_every_service_killed(cluster: Cluster) -> None:
     assert_no_overlap(cluster)
 
 
+@pytest.mark.processes
 async def test_delete_during_redistribution(cluster: Cluster) -> None:
     """Delete while the holder is frozen and its observers are moving: never runs again."""
     ids, _ = await loaded(cluster, n=4)
@@ -135,6 +139,7 @@ async def test_delete_during_redistribution(cluster: Cluster) -> None:
     assert_no_overlap(cluster)
 
 
+@pytest.mark.processes
 async def test_kill_and_delete_race(cluster: Cluster) -> None:
     """SIGKILL the holder and delete at once: the redelivered message must not revive it."""
     ids, _ = await loaded(cluster, n=4)
@@ -155,6 +160,7 @@ async def test_kill_and_delete_race(cluster: Cluster) -> None:
     assert_no_overlap(cluster)
 
 
+@pytest.mark.processes
 async def test_two_managers_one_leader_and_failover(cluster: Cluster) -> None:
     m1 = await cluster.start_manager()
     m2 = await cluster.start_manager()

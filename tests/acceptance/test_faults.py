@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aio_pika
 import asyncpg
+import pytest
 
 from orch_bench.ticklog import failover_gaps, largest_gaps, read_ticks
 from orch_contracts import witness
@@ -51,6 +52,7 @@ async def _none_stranded(cluster: Cluster, ids: list[uuid.UUID], after: float) -
 
 
 # ------------------------------------------------------------------------- database blips
+@pytest.mark.processes
 async def test_database_blips_strand_nothing_and_spend_no_restarts(cluster: Cluster) -> None:
     """Sub-second outages of the orchestrator's own database (connections reset, new ones
     refused): every observer keeps running, none is failed, no restart is counted."""
@@ -86,6 +88,7 @@ async def _recorders_behind_a_proxy(cluster: Cluster, n: int) -> tuple[Proxy, li
     return proxy, ids
 
 
+@pytest.mark.processes
 async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
     """With a 5 s lease, a 2 s outage is retried through: nothing is stopped or moved."""
     proxy, ids = await _recorders_behind_a_proxy(cluster, 4)
@@ -100,6 +103,7 @@ async def test_two_second_blip_does_not_fence(cluster: Cluster) -> None:
     assert {r["epoch"] for r in epochs} == {1}
 
 
+@pytest.mark.processes
 async def test_a_slow_database_link_keeps_the_lease(cluster: Cluster) -> None:
     """Every chunk on the service's database link delayed 150-800 ms, nothing lost: several
     round trips per renewal still fit in the lease, so nothing is fenced or moved."""
@@ -163,6 +167,7 @@ async def _ticks_after(cluster: Cluster, after: float) -> None:
     )
 
 
+@pytest.mark.processes
 async def test_dropped_lease_session_never_runs_two_copies(cluster: Cluster) -> None:
     """A's lease session is ended (a pooler, pg_terminate_backend) while its process lives and
     B holds a redelivered start: A stops its copy before anything may take it over, and lives
@@ -207,6 +212,7 @@ async def _slow_stoppers(cluster: Cluster, **params: object) -> tuple[Proc, list
     return a, ids
 
 
+@pytest.mark.processes
 async def test_shutdown_timeout_never_releases_a_running_copy(cluster: Cluster) -> None:
     """SIGTERM with kinds that need 3 s to stop and a 1 s shutdown timeout: what has not
     stopped is not released; the process exits and the others take it only then."""
@@ -217,6 +223,7 @@ async def test_shutdown_timeout_never_releases_a_running_copy(cluster: Cluster) 
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_kind_that_swallows_cancellation_cannot_stall_a_stop(cluster: Cluster) -> None:
     a, ids = await _slow_stoppers(cluster, swallow=True)
     stopped = time.monotonic()
@@ -267,7 +274,7 @@ async def test_delete_during_drain_ends_deleted(cluster: Cluster) -> None:
 async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
     a, oid = await _one_slow(cluster)
     a_id = await cluster.service_id(a)
-    b_id = await cluster.service_id(cluster.procs[-1])
+    b_id = await cluster.q("SELECT id FROM services WHERE name = 'b'", one=True)
     # What the leader's rebalance does: record the move on the row, then send the handoff.
     await cluster.q("UPDATE observers SET handoff_to = $2 WHERE id = $1", oid, b_id)
     conn = await aio_pika.connect(cluster.amqp_url)
@@ -283,6 +290,7 @@ async def test_delete_during_handoff_ends_deleted(cluster: Cluster) -> None:
     await _deleted_and_released(cluster, oid, a)
 
 
+@pytest.mark.processes
 async def test_delete_during_broker_reconnect_ends_deleted(cluster: Cluster) -> None:
     proxy = await cluster.proxy(cluster.amqp_url)
     a, oid = await _one_slow(cluster, amqp_url=via(cluster.amqp_url, proxy))
@@ -294,6 +302,7 @@ async def test_delete_during_broker_reconnect_ends_deleted(cluster: Cluster) -> 
 
 
 # ------------------------------------------------------------------- suspend and mid-await
+@pytest.mark.processes
 async def test_suspend_past_the_lease_fences(cluster: Cluster, tmp_path: Path) -> None:
     """A suspended machine: the monotonic clock did not count the suspend, the suspend-aware
     one did. The woken service must find its lease gone and stop its copies."""
@@ -319,6 +328,7 @@ async def test_suspend_past_the_lease_fences(cluster: Cluster, tmp_path: Path) -
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_frozen_copy_makes_no_side_effect_after_waking(cluster: Cluster) -> None:
     """Kinds that call ``ensure_alive()`` and then await before their side effect: a freeze
     inside that await must not let the side effect happen once the copy was taken over.
@@ -356,6 +366,7 @@ async def test_frozen_copy_makes_no_side_effect_after_waking(cluster: Cluster) -
 
 
 # ----------------------------------------------------------- directed starts, fast crash
+@pytest.mark.processes
 async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster) -> None:
     """Observers that reached their service by a directed start (no broker delivery behind
     them) also move within well under a lease after their service is SIGKILLed."""
@@ -382,6 +393,7 @@ async def test_directed_observers_fail_over_fast_after_a_crash(cluster: Cluster)
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_a_crash_leaves_work_queue_starts_to_the_brokers_requeue(cluster: Cluster) -> None:
     """Observers that came by the work queue are moved by the broker's requeue alone when
     their service is SIGKILLed: the sweeper, which proves the process gone within a second,
@@ -419,6 +431,7 @@ async def test_a_crash_leaves_work_queue_starts_to_the_brokers_requeue(cluster: 
 
 
 # ------------------------------------------------------------ a row locked from outside
+@pytest.mark.processes
 async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their_failover(
     cluster: Cluster,
 ) -> None:
@@ -458,6 +471,7 @@ async def test_a_row_locked_from_outside_stalls_neither_its_neighbours_nor_their
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_a_stop_held_by_its_locked_checkpoint_is_the_orchestrators_wait(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -518,6 +532,7 @@ async def test_a_stop_held_by_its_locked_checkpoint_is_the_orchestrators_wait(
 
 
 # ---------------------------------------------------------------- a crash met by a blip
+@pytest.mark.processes
 async def test_a_crash_met_by_a_blip_moves_only_what_the_dead_held(cluster: Cluster) -> None:
     """One service is SIGKILLed; 0.4 s later another's database links are reset, new ones
     refused for 0.5 s, and every chunk delayed 150 ms for a few seconds. Every observer is

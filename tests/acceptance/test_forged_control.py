@@ -76,6 +76,7 @@ async def _epochs(cluster: Cluster, ids: list[uuid.UUID]) -> dict[uuid.UUID, tup
     return {r["id"]: (r["epoch"], r["status"]) for r in rows}
 
 
+@pytest.mark.processes
 async def test_forged_drain_cancel_handoff_and_start_change_nothing(
     cluster: Cluster, forger: Forger
 ) -> None:

@@ -593,6 +593,7 @@ async def _write_all(writer: asyncio.StreamWriter, data: bytes, chunk: int = 64 
             await writer.drain()
 
 
+@pytest.mark.processes
 async def test_an_unauthenticated_body_is_refused_before_it_is_read(cluster: Cluster) -> None:
     # On main: a 16 MiB unauthenticated batch was read and parsed (RSS 115 MB -> 583 MB), then 401.
     manager = await cluster.start_manager()
@@ -637,6 +638,7 @@ async def test_an_unauthenticated_body_is_refused_before_it_is_read(cluster: Clu
         assert r.status_code in (200, 201, 207), r.text
 
 
+@pytest.mark.processes
 async def test_unauthenticated_uploads_do_not_hold_up_the_api(cluster: Cluster) -> None:
     # On main: two loops of unauthenticated 16 MiB batches held /healthz up to 1.49 s.
     manager = await cluster.start_manager()
@@ -764,6 +766,7 @@ def _threads(pid: int) -> int:
     return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
 
 
+@pytest.mark.processes
 async def test_a_services_metrics_port_is_loopback_bounded_and_capped(cluster: Cluster) -> None:
     await cluster.start_manager()
     port = free_port()

@@ -12,11 +12,16 @@ import signal
 import time
 import uuid
 
+import pytest
+
 from orch.cluster import quiet
 from orch_bench.ticklog import read_ticks
 from orch_manager.auth import Role, new_token
 from tests.support.cluster import Cluster, wait_for
 from tests.support.faults import assert_no_overlap
+
+#: Every test here needs processes of its own (faults, or what one process holds).
+pytestmark = pytest.mark.processes
 
 OBSERVERS = 12
 #: From a capable service's registration to every waiting observer ticking (the target).

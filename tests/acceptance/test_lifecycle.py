@@ -11,6 +11,7 @@ import time
 import uuid
 
 import aio_pika
+import pytest
 
 from orch_bench.ticklog import Tick, read_ticks
 from orch_contracts.messages import StartMessage
@@ -128,6 +129,7 @@ async def test_freed_slot_starts_the_waiting_observer(cluster: Cluster) -> None:
     await cluster.wait_all_running(others, timeout=10)
 
 
+@pytest.mark.processes
 async def test_sigkill_moves_observers_resumed_from_checkpoint(cluster: Cluster) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=10)
@@ -144,6 +146,7 @@ async def test_sigkill_moves_observers_resumed_from_checkpoint(cluster: Cluster)
         assert (await cluster.observer(i))["epoch"] == 2
 
 
+@pytest.mark.processes
 async def test_sigterm_hands_observers_over_at_once(cluster: Cluster) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=10)
@@ -213,7 +216,7 @@ async def test_malformed_message_goes_to_the_error_queue(cluster: Cluster) -> No
         msg = await errors.get(timeout=5)
         assert msg.body == b"{not json"
         await msg.ack()
-    assert svc.popen.poll() is None
+    assert svc.alive
     oid = uuid.UUID((await cluster.create("after", interval=0.05))["id"])
     await cluster.wait_all_running([oid], timeout=10)
 
@@ -332,6 +335,7 @@ async def test_a_paused_observer_resumes_with_the_params_it_was_given(cluster: C
     assert there[0].count > before[-1].count - 2, "it started over instead of going on"
 
 
+@pytest.mark.processes
 async def test_a_pause_whose_holder_died_is_completed_by_the_sweeper(cluster: Cluster) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=4)

@@ -11,6 +11,8 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
 from orch_bench.ticklog import largest_gaps, read_ticks
 from tests.support.cluster import Cluster, quiet, wait_for
 from tests.support.faults import assert_no_overlap
@@ -120,6 +122,7 @@ async def _all_ticked_since(cluster: Cluster, ids: list[uuid.UUID], since: float
     return {str(i) for i in ids} <= ticked
 
 
+@pytest.mark.processes
 async def test_observers_pinned_to_a_version_run_only_where_it_is(cluster: Cluster) -> None:
     """Two services of the default pool carry versions 1 and 2 of one kind. Pinning every
     observer to version 2 moves each one on version 1 to the other service; a create pinned

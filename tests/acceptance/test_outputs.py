@@ -157,6 +157,7 @@ async def _stop_and_settle(
     return await settled(cluster, got, ids)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 async def test_after_a_crash_or_a_freeze_past_the_lease_every_seq_arrives_once(
     cluster: Cluster, fault: str

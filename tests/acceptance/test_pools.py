@@ -13,6 +13,8 @@ import signal
 import time
 import uuid
 
+import pytest
+
 from orch.cluster import quiet
 from orch_bench.ticklog import read_ticks
 from tests.support.cluster import Cluster, wait_for
@@ -54,6 +56,7 @@ async def _taken_by(cluster: Cluster, ids: list[uuid.UUID]) -> set[uuid.UUID]:
     return {r["service_id"] for r in rows}
 
 
+@pytest.mark.processes
 async def test_observers_run_only_on_services_of_their_pool(cluster: Cluster) -> None:
     await cluster.start_manager()
     d = await cluster.start_service("d", worker_count=20)
@@ -119,6 +122,7 @@ async def test_observers_run_only_on_services_of_their_pool(cluster: Cluster) ->
     assert_no_overlap(cluster.tick_dir)
 
 
+@pytest.mark.processes
 async def test_a_create_names_a_pool_that_offers_its_kind(cluster: Cluster) -> None:
     """A pool nobody joined, a kind the pool's services lack, or a name that cannot be a pool:
     each a 422 that says what there is, never echoing what was sent."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import aio_pika
 import httpx
+import pytest
 
 from orch_bench.ticklog import overlap_seconds, read_ticks
 from orch_contracts.topology import Topology, service_present
@@ -38,6 +39,7 @@ async def moves_per_observer(cluster: Cluster) -> collections.Counter[uuid.UUID]
     return collections.Counter(r["observer_id"] for r in rows)
 
 
+@pytest.mark.processes
 async def test_join_reaches_fair_share_without_overlap(cluster: Cluster) -> None:
     await cluster.start_manager(**FAST)
     for name in ("a", "b", "c"):
@@ -98,6 +100,7 @@ async def test_shares_follow_worker_counts(cluster: Cluster) -> None:
     await wait_for(weighted, timeout=30, what="shares 5 and 15")
 
 
+@pytest.mark.processes
 async def test_drain_moves_everything_then_stop_moves_nothing(cluster: Cluster) -> None:
     await cluster.start_manager()
     a = await cluster.start_service("a", worker_count=20)
@@ -134,6 +137,7 @@ async def test_drain_moves_everything_then_stop_moves_nothing(cluster: Cluster) 
     assert overlap_seconds(read_ticks(cluster.tick_dir)) == {}
 
 
+@pytest.mark.processes
 async def test_flapping_service_causes_no_ping_pong(cluster: Cluster) -> None:
     await cluster.start_manager(**{**FAST, "rebalance_min_age": "3"})
     await cluster.start_service("a", worker_count=30)
@@ -165,6 +169,7 @@ async def test_flapping_service_causes_no_ping_pong(cluster: Cluster) -> None:
     assert now == epochs, "observers moved because a service flapped"
 
 
+@pytest.mark.processes
 async def test_a_service_back_from_a_partition_gets_its_share(cluster: Cluster) -> None:
     """Cut off from the broker with its lease held in PostgreSQL, then healed: within a round
     and the minimum age of its control queue reappearing (plus the rounds the pace needs), it

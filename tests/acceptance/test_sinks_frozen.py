@@ -30,6 +30,9 @@ from orch_verify.proxy import Proxy
 from tests.integration.test_sinks import REDIS_URL
 from tests.support.cluster import Cluster, wait_for
 
+#: Every test here needs processes of its own (faults, or what one process holds).
+pytestmark = pytest.mark.processes
+
 
 class Store:
     """One store under test, reached through ``proxy``."""

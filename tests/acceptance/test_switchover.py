@@ -52,6 +52,7 @@ async def _epochs(cluster: Cluster) -> dict[uuid.UUID, int]:
     return {r["id"]: r["epoch"] for r in await cluster.q("SELECT id, epoch FROM observers")}
 
 
+@pytest.mark.processes
 async def test_switchover_loses_nothing_and_runs_each_observer_once(
     pg_pair: PgPair, pair_cluster: Cluster, record_property: Callable[[str, object], None]
 ) -> None:

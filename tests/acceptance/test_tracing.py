@@ -25,6 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from tests.support.cluster import Cluster, wait_for
 
+#: Every test here needs processes of its own (faults, or what one process holds).
+pytestmark = pytest.mark.processes
+
 
 @dataclass(frozen=True)
 class Span:

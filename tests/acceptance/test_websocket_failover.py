@@ -34,11 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import pytest
 from websockets.asyncio.server import Server, ServerConnection, broadcast, serve
 from websockets.exceptions import ConnectionClosed
 
 from orch.cluster import free_port
 from tests.support.cluster import Cluster, Proc, wait_for
+
+#: Every test here needs processes of its own (faults, or what one process holds).
+pytestmark = pytest.mark.processes
 
 OBSERVERS = 200
 #: Every service can hold every observer: after a crash and a freeze one service holds them all.

@@ -75,7 +75,7 @@ class Cluster(FaultCluster):
         return self.workdir / "ticks"
 
     async def start_manager(self, port: int | None = None, **env: Any) -> Proc:
-        proc = await super().start_manager(port, **_orch(env))
+        proc = await super().start_manager(port, **orch_env(env))
         if self.api_port is None:
             self.api_port = proc.port
         return proc
@@ -83,7 +83,7 @@ class Cluster(FaultCluster):
     async def start_service(self, name: str = "svc", worker_count: int = 10, **env: Any) -> Proc:
         if env.get("pool"):
             self.pools.add(str(env["pool"]))
-        return await super().start_service(name, worker_count, **_orch(env))
+        return await super().start_service(name, worker_count, **orch_env(env))
 
     async def stop(self, timeout: float = 20) -> None:
         """Every process; then the work queues of the pools its services joined (the prefix's
@@ -161,7 +161,7 @@ class Cluster(FaultCluster):
         await wait_for(check, timeout=timeout, what=f"{len(ids)} observers running")
 
 
-def _orch(env: dict[str, Any]) -> dict[str, str]:
+def orch_env(env: dict[str, Any]) -> dict[str, str]:
     return {f"ORCH_{k.upper()}": str(v) for k, v in env.items()}
 
 

@@ -28,7 +28,7 @@ import asyncpg
 import pytest
 
 from orch.cluster import LocalCluster, Proc
-from tests.support.cluster import ROOT, Cluster, _orch
+from tests.support.cluster import ROOT, Cluster, orch_env
 
 #: The release before this tree, and the commit its tag names (used when the tag is missing).
 PREVIOUS_TAG = "v0.1.0"
@@ -178,7 +178,7 @@ class MixedCluster(Cluster):
         self, release: Release, port: int | None = None, **settings: Any
     ) -> Proc:
         """A manager of ``release``, ready; the API the test talks to if it is the first."""
-        proc = await LocalCluster.start_manager(self, port, **release.env, **_orch(settings))
+        proc = await LocalCluster.start_manager(self, port, **release.env, **orch_env(settings))
         if self.api_port is None:
             self.api_port = proc.port
         return proc
@@ -188,7 +188,7 @@ class MixedCluster(Cluster):
     ) -> Proc:
         """A service of ``release``, registered and on the broker."""
         return await LocalCluster.start_service(
-            self, name, worker_count, **release.env, **_orch(settings)
+            self, name, worker_count, **release.env, **orch_env(settings)
         )
 
     async def migrate(self, release: Release) -> str:
