@@ -152,6 +152,7 @@ async def _consumers_are(cluster: Cluster, n: int) -> bool:
     return (await _work_queue(cluster))[1] == n
 
 
+@pytest.mark.processes
 @pytest.mark.alone
 async def test_failover_runs_through_a_memory_alarm(cluster: Cluster) -> None:
     """Publishers are blocked, deliveries still flow. The observers of a service SIGKILLed in
@@ -199,6 +200,7 @@ async def _held(cluster: Cluster, proc: Proc) -> list[uuid.UUID]:
     return [r["id"] for r in rows]
 
 
+@pytest.mark.processes
 @pytest.mark.alone
 async def test_directed_observers_of_a_crashed_service_move_during_a_disk_alarm(
     cluster: Cluster,

@@ -45,6 +45,7 @@ async def _deleted(cluster: Cluster, ids: list[uuid.UUID]) -> bool:
     return all(r["status"] == "deleted" for r in rows)
 
 
+@pytest.mark.processes
 @pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.parametrize("down", [10, 60])
@@ -297,6 +298,7 @@ IDLE_IN_TX = (
 )
 
 
+@pytest.mark.processes
 @pytest.mark.alone
 async def test_a_memory_alarm_stops_neither_the_sweeper_nor_the_api(cluster: Cluster) -> None:
     """With publishers blocked by a memory alarm, no manager transaction waits on the broker

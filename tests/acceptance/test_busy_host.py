@@ -66,6 +66,7 @@ def _spinners(cpu: int, n: int) -> Iterator[None]:
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs CPU affinity and two CPUs (one to starve the service on, one for the rest)",
 )
+@pytest.mark.processes
 async def test_a_service_starved_of_cpu_is_not_marked_stalled(cluster: Cluster) -> None:
     await cluster.start_manager()
     svc = await cluster.start_service("a", worker_count=10)

@@ -21,6 +21,7 @@ from tests.support.faults import assert_no_overlap
 pytestmark = pytest.mark.alone
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_random_faults_keep_the_promise(cluster: Cluster) -> None:

@@ -179,6 +179,7 @@ async def test_the_console_follows_a_move_and_acts(
     assert errors == [], f"the page raised: {errors}"
 
 
+@pytest.mark.processes
 @pytest.mark.alone
 async def test_the_console_shows_the_broker_and_each_services_health(
     cluster: Cluster, browser: Browser

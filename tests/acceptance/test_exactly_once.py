@@ -202,6 +202,7 @@ def _port_of(proc: Proc) -> int:
 
 
 # ---------------------------------------------------------------- broker-wide faults (slow)
+@pytest.mark.processes
 @pytest.mark.alone
 @pytest.mark.slow
 async def test_consumer_timeout_fires(cluster: Cluster) -> None:

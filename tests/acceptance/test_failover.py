@@ -70,6 +70,7 @@ async def _recorder(cluster: Cluster, name: str) -> uuid.UUID:
     return uuid.UUID(body["id"])
 
 
+@pytest.mark.processes
 async def test_an_async_failover_runs_one_copy_keeps_deletes_and_epochs_and_reports_lost_creates(
     async_pair: PgPair, cluster: Cluster
 ) -> None:
