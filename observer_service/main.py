@@ -140,7 +140,6 @@ async def assembled(
     # finds them ready. Four cover the batchers (takes, checkpoints, releases) and one more.
     size = settings.db_pool_max or min(20, 2 + settings.worker_count)
     pool = await _open_pool(settings, size, timings.ttl, wait_until)
-    # Never the whole pool: takes arriving meanwhile find a connection.
     warming: asyncio.Task[None] | None = None
     try:
         await _durability(pool, settings.require_synchronous_replication)
@@ -156,6 +155,7 @@ async def assembled(
             pool=settings.pool,
             directed_after=timings.renew_interval,
         )
+        # Never the whole pool: takes arriving meanwhile find a connection.
         warming = asyncio.create_task(_warm(pool, min(4, size - 2)), name="warm-pool")
         service = ObserverService(
             service_id=service_id,

@@ -153,8 +153,9 @@ class InProcessCluster(Cluster):
     ) -> Running:
         if env.get("pool"):
             self.pools.add(str(env["pool"]))
-        fields: dict[str, Any] = {**self._settings(env), "name": name}
-        settings = ServiceSettings(**fields, worker_count=worker_count)
+        settings = ServiceSettings(
+            **{**self._settings(env), "name": name, "worker_count": worker_count}
+        )
         kinds = load_kinds(settings.kind_module_list)
         service_id = uuid.uuid4()
         stopping = asyncio.Event()
