@@ -81,7 +81,15 @@ async def check_servers(
         reraise=True,
     ):
         with attempt:
-            await asyncio.gather(
+            # Both run to their end: a check cancelled half-way by ``asyncio.run``'s clean-up
+            # (which cancels the connection's reader along with it) waited forever in
+            # ``conn.close()`` for a broker's reply no task was reading any more.
+            results = await asyncio.gather(
                 check_database(settings, need_schema=need_schema),
                 check_broker(settings, declare=declare),
+                return_exceptions=True,
             )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            # A refusal ends the wait at once, whichever check found it.
+            for error in sorted(errors, key=lambda e: isinstance(e, NotYet)):
+                raise error
