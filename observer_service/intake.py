@@ -7,6 +7,7 @@ the leader) are decided with one read and taken with one compare-and-set (``take
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -458,7 +459,10 @@ class Intake:
             self._run_copy(
                 runner,
                 first,
-                run_observer(
+                # Made in the task: a task cancelled before its first step (a drain just
+                # after a take) would otherwise drop a coroutine never awaited.
+                functools.partial(
+                    run_observer,
                     spec,
                     ctx,
                     policy,
@@ -485,7 +489,7 @@ class Intake:
         return True
 
     async def _run_copy(
-        self, runner: Runner, first: tracing.Open, run: Coroutine[Any, Any, str]
+        self, runner: Runner, first: tracing.Open, run: Callable[[], Coroutine[Any, Any, str]]
     ) -> str:
         """The copy's task: its kind's code and, for a kind with ``commit_every``, the commits
         of what it emits, made on their own; the last of them before the task ends, so that
@@ -497,15 +501,17 @@ class Intake:
                 attributes={"orch.checkpointed": False}
             )  # stopped before its first checkpoint
 
-    async def _run_copy_code(self, runner: Runner, run: Coroutine[Any, Any, str]) -> str:
+    async def _run_copy_code(
+        self, runner: Runner, run: Callable[[], Coroutine[Any, Any, str]]
+    ) -> str:
         outputs = runner.outputs
         if outputs is None or outputs.commit_every is None:
-            return await run
+            return await run()
         committer = asyncio.create_task(
             self._commit_on_its_own(runner, outputs), name=f"commits-{runner.observer_id}"
         )
         try:
-            return await run
+            return await run()
         finally:
             committer.cancel()
             await asyncio.wait([committer])

@@ -30,7 +30,7 @@ async def test_a_refusal_ends_the_process_at_once_however_far_the_other_check_go
     )
 
     def tries() -> list[BaseException]:
-        errors = []
+        errors: list[BaseException] = []
         for _ in range(TRIES):
             try:
                 asyncio.run(check_servers(settings))  # as `orch service` runs it: its own loop
