@@ -1,4 +1,5 @@
-"""Start messages, from their arrival to a running copy or a settled message.
+"""Start messages, from their arrival to a taken observer (run by ``runner.Launcher``) or a
+settled message.
 
 The starts that arrive together (a burst of redeliveries after a crash, directed starts from
 the leader) are decided with one read and taken with one compare-and-set (``takes``).
@@ -7,10 +8,7 @@ the leader) are decided with one read and taken with one compare-and-set (``take
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
-import re
 import uuid
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import replace
@@ -20,18 +18,13 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from observer_service.admission import Admission, Slot
-from observer_service.context import ObserverContext
-from observer_service.guard import Timing
 from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin, Queued
-from observer_service.outputs import CopyOutputs, OutputPublisher
 from observer_service.ports import (
     BrokerSession,
-    Checkpoint,
     Copy,
     Delivery,
-    ErrorRecord,
     Locked,
     StartRequest,
     Store,
@@ -39,23 +32,20 @@ from observer_service.ports import (
     TakeResult,
 )
 from observer_service.retry import landed, until_done, while_leased
-from observer_service.runner import NoProgress, Runner, StopReason, refused, run_observer
+from observer_service.runner import Launcher, Runner
 from observer_service.settle import Settlement, Settler
-from observer_service.stalls import StallWatch
 from observer_service.take import Decision, Departed
 from observer_service.taking import take_many
 from orch_contracts import tracing
 from orch_contracts.backoff import Backoff
 from orch_contracts.batching import LINGER, Batcher
 from orch_contracts.clock import Clock
-from orch_contracts.errors import BrokerUnavailable, Fenced, LeaseLost, Transient
-from orch_contracts.kinds import KindSpec, RestartPolicy, secret_values
+from orch_contracts.errors import BrokerUnavailable, LeaseLost, Transient
+from orch_contracts.kinds import KindSpec
 from orch_contracts.logs import observer_log
-from orch_contracts.masking import mask
 from orch_contracts.messages import StartMessage
 from orch_contracts.pools import DEFAULT_POOL
 from orch_contracts.tracing import Carrier
-from orch_contracts.witness import Witness
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +54,6 @@ class Host(Protocol):
     """What intake needs of the service around it."""
 
     runners: dict[uuid.UUID, Runner]
-    checkpoints: Batcher[Checkpoint, bool | Locked]
-    outputs: OutputPublisher
 
     def accepting(self) -> bool:
         """Neither stopping nor draining: new copies may start here."""
@@ -73,13 +61,9 @@ class Host(Protocol):
 
     def broker(self) -> BrokerSession | None: ...
 
-    def add_runner(self, runner: Runner) -> None: ...
-
     def adopted(self, runner: Runner) -> None:
         """A redelivery of a running copy's start was adopted as its delivery."""
         ...
-
-    def cancel(self, observer_id: uuid.UUID) -> None: ...
 
     def superseded(self, copies: Collection[Copy]) -> None:
         """Stop these copies: their rows name another."""
@@ -93,7 +77,6 @@ class Intake:
         self,
         host: Host,
         *,
-        me: uuid.UUID,
         name: str,
         kinds: dict[str, KindSpec],
         pool: str = DEFAULT_POOL,
@@ -101,14 +84,11 @@ class Intake:
         lease: LeaseKeeper,
         admission: Admission,
         settler: Settler,
+        launcher: Launcher,
         metrics: ServiceMetrics,
         clock: Clock,
-        stalls: StallWatch,
-        witness: Witness | None = None,
     ) -> None:
         self.host = host
-        self.witness = witness
-        self.me = me
         self.name = name
         self.kinds = kinds
         #: Each kind installed here, with its version (what the take rule checks).
@@ -118,9 +98,9 @@ class Intake:
         self.lease = lease
         self.admission = admission
         self.settler = settler
+        self.launcher = launcher
         self.metrics = metrics
         self.clock = clock
-        self.stalls = stalls
         self.takes: Batcher[StartRequest, TakeResult | Locked] = Batcher(
             self._take_batch, in_flight=2, linger=LINGER
         )
@@ -338,7 +318,7 @@ class Intake:
                     lambda: self.settler.release(taken.copy, "taken as its admission ended"),
                     "releasing a take nobody waited for",
                 ),
-                f"let-go-{taken.observer_id}",
+                f"release-{taken.observer_id}",
             )
 
     async def _take_batch(self, requests: list[StartRequest]) -> Sequence[TakeResult | Locked]:
@@ -374,203 +354,13 @@ class Intake:
         return not present
 
     def _start_runner(self, taken: Taken, origin: Origin, *, cancelled: bool) -> bool:
-        spec = self.kinds.get(taken.kind)
-        params: Any = taken.params
-        error: str | None = None
-        policy: RestartPolicy | None = None
-        # What no error or log line about it may show (the manager's read views mask so too).
-        secrets = secret_values(taken.params, spec)
-        if spec is None:
-            error = f"kind {taken.kind!r} is not installed on service {self.name}"
-        else:
-            try:
-                policy = spec.policy(taken.restart_policy)
-                if spec.params_model is not None:
-                    params = spec.params_model.model_validate(taken.params)
-                    # The copy keeps its params as the model alone, not also as the row's
-                    # JSON (a dict and its keys, 450 bytes a running observer).
-                    taken = replace(taken, params={})
-            except ValidationError as exc:
-                error = mask(f"invalid params or restart policy: {exc}", secrets=secrets)
-        if spec is None or policy is None or error is not None:
+        started = self.launcher.start(taken, origin, cancelled=cancelled)
+        if isinstance(started, str):
             self.host.spawn(
-                self._fail_unrunnable(taken, origin, error or "unrunnable"),
-                f"fail-{taken.observer_id}",
+                self._fail_unrunnable(taken, origin, started), f"fail-{taken.observer_id}"
             )
             return False
-        copy = taken.copy
-        # From the take to the first checkpoint written (a child of the take's span).
-        first = tracing.begin(
-            "start",
-            attributes=lambda: {
-                "orch.observer_id": str(taken.observer_id),
-                "orch.kind": taken.kind,
-                "orch.epoch": taken.epoch,
-            },
-        )
-        outputs = CopyOutputs(
-            observer_id=taken.observer_id,
-            epoch=taken.epoch,
-            kind=taken.kind,
-            name=taken.name,
-            last_seq=taken.output_seq,
-            write=lambda item: self._save(copy, item, first),
-            commit_every=spec.commit_every,
-            to_json=checkpoint_json,
-            budget=self.host.outputs.budget,
-        )
-        ctx = ObserverContext(
-            observer_id=taken.observer_id,
-            name=taken.name,
-            kind=taken.kind,
-            epoch=taken.epoch,
-            service_id=self.me,
-            params=params,
-            last_checkpoint=taken.checkpoint,
-            save=lambda state: outputs.commit(checkpoint_json(state)),
-            emit=outputs.emit,
-            alive=self.lease.valid,
-            logger=observer_log(
-                f"observer.{taken.kind}",
-                observer_id=taken.observer_id,
-                name=taken.name,
-                kind=taken.kind,
-                epoch=taken.epoch,
-                secrets=secrets,
-            ),
-            witness=self._effects(taken),
-        )
-        runner = Runner(
-            taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness, outputs=outputs
-        )
-
-        async def record_error(error: str) -> ErrorRecord:
-            return await self._record_error(copy, taken.kind, error, policy)
-
-        timing = Timing(
-            self.stalls,
-            f"observer {taken.observer_id} ({taken.kind}, epoch {taken.epoch})",
-            lambda seconds: self._stalled(runner, seconds),
-            taken.observer_id,
-            taken.epoch,
-            self.witness,
-        )
-        runner.task = asyncio.create_task(
-            self._run_copy(
-                runner,
-                first,
-                # Made in the task: a task cancelled before its first step (a drain just
-                # after a take) would otherwise drop a coroutine never awaited.
-                functools.partial(
-                    run_observer,
-                    spec,
-                    ctx,
-                    policy,
-                    gate=runner.gate(self.lease.gate),
-                    record_error=record_error,
-                    timing=timing,
-                    secrets=secrets,
-                    outputs=outputs,
-                    progress_timeout=policy.progress_timeout,
-                ),
-            ),
-            name=f"observer-{taken.observer_id}",
-        )
-        if (witness := self.witness) is not None:
-            runner.task.add_done_callback(
-                lambda _: witness.end(taken.observer_id, taken.epoch, outputs.stop_waited)
-            )
-        self.host.outputs.register(outputs)
-        self.host.add_runner(runner)
-        self.metrics.takes.inc()
-        if cancelled:
-            self.host.cancel(taken.observer_id)
-        ctx.logger.info("running (epoch %d)", taken.epoch)
         return True
-
-    async def _run_copy(
-        self, runner: Runner, first: tracing.Open, run: Callable[[], Coroutine[Any, Any, str]]
-    ) -> str:
-        """The copy's task: its kind's code and, for a kind with ``commit_every``, the commits
-        of what it emits, made on their own; the last of them before the task ends, so that
-        the copy's release comes after it."""
-        try:
-            return await self._run_copy_code(runner, run)
-        finally:
-            first.end(
-                attributes={"orch.checkpointed": False}
-            )  # stopped before its first checkpoint
-
-    async def _run_copy_code(
-        self, runner: Runner, run: Callable[[], Coroutine[Any, Any, str]]
-    ) -> str:
-        outputs = runner.outputs
-        if outputs is None or outputs.commit_every is None:
-            return await run()
-        committer = asyncio.create_task(
-            self._commit_on_its_own(runner, outputs), name=f"commits-{runner.observer_id}"
-        )
-        try:
-            return await run()
-        finally:
-            committer.cancel()
-            await asyncio.wait([committer])
-            if not committer.cancelled() and (exc := committer.exception()) is not None:
-                raise exc
-
-    async def _commit_on_its_own(self, runner: Runner, outputs: CopyOutputs) -> None:
-        try:
-            await outputs.commit_on_its_own(self.lease.valid)
-        except Fenced:  # another copy holds a newer epoch: this one's code never runs again
-            runner.stop(StopReason.SUPERSEDED)
-        except LeaseLost:  # the lease keeper stops every copy
-            pass
-
-    def _effects(self, taken: Taken) -> Callable[[str], None] | None:
-        """What ``ctx.witness`` does: record the side effect (verify mode only)."""
-        witness = self.witness
-        if witness is None:
-            return None
-        return lambda event: witness.effect(taken.observer_id, taken.epoch, event)
-
-    def _stalled(self, runner: Runner, seconds: float) -> None:
-        """A step of this copy blocked the loop: it ends as its own error (counted against its
-        budget). One that cost this service its lease is blamed: settling fails it at once,
-        needing no lease, before anything could release it to another service."""
-        ctx = runner.ctx
-        self.metrics.stalls.labels(ctx.kind).inc()
-        reason = f"blocked the event loop for {seconds:.1f}s"
-        ctx.logger.error("%s", reason)
-        if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
-            runner.blame = reason
-
-    async def _save(self, copy: Copy, item: Checkpoint, first: tracing.Open) -> None:
-        """A commit (a checkpoint, records): fenced, batched, retried while the lease holds
-        (also alone, when the batch skipped its row as locked: that is no fence). The first
-        one ends the copy's ``start`` span."""
-        checkpoints = self.host.checkpoints
-
-        async def write() -> bool:
-            return landed(await checkpoints.submit(item))
-
-        if not await while_leased(write, self.lease.valid):
-            self.metrics.fenced.labels("checkpoint").inc()
-            raise refused("checkpoint")
-        first.end(attributes={"orch.checkpointed": True})
-
-    async def _record_error(
-        self, copy: Copy, kind: str, error: str, policy: RestartPolicy
-    ) -> ErrorRecord:
-        record = await while_leased(
-            lambda: self.store.record_error(copy, error, policy), self.lease.valid
-        )
-        if record is None:
-            self.metrics.fenced.labels("restart_record").inc()
-            raise refused("restart record")
-        (self.metrics.failed if record.failed else self.metrics.restarts).labels(kind).inc()
-        if error.startswith(f"{NoProgress.__name__}:"):
-            self.metrics.no_progress.labels(kind).inc()
-        return record
 
     async def _fail_unrunnable(self, taken: Taken, origin: Origin, error: str) -> None:
         observer_log(
@@ -581,20 +371,3 @@ class Intake:
             self.metrics.failed.labels(taken.kind).inc()
         how = Settlement.DEAD_LETTER if failed else Settlement.ACK
         await self.settler.settle(taken.start, origin, how)
-
-
-#: ``\u0000`` as an escape, not as the text after an escaped backslash.
-_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-
-
-def checkpoint_json(state: Any) -> str:
-    """``state`` as the JSON a checkpoint stores, or ValueError for what PostgreSQL's jsonb would
-    refuse (NaN and the infinities, the NUL character). Refused here, in the kind's own call: in
-    the batched write it would fail the checkpoints of every observer in the same batch."""
-    try:
-        text = json.dumps(state, allow_nan=False)
-    except ValueError as exc:
-        raise ValueError(f"a checkpoint cannot hold NaN or infinity: {exc}") from None
-    if "\\u0000" in text and _NUL_ESCAPE.search(text):
-        raise ValueError("a checkpoint cannot hold the NUL character (\\u0000)")
-    return text

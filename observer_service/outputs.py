@@ -21,7 +21,9 @@ its kind (it is restarted from its checkpoint): nothing is dropped, nothing grow
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -438,3 +440,20 @@ class OutputPublisher:
                 pending.append(_Pending(None, c))
         for oid in {c.observer_id for c in found} & self._pending.keys():
             self._pending[oid] = deque(sorted(self._pending[oid], key=lambda p: p.commit.seq))
+
+
+#: ``\u0000`` as an escape, not as the text after an escaped backslash.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def checkpoint_json(state: Any) -> str:
+    """``state`` as the JSON a checkpoint stores, or ValueError for what PostgreSQL's jsonb would
+    refuse (NaN and the infinities, the NUL character). Refused here, in the kind's own call: in
+    the batched write it would fail the checkpoints of every observer in the same batch."""
+    try:
+        text = json.dumps(state, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(f"a checkpoint cannot hold NaN or infinity: {exc}") from None
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise ValueError("a checkpoint cannot hold the NUL character (\\u0000)")
+    return text

@@ -1,4 +1,5 @@
-"""One running copy of an observer: its kind's code under the restart budget, and why it stopped.
+"""The copies a service runs: each started from its take (``Launcher``), its kind's code run under
+the restart budget (``run_observer``), its commits written fenced, and why it stopped (``Runner``).
 
 The kind's coroutine is driven through ``guarded``: it never resumes while the lease may be gone.
 Its errors are its own; the orchestrator's own database trouble never reaches it as one.
@@ -7,24 +8,33 @@ Its errors are its own; the orchestrator's own database trouble never reaches it
 from __future__ import annotations
 
 import asyncio
+import functools
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
+
+from pydantic import ValidationError
 
 from observer_service.context import ObserverContext
 from observer_service.guard import Gate, Timing, guarded
 from observer_service.headroom import resource_error
+from observer_service.lease import LeaseKeeper
+from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin, Queued
-from observer_service.outputs import CopyOutputs
-from observer_service.ports import Copy, ErrorRecord, Taken
-from orch_contracts import aio
+from observer_service.outputs import CopyOutputs, OutputPublisher, checkpoint_json
+from observer_service.ports import Checkpoint, Copy, ErrorRecord, Locked, Store, Taken
+from observer_service.retry import landed, while_leased
+from observer_service.stalls import StallWatch
+from orch_contracts import aio, tracing
+from orch_contracts.batching import Batcher
 from orch_contracts.errors import Fenced, LeaseLost, split_error, stored_error
-from orch_contracts.kinds import KindSpec, RestartPolicy
+from orch_contracts.kinds import KindSpec, RestartPolicy, secret_values
+from orch_contracts.logs import observer_log
 from orch_contracts.masking import mask
 from orch_contracts.witness import Witness
 
@@ -278,3 +288,239 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
         out.append(exc)
         exc = exc.__cause__ or exc.__context__
     return out
+
+
+class LaunchHost(Protocol):
+    """What starting copies needs of the service around them."""
+
+    checkpoints: Batcher[Checkpoint, bool | Locked]
+    outputs: OutputPublisher
+
+    def add_runner(self, runner: Runner) -> None: ...
+
+    def cancel(self, observer_id: uuid.UUID) -> None: ...
+
+
+class Launcher:
+    """Start, run and commit of the copies a service took: a taken observer becomes a
+    ``Runner`` whose task runs its kind's code under its restart budget (``run_observer``),
+    its commits written fenced (``_save``), until the service stops it."""
+
+    def __init__(
+        self,
+        host: LaunchHost,
+        *,
+        me: uuid.UUID,
+        name: str,
+        kinds: dict[str, KindSpec],
+        store: Store,
+        lease: LeaseKeeper,
+        metrics: ServiceMetrics,
+        stalls: StallWatch,
+        witness: Witness | None = None,
+    ) -> None:
+        self.host = host
+        self.me = me
+        self.name = name
+        self.kinds = kinds
+        self.store = store
+        self.lease = lease
+        self.metrics = metrics
+        self.stalls = stalls
+        self.witness = witness
+
+    def start(self, taken: Taken, origin: Origin, *, cancelled: bool = False) -> Runner | str:
+        """Run a taken observer here: its copy's task is started and the host holds it. Or
+        why it cannot run here (its kind is not installed, its params or restart policy are
+        invalid): the caller fails the observer."""
+        spec = self.kinds.get(taken.kind)
+        params: Any = taken.params
+        error: str | None = None
+        policy: RestartPolicy | None = None
+        # What no error or log line about it may show (the manager's read views mask so too).
+        secrets = secret_values(taken.params, spec)
+        if spec is None:
+            error = f"kind {taken.kind!r} is not installed on service {self.name}"
+        else:
+            try:
+                policy = spec.policy(taken.restart_policy)
+                if spec.params_model is not None:
+                    params = spec.params_model.model_validate(taken.params)
+                    # The copy keeps its params as the model alone, not also as the row's
+                    # JSON (a dict and its keys, 450 bytes a running observer).
+                    taken = replace(taken, params={})
+            except ValidationError as exc:
+                error = mask(f"invalid params or restart policy: {exc}", secrets=secrets)
+        if spec is None or policy is None or error is not None:
+            return error or "unrunnable"
+        copy = taken.copy
+        # From the take to the first checkpoint written (a child of the take's span).
+        first = tracing.begin(
+            "start",
+            attributes=lambda: {
+                "orch.observer_id": str(taken.observer_id),
+                "orch.kind": taken.kind,
+                "orch.epoch": taken.epoch,
+            },
+        )
+        outputs = CopyOutputs(
+            observer_id=taken.observer_id,
+            epoch=taken.epoch,
+            kind=taken.kind,
+            name=taken.name,
+            last_seq=taken.output_seq,
+            write=lambda item: self._save(copy, item, first),
+            commit_every=spec.commit_every,
+            to_json=checkpoint_json,
+            budget=self.host.outputs.budget,
+        )
+        ctx = ObserverContext(
+            observer_id=taken.observer_id,
+            name=taken.name,
+            kind=taken.kind,
+            epoch=taken.epoch,
+            service_id=self.me,
+            params=params,
+            last_checkpoint=taken.checkpoint,
+            save=lambda state: outputs.commit(checkpoint_json(state)),
+            emit=outputs.emit,
+            alive=self.lease.valid,
+            logger=observer_log(
+                f"observer.{taken.kind}",
+                observer_id=taken.observer_id,
+                name=taken.name,
+                kind=taken.kind,
+                epoch=taken.epoch,
+                secrets=secrets,
+            ),
+            witness=self._effects(taken),
+        )
+        runner = Runner(
+            taken=taken, spec=spec, ctx=ctx, origin=origin, witness=self.witness, outputs=outputs
+        )
+
+        async def record_error(error: str) -> ErrorRecord:
+            return await self._record_error(copy, taken.kind, error, policy)
+
+        timing = Timing(
+            self.stalls,
+            f"observer {taken.observer_id} ({taken.kind}, epoch {taken.epoch})",
+            lambda seconds: self._stalled(runner, seconds),
+            taken.observer_id,
+            taken.epoch,
+            self.witness,
+        )
+        runner.task = asyncio.create_task(
+            self._run(
+                runner,
+                first,
+                # Made in the task: a task cancelled before its first step (a drain just
+                # after a take) would otherwise drop a coroutine never awaited.
+                functools.partial(
+                    run_observer,
+                    spec,
+                    ctx,
+                    policy,
+                    gate=runner.gate(self.lease.gate),
+                    record_error=record_error,
+                    timing=timing,
+                    secrets=secrets,
+                    outputs=outputs,
+                    progress_timeout=policy.progress_timeout,
+                ),
+            ),
+            name=f"observer-{taken.observer_id}",
+        )
+        if (witness := self.witness) is not None:
+            runner.task.add_done_callback(
+                lambda _: witness.end(taken.observer_id, taken.epoch, outputs.stop_waited)
+            )
+        self.host.outputs.register(outputs)
+        self.host.add_runner(runner)
+        self.metrics.takes.inc()
+        if cancelled:
+            self.host.cancel(taken.observer_id)
+        ctx.logger.info("running (epoch %d)", taken.epoch)
+        return runner
+
+    async def _run(
+        self, runner: Runner, first: tracing.Open, run: Callable[[], Coroutine[Any, Any, str]]
+    ) -> str:
+        """The copy's task: its kind's code and, for a kind with ``commit_every``, the commits
+        of what it emits, made on their own; the last of them before the task ends, so that
+        the copy's release comes after it."""
+        try:
+            return await self._run_code(runner, run)
+        finally:
+            first.end(
+                attributes={"orch.checkpointed": False}
+            )  # stopped before its first checkpoint
+
+    async def _run_code(self, runner: Runner, run: Callable[[], Coroutine[Any, Any, str]]) -> str:
+        outputs = runner.outputs
+        if outputs is None or outputs.commit_every is None:
+            return await run()
+        committer = asyncio.create_task(
+            self._commit_on_its_own(runner, outputs), name=f"commits-{runner.observer_id}"
+        )
+        try:
+            return await run()
+        finally:
+            committer.cancel()
+            await asyncio.wait([committer])
+            if not committer.cancelled() and (exc := committer.exception()) is not None:
+                raise exc
+
+    async def _commit_on_its_own(self, runner: Runner, outputs: CopyOutputs) -> None:
+        try:
+            await outputs.commit_on_its_own(self.lease.valid)
+        except Fenced:  # another copy holds a newer epoch: this one's code never runs again
+            runner.stop(StopReason.SUPERSEDED)
+        except LeaseLost:  # the lease keeper stops every copy
+            pass
+
+    def _effects(self, taken: Taken) -> Callable[[str], None] | None:
+        """What ``ctx.witness`` does: record the side effect (verify mode only)."""
+        witness = self.witness
+        if witness is None:
+            return None
+        return lambda event: witness.effect(taken.observer_id, taken.epoch, event)
+
+    def _stalled(self, runner: Runner, seconds: float) -> None:
+        """A step of this copy blocked the loop: it ends as its own error (counted against its
+        budget). One that cost this service its lease is blamed: settling fails it at once,
+        needing no lease, before anything could release it to another service."""
+        ctx = runner.ctx
+        self.metrics.stalls.labels(ctx.kind).inc()
+        reason = f"blocked the event loop for {seconds:.1f}s"
+        ctx.logger.error("%s", reason)
+        if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
+            runner.blame = reason
+
+    async def _save(self, copy: Copy, item: Checkpoint, first: tracing.Open) -> None:
+        """A commit (a checkpoint, records): fenced, batched, retried while the lease holds
+        (also alone, when the batch skipped its row as locked: that is no fence). The first
+        one ends the copy's ``start`` span."""
+        checkpoints = self.host.checkpoints
+
+        async def write() -> bool:
+            return landed(await checkpoints.submit(item))
+
+        if not await while_leased(write, self.lease.valid):
+            self.metrics.fenced.labels("checkpoint").inc()
+            raise refused("checkpoint")
+        first.end(attributes={"orch.checkpointed": True})
+
+    async def _record_error(
+        self, copy: Copy, kind: str, error: str, policy: RestartPolicy
+    ) -> ErrorRecord:
+        record = await while_leased(
+            lambda: self.store.record_error(copy, error, policy), self.lease.valid
+        )
+        if record is None:
+            self.metrics.fenced.labels("restart_record").inc()
+            raise refused("restart record")
+        (self.metrics.failed if record.failed else self.metrics.restarts).labels(kind).inc()
+        if error.startswith(f"{NoProgress.__name__}:"):
+            self.metrics.no_progress.labels(kind).inc()
+        return record

@@ -39,7 +39,7 @@ from observer_service.ports import (
     Store,
 )
 from observer_service.retry import landed, until_done
-from observer_service.runner import ASKED, ResourceShort, Runner, StopReason
+from observer_service.runner import ASKED, Launcher, ResourceShort, Runner, StopReason
 from observer_service.settle import Settler
 from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
@@ -154,9 +154,19 @@ class ObserverService:
             metrics=self.metrics,
             went_back=self._went_back,
         )
-        self.intake = Intake(
+        self.launcher = Launcher(
             self,
             me=service_id,
+            name=config.name,
+            kinds=kinds,
+            store=store,
+            lease=self.lease,
+            metrics=self.metrics,
+            stalls=self.stalls,
+            witness=witness,
+        )
+        self.intake = Intake(
+            self,
             name=config.name,
             kinds=kinds,
             pool=config.pool,
@@ -164,10 +174,9 @@ class ObserverService:
             lease=self.lease,
             admission=self.admission,
             settler=self.settler,
+            launcher=self.launcher,
             metrics=self.metrics,
             clock=clock,
-            stalls=self.stalls,
-            witness=witness,
         )
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()

@@ -39,7 +39,7 @@ from typing import Any
 
 from observer_service.context import ObserverContext, checked_delay
 from observer_service.guard import guarded
-from observer_service.intake import checkpoint_json
+from observer_service.outputs import checkpoint_json
 from orch_contracts.errors import Fenced, LeaseLost
 from orch_contracts.kinds import KindSpec, get_kind, load_kinds
 from orch_contracts.outputs import check_record

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 import asyncpg
 import pytest
 
-from observer_service.intake import checkpoint_json
+from observer_service.outputs import checkpoint_json
 from observer_service.ports import (
     LOCKED,
     Checkpoint,

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from observer_service.intake import checkpoint_json
 from observer_service.kinds.websocket import WebsocketParams, websocket
+from observer_service.outputs import checkpoint_json
 from orch.cluster import free_port, wait_for
 from orch_contracts.errors import InvalidParams
 from orch_contracts.kinds import load_kinds
