@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from observer_service.metrics import ServiceMetrics
-from observer_service.ports import BrokerSession, Checkpoint, Store
+from observer_service.ports import BrokerSession, Checkpoint, Locked, Store
 from orch_contracts import aio
 from orch_contracts.backoff import Backoff
+from orch_contracts.batching import LINGER, Batcher
 from orch_contracts.errors import BrokerUnavailable, Transient
 from orch_contracts.outputs import Committed, check_record
 
@@ -296,6 +297,21 @@ class OutputPublisher:
         #: Set while nothing is pending.
         self._empty = asyncio.Event()
         self._empty.set()
+        #: The commits (checkpoints, records) of every copy here, written in batches: one
+        #: statement each (``Store.checkpoint_many``); the service runs its writer.
+        self.commits: Batcher[Checkpoint, bool | Locked] = Batcher(
+            self._commit_batch, linger=LINGER
+        )
+
+    async def _commit_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
+        started = time.perf_counter()
+        done = await self.store.checkpoint_many(items)
+        for item, answer in zip(items, done, strict=True):
+            if answer is True and item.records:
+                self.landed(item)  # published whatever becomes of the copy meanwhile
+        self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
+        self.metrics.checkpoint_batch.observe(len(items))
+        return done
 
     async def flushed(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until everything pending was confirmed."""
@@ -326,7 +342,7 @@ class OutputPublisher:
         self._looked.discard((owner.observer_id, owner.epoch))
 
     def landed(self, item: Checkpoint) -> None:
-        """A commit landed (told by the checkpoint writer as the statement answers): its
+        """A commit landed (as its batch's statement answers): its
         records go out. One of a copy no longer here stays in the outbox for the next holder's
         lookup of older commits, or the leader's relay."""
         owner = self._owners.get((item.observer_id, item.epoch))

@@ -27,11 +27,10 @@ from observer_service.lease import LeaseKeeper
 from observer_service.metrics import ServiceMetrics
 from observer_service.origin import Origin, Queued
 from observer_service.outputs import CopyOutputs, OutputPublisher, checkpoint_json
-from observer_service.ports import Checkpoint, Copy, ErrorRecord, Locked, Store, Taken
+from observer_service.ports import Checkpoint, Copy, ErrorRecord, Store, Taken
 from observer_service.retry import landed, while_leased
 from observer_service.stalls import StallWatch
 from orch_contracts import aio, tracing
-from orch_contracts.batching import Batcher
 from orch_contracts.errors import Fenced, LeaseLost, split_error, stored_error
 from orch_contracts.kinds import KindSpec, RestartPolicy, secret_values
 from orch_contracts.logs import observer_log
@@ -293,7 +292,6 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 class LaunchHost(Protocol):
     """What starting copies needs of the service around them."""
 
-    checkpoints: Batcher[Checkpoint, bool | Locked]
     outputs: OutputPublisher
 
     def add_runner(self, runner: Runner) -> None: ...
@@ -369,7 +367,7 @@ class Launcher:
             kind=taken.kind,
             name=taken.name,
             last_seq=taken.output_seq,
-            write=lambda item: self._save(copy, item, first),
+            write=lambda item: self._save(item, first),
             commit_every=spec.commit_every,
             to_json=checkpoint_json,
             budget=self.host.outputs.budget,
@@ -497,14 +495,14 @@ class Launcher:
         if self.stalls.blamed(seconds, lease_valid=self.lease.valid()):
             runner.blame = reason
 
-    async def _save(self, copy: Copy, item: Checkpoint, first: tracing.Open) -> None:
+    async def _save(self, item: Checkpoint, first: tracing.Open) -> None:
         """A commit (a checkpoint, records): fenced, batched, retried while the lease holds
         (also alone, when the batch skipped its row as locked: that is no fence). The first
         one ends the copy's ``start`` span."""
-        checkpoints = self.host.checkpoints
+        commits = self.host.outputs.commits
 
         async def write() -> bool:
-            return landed(await checkpoints.submit(item))
+            return landed(await commits.submit(item))
 
         if not await while_leased(write, self.lease.valid):
             self.metrics.fenced.labels("checkpoint").inc()

@@ -31,7 +31,6 @@ from observer_service.outputs import DEFAULT_BUFFER_BYTES, OutputBudget, OutputP
 from observer_service.ports import (
     Broker,
     BrokerSession,
-    Checkpoint,
     Copy,
     LeaseDatabase,
     Locked,
@@ -45,7 +44,7 @@ from observer_service.stalls import StallWatch, ThreadWrites
 from observer_service.witnessing import MemoryWitness
 from orch_contracts import tracing
 from orch_contracts.backoff import Backoff
-from orch_contracts.batching import LINGER, Batcher
+from orch_contracts.batching import Batcher
 from orch_contracts.clock import Clock
 from orch_contracts.deadline import LeaseTimings
 from orch_contracts.errors import BrokerUnavailable, Transient
@@ -132,7 +131,6 @@ class ObserverService:
         self._drained_at: float | None = None
         #: False when a graceful stop left copies running: the process must exit at once.
         self.clean = True
-        self.checkpoints = Batcher(self._checkpoint_batch, linger=LINGER)
         self.outputs = OutputPublisher(
             store, lambda: self.session, self.metrics, OutputBudget(config.output_buffer_bytes)
         )
@@ -208,7 +206,7 @@ class ObserverService:
             for name, coro in (
                 ("lease", self.lease.run()),
                 ("take-writer", self.intake.takes.run()),
-                ("checkpoint-writer", self.checkpoints.run()),
+                ("checkpoint-writer", self.outputs.commits.run()),
                 ("output-publisher", self.outputs.run()),
                 ("release-writer", self._release.run()),
                 ("control-checks", self.checks.reads.run()),
@@ -401,16 +399,6 @@ class ObserverService:
             self.admission.slots.release()
             runner.finished.set()
             runner.forget()
-
-    async def _checkpoint_batch(self, items: list[Checkpoint]) -> list[bool | Locked]:
-        started = time.perf_counter()
-        done = await self.store.checkpoint_many(items)
-        for item, answer in zip(items, done, strict=True):
-            if answer is True and item.records:
-                self.outputs.landed(item)  # published whatever becomes of the copy meanwhile
-        self.metrics.checkpoint_flush.observe(time.perf_counter() - started)
-        self.metrics.checkpoint_batch.observe(len(items))
-        return done
 
     async def release_copy(self, copy: Copy, detail: str) -> ObserverStatus | None:
         """Release a stopped copy (or complete its delete); None where it was fenced, RowLocked

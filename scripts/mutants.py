@@ -466,7 +466,7 @@ MUTANTS = [
     Mutant(
         # The records of a write that was refused (a fenced copy's) go out all the same.
         "outputs: records are published whether or not their commit landed",
-        "observer_service/service.py",
+        "observer_service/outputs.py",
         "            if answer is True and item.records:\n",
         "            if item.records:\n",
         (f"{OUTPUTS_CORE}::test_the_records_of_a_refused_commit_are_never_published",),
