@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from orch_contracts.witness import overlapping
+
 
 @dataclass(frozen=True)
 class Tick:
@@ -79,27 +81,19 @@ class TickTail:
 
 
 def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
-    """Per observer, the seconds during which two copies (epoch, process) both ticked.
-
-    A copy spans from its first to its last tick; two spans that intersect mean two copies ran at
-    the same time (a single tick inside another copy's span counts, as 0 s). Observers without
-    overlap are left out.
-    """
-    spans: dict[str, dict[tuple[int, int], list[float]]] = {}
+    """Per observer, the seconds during which two copies (epoch, process) both ticked
+    (``witness.overlapping``: a copy spans from its first to its last tick). Observers without
+    overlap are left out."""
+    spans: dict[tuple[str, tuple[int, int]], list[float]] = {}
     for t in ticks:
-        span = spans.setdefault(t.observer, {}).setdefault(t.copy, [t.at, t.at])
+        span = spans.setdefault((t.observer, t.copy), [t.at, t.at])
         span[1] = t.at
     result: dict[str, float] = {}
-    for observer, copies in spans.items():
-        ordered = sorted(copies.values())
-        total, reach, overlapped = 0.0, ordered[0][1], False
-        for start, end in ordered[1:]:
-            if start <= reach:
-                overlapped = True
-                total += min(end, reach) - start
-            reach = max(reach, end)
-        if overlapped:
-            result[observer] = total
+    pairs = overlapping(
+        spans.items(), observer=lambda s: s[0][0], first=lambda s: s[1][0], last=lambda s: s[1][1]
+    )
+    for (key, _), _, seconds in pairs:
+        result[key[0]] = result.get(key[0], 0.0) + seconds
     return result
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orch_contracts.errors import Transient
-from orch_contracts.witness import Record, across_freeze
+from orch_contracts.witness import Record, across_freeze, overlapping
 from orch_verify.availability import Availability, downtime_line
 from orch_verify.outputs import OutputFindings
 
@@ -398,19 +398,13 @@ def copies_of(records: list[Record]) -> dict[tuple[str, int, int], Copy]:
 
 
 def overlaps(copies: dict[tuple[str, int, int], Copy], kinds: dict[str, str]) -> list[Overlap]:
-    by_observer: dict[str, list[Copy]] = defaultdict(list)
-    for c in copies.values():
-        by_observer[c.observer].append(c)
-    found = []
-    for observer, cs in by_observer.items():
-        cs.sort(key=lambda c: c.first)
-        for i, a in enumerate(cs):
-            for b in cs[i + 1 :]:
-                if b.first > a.last:
-                    break
-                seconds = min(a.last, b.last) - b.first
-                found.append(Overlap(observer, kinds.get(observer, "?"), a, b, seconds))
-    return found
+    pairs = overlapping(
+        copies.values(),
+        observer=lambda c: c.observer,
+        first=lambda c: c.first,
+        last=lambda c: c.last,
+    )
+    return [Overlap(a.observer, kinds.get(a.observer, "?"), a, b, s) for a, b, s in pairs]
 
 
 def running_at_end(copies: dict[tuple[str, int, int], Copy], alive: set[int]) -> set[str]:
