@@ -402,7 +402,30 @@ async def _start_anew(
 
 
 async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:
-    """Revive a failed observer with a fresh restart budget and a new dispatch."""
+    """Revive a failed observer with a fresh restart budget and a new dispatch. A running one
+    is handed off to its own service: its copy stops as for any handoff (its cleanup runs,
+    its last checkpoint is kept) and a new copy starts from that checkpoint, under a new epoch,
+    once the old one has stopped (never beside it)."""
+    row = await _lock(tx, observer_id)
+    if row.status == ObserverStatus.PROCESSING:
+        holder = row.service_id
+        if holder is None or not row.live:
+            raise Conflict(
+                "this observer is moving to another service (its holder is gone): it starts "
+                "afresh there"
+            )
+        handoffs, pending = await request_handoffs(tx, [(observer_id, holder, holder)], "restart: ")
+        if not handoffs:  # pragma: no cover - the row is locked and held by ``holder``
+            raise Conflict("this observer's holder changed: try again")
+        return await get_observer(tx, observer_id), pending
+    if row.status != ObserverStatus.FAILED:
+        why = {
+            ObserverStatus.CREATED: " (it starts as soon as a service has room)",
+            ObserverStatus.PAUSED: " (resume it instead)",
+        }.get(row.status, "")
+        raise Conflict(
+            f"only a failed or running observer can be restarted; this one is {row.status}{why}"
+        )
     return await _start_anew(tx, observer_id, _RESTART)
 
 

@@ -9,7 +9,8 @@ its row saying so:
 - a cancel finds its copy's row being stopped (on_deleting, pausing) or no longer that copy's
   (deleted, paused, failed, released, taken by another service or at another epoch);
 - a handoff finds the very move recorded on its copy's row (``observers.handoff_to``, written
-  by the leader with the message).
+  with the message: by the leader for a move, by the manager for a restart, to the holder
+  itself).
 
 A directed start needs no check: its take is the compare-and-set that decides (``take.py``).
 

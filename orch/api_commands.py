@@ -722,7 +722,7 @@ def edit(
 _action("delete", "DELETE", "", "deleted", "Cancel an observer for good (--wait: until stopped).")
 _action("pause", "POST", "/pause", "paused", "Stop an observer, keep its checkpoint (--wait).")
 _action("resume", "POST", "/resume", "processing", "Start a paused observer again (--wait).")
-_action("restart", "POST", "/restart", "processing", "Revive a failed observer (--wait).")
+_action("restart", "POST", "/restart", "processing", "Revive a failed one; restart a running one.")
 
 
 # ----------------------------------------------------------------------------------- services

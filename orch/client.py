@@ -564,7 +564,8 @@ class _Actions:
         return self._by_id(observer, "POST", "/resume", _as(Observer))
 
     def restart(self, observer: str | uuid.UUID) -> Any:
-        """Revive a failed one, from its last checkpoint, with a fresh restart budget."""
+        """Revive a failed one, from its last checkpoint, with a fresh restart budget; or
+        restart a running one: its copy stops and a new one starts from its last checkpoint."""
         return self._by_id(observer, "POST", "/restart", _as(Observer))
 
     def edit(self, observer: str | uuid.UUID, params: Mapping[str, Any]) -> Any:

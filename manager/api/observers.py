@@ -538,7 +538,10 @@ _route(
     repo.restart_observer,
     status.HTTP_200_OK,
     "restartObserver",
-    "Revive a `failed` observer: it starts again (from its last checkpoint) on some service.",
+    """Revive a `failed` observer: it starts again (from its last checkpoint) on some service.
+    Restart a `processing` one: its service stops its copy (the kind's cleanup runs, its last
+    checkpoint stays) and starts a new one from that checkpoint, never beside the old one. 409
+    for an observer in any other status.""",
 )
 _route(
     "POST",

@@ -134,6 +134,9 @@ function when(iso) {
   return t;
 }
 
+/** The statuses a restart takes: a failed observer is revived, a running one restarted. */
+const RESTARTABLE = new Set(["failed", "processing"]);
+
 /** "restart 3 of 5, next in 12 s": the restart budget and the backoff. */
 function restarts(o) {
   if (!o.restart_count) return "";
@@ -470,14 +473,15 @@ function makeLists() {
     $("#bulk-every-label").textContent = target.why ? `every one the filters match (${target.why})`
       : `every one the filters match (${count(target.n)})`;
     const n = every ? (target.why ? 0 : target.n) : list.selected.size;
-    // Restart revives failed observers only (any other answers 409): offered for those alone.
+    // Restart revives failed observers and restarts running ones (any other answers 409):
+    // offered for those alone.
     const chosen = (list.page?.items || []).filter((o) => list.selected.has(o.id));
-    const failedOnly = every ? $("#filters select[name=status]").value === "failed"
-      : chosen.length > 0 && chosen.every((o) => o.status === "failed");
+    const restartable = every ? RESTARTABLE.has($("#filters select[name=status]").value)
+      : chosen.length > 0 && chosen.every((o) => RESTARTABLE.has(o.status));
     for (const b of $$("#bulk button")) {
       b.disabled = n === 0 || (b.dataset.verb === "move" && !$("#bulk-pool").value)
-        || (b.dataset.verb === "restart" && !failedOnly);
-      if (b.dataset.verb === "restart") b.title = failedOnly ? "" : "restart revives failed observers only: select failed ones";
+        || (b.dataset.verb === "restart" && !restartable);
+      if (b.dataset.verb === "restart") b.title = restartable ? "" : "restart takes failed or running observers: select those";
     }
     if (n && !every) $("#bulk-selected").textContent = `${n} selected`;
   };
@@ -842,7 +846,7 @@ async function bulkOverview(verb) {
   const why = {
     pause: " Each stops and keeps its checkpoint.",
     resume: " Each starts again from its checkpoint.",
-    restart: " Each failed one starts again with a fresh restart budget.",
+    restart: " A failed one starts again with a fresh restart budget; a running one stops and starts again from its checkpoint.",
     delete: " They are ended for good.",
     move: " Each running one is handed over and resumes there from its checkpoint.",
   }[verb];
@@ -906,6 +910,8 @@ async function renderObserver(id) {
       button("Pause", "POST", "/pause", "Pause this observer? Its copy stops; its checkpoint stays.");
     if (o.status === "paused") button("Resume", "POST", "/resume", null);
     if (o.status === "failed") button("Restart", "POST", "/restart", "Restart this failed observer?");
+    if (o.status === "processing" && o.service_id)
+      button("Restart", "POST", "/restart", "Restart this observer? Its copy stops (its cleanup runs) and a new one starts from its last checkpoint.");
     if (o.status !== "deleted") button("Delete", "DELETE", "", "Delete this observer for good?", true);
     // Params change only while no copy runs: a running one is paused, edited, resumed.
     if (["paused", "failed"].includes(o.status)) {

@@ -250,8 +250,21 @@ async def test_the_overview_acts_on_the_observers_selected(
     await page.wait_for_selector(f'#observers tr[data-id="{ids[0]}"]')
     await select(ids[:2])
     assert await page.inner_text("#bulk-selected") == "2 selected"
-    # Restart revives failed observers only: it was offered here, and answered 409.
-    assert await page.locator("#bulk button[data-verb=restart]").is_disabled()
+    # Restart takes running observers too: each stops and runs again under its next epoch.
+    epochs = {r["id"]: r["epoch"] for r in await cluster.q("SELECT id, epoch FROM observers")}
+    await page.click("#bulk button[data-verb=restart]")
+    await _confirm(page, "Restart 2 observer(s)?")
+    await page.wait_for_selector("#bulk-selected:text('2 restarted')")
+
+    async def restarted() -> bool:
+        now = {r["id"]: r["epoch"] for r in await cluster.q("SELECT id, epoch FROM observers")}
+        return all(now[o] > epochs[o] for o in ids[:2]) and all(
+            now[o] == epochs[o] for o in ids[2:]
+        )
+
+    await wait_for(restarted, timeout=15, what="the two restarted, the others not")
+    await cluster.wait_all_running(ids, timeout=15)
+    await select(ids[:2])
     await page.click("#bulk button[data-verb=pause]")
     await _confirm(page, "Pause 2 observer(s)?")
     await page.wait_for_selector("#bulk-selected:text('2 paused')")

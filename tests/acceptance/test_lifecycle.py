@@ -16,7 +16,7 @@ import pytest
 from orch_bench.ticklog import Tick, read_ticks
 from orch_contracts.messages import StartMessage
 from tests.support.cluster import Cluster, quiet, wait_for
-from tests.support.faults import queue_counts
+from tests.support.faults import assert_no_overlap, queue_counts
 
 
 async def test_create_runs_and_checkpoints_advance(cluster: Cluster) -> None:
@@ -409,3 +409,49 @@ async def test_the_error_queue_keeps_only_its_newest_messages(cluster: Cluster) 
             assert first.body == b"2", "the oldest went first"
     finally:
         await asyncio.to_thread(rabbitmqctl, "clear_policy", f"{cluster.prefix}-errors-limit")
+
+
+async def test_a_running_observer_restarts_from_its_checkpoint_never_beside_itself(
+    cluster: Cluster,
+) -> None:
+    """``POST /observers/{id}/restart`` on a running observer: its copy stops (a handoff to its
+    own service), and a new copy under the next epoch goes on from the old one's checkpoint,
+    after a short gap and never beside it. Judged from the observer's own ticks."""
+    await cluster.start_manager()
+    await cluster.start_service("a", worker_count=4)
+    oid, other = await cluster.create_recorders(2, interval=0.05)
+    await cluster.wait_all_running([oid, other], timeout=10)
+    before = (await cluster.observer(oid))["epoch"]
+
+    async def ticked(epoch: int) -> list[Tick]:
+        ticks = read_ticks(cluster.tick_dir)
+        return [t for t in ticks if t.observer == str(oid) and t.epoch == epoch]
+
+    await wait_for(lambda: ticked(before), timeout=10, what="ticks of the first copy")
+    asked = time.time()
+    async with cluster.api() as c:
+        r = await c.post(f"/observers/{oid}/restart")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "processing", r.text
+
+    await wait_for(lambda: ticked(before + 1), timeout=10, what="ticks of the restarted copy")
+    old, new = await ticked(before), await ticked(before + 1)
+    assert old[-1].at < new[0].at, "the new copy ticked before the old one stopped"
+    assert new[0].at - asked < 2.0, f"back {new[0].at - asked:.2f} s after the restart"
+    assert new[0].count > old[-1].count - 2, "not resumed from its checkpoint"
+    assert_no_overlap(cluster.tick_dir)
+    others = {t.epoch for t in read_ticks(cluster.tick_dir) if t.observer == str(other)}
+    assert len(others) == 1, "the other observer was restarted too"
+    details = await cluster.q(
+        "SELECT detail FROM observer_events WHERE observer_id = $1 AND event = $2",
+        oid,
+        "handoff requested",
+    )
+    assert [r["detail"].startswith("restart: ") for r in details] == [True], details
+
+    async with cluster.api() as c:
+        assert (await c.post(f"/observers/{other}/pause")).status_code < 300
+        await cluster.wait_status(other, "paused", timeout=10)
+        r = await c.post(f"/observers/{other}/restart")
+        assert r.status_code == 409, r.text
+        assert "resume it instead" in r.json()["detail"], r.text

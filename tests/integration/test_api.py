@@ -158,11 +158,12 @@ async def test_name_conflict_until_deleted(api: httpx.AsyncClient) -> None:
     assert (await api.post("/observers", json={"name": "dup", "kind": "ticker"})).status_code == 201
 
 
-async def test_restart_of_a_non_failed_observer_is_409(api: httpx.AsyncClient) -> None:
+async def test_restart_of_an_observer_not_started_yet_is_409(api: httpx.AsyncClient) -> None:
     o = (await api.post("/observers", json={"name": "r", "kind": "ticker"})).json()
     r = await api.post(f"/observers/{o['id']}/restart")
     assert r.status_code == 409
-    assert "only a failed observer" in r.json()["detail"]
+    detail = r.json()["detail"]
+    assert "only a failed or running observer can be restarted; this one is created" in detail
 
 
 async def test_pause_resume_and_delete_of_an_observer_nobody_runs(api: httpx.AsyncClient) -> None:
