@@ -414,7 +414,12 @@ async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, An
                 "this observer is moving to another service (its holder is gone): it starts "
                 "afresh there"
             )
-        handoffs, pending = await request_handoffs(tx, [(observer_id, holder, holder)], "restart: ")
+        handoffs, pending = await request_handoffs(
+            tx,
+            [(observer_id, holder, holder)],
+            event=Event.RESTART_REQUESTED,
+            detail="running: a new copy on its service, from its checkpoint",
+        )
         if not handoffs:  # pragma: no cover - the row is locked and held by ``holder``
             raise Conflict("this observer's holder changed: try again")
         return await get_observer(tx, observer_id), pending
@@ -888,12 +893,18 @@ Handoff = tuple[uuid.UUID, uuid.UUID, uuid.UUID]
 
 
 async def request_handoffs(
-    tx: Tx, handoffs: list[Handoff], why: str = ""
+    tx: Tx,
+    handoffs: list[Handoff],
+    why: str = "",
+    *,
+    event: Event = Event.HANDOFF_REQUESTED,
+    detail: str | None = None,
 ) -> tuple[list[Handoff], list[Pending]]:
     """Ask each holder to hand its observer to the target: the move recorded on the row
     (``observers.handoff_to``, what the holder checks before it hands over), its handoff
-    message, and a history event (``why`` before its detail). Only observers still running on
-    their donor are asked for: those handoffs, and their outbox records."""
+    message, and a history ``event`` (``why`` before its detail, or ``detail`` instead). Only
+    observers still running on their donor are asked for: those handoffs, and their outbox
+    records."""
     if not handoffs:
         return [], []
     marked = set(
@@ -912,8 +923,8 @@ async def request_handoffs(
     await record_events(
         tx,
         [o for o, _, _ in handoffs],
-        Event.HANDOFF_REQUESTED,
-        [f"{why}from {d} to {t}" for _, d, t in handoffs],
+        event,
+        [f"{why}from {d} to {t}" if detail is None else detail for _, d, t in handoffs],
     )
     return handoffs, pending
 

@@ -445,9 +445,11 @@ async def test_a_running_observer_restarts_from_its_checkpoint_never_beside_itse
     details = await cluster.q(
         "SELECT detail FROM observer_events WHERE observer_id = $1 AND event = $2",
         oid,
-        "handoff requested",
+        "restart requested",
     )
-    assert [r["detail"].startswith("restart: ") for r in details] == [True], details
+    assert [r["detail"] for r in details] == [
+        "running: a new copy on its service, from its checkpoint"
+    ], details
 
     async with cluster.api() as c:
         assert (await c.post(f"/observers/{other}/pause")).status_code < 300
