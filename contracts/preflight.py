@@ -90,6 +90,5 @@ async def check_servers(
                 return_exceptions=True,
             )
             errors = [r for r in results if isinstance(r, BaseException)]
-            # A refusal ends the wait at once, whichever check found it.
-            for error in sorted(errors, key=lambda e: isinstance(e, NotYet)):
-                raise error
+            if errors:  # a refusal first: it ends the wait at once, whichever check found it
+                raise min(errors, key=lambda e: isinstance(e, NotYet))

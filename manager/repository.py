@@ -384,10 +384,12 @@ _RESUME = _Revival(ObserverStatus.PAUSED, "resumed", q.RESUME, Event.RESUMED)
 
 
 async def _start_anew(
-    tx: Tx, observer_id: uuid.UUID, how: _Revival
+    tx: Tx, observer_id: uuid.UUID, how: _Revival, row: Locked | None = None
 ) -> tuple[dict[str, Any], list[Pending]]:
-    """Created again with a new dispatch id (older start messages become stale), published."""
-    row = await _lock(tx, observer_id)
+    """Created again with a new dispatch id (older start messages become stale), published.
+    ``row``: the observer's row, if the caller locked it already."""
+    if row is None:
+        row = await _lock(tx, observer_id)
     if row.status != how.only:
         later = " (try again once it is paused)" if row.status == ObserverStatus.PAUSING else ""
         raise Conflict(
@@ -420,8 +422,8 @@ async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, An
             event=Event.RESTART_REQUESTED,
             detail="running: a new copy on its service, from its checkpoint",
         )
-        if not handoffs:  # pragma: no cover - the row is locked and held by ``holder``
-            raise Conflict("this observer's holder changed: try again")
+        # Always asked for: the row is locked, processing and held by ``holder``.
+        assert handoffs, "a locked row held by a live holder was not marked"
         return await get_observer(tx, observer_id), pending
     if row.status != ObserverStatus.FAILED:
         why = {
@@ -431,7 +433,7 @@ async def restart_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, An
         raise Conflict(
             f"only a failed or running observer can be restarted; this one is {row.status}{why}"
         )
-    return await _start_anew(tx, observer_id, _RESTART)
+    return await _start_anew(tx, observer_id, _RESTART, row)
 
 
 async def resume_observer(tx: Tx, observer_id: uuid.UUID) -> tuple[dict[str, Any], list[Pending]]:

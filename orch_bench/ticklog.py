@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 from orch_contracts.witness import overlapping
@@ -88,12 +89,11 @@ def overlap_seconds(ticks: list[Tick]) -> dict[str, float]:
     for t in ticks:
         span = spans.setdefault((t.observer, t.copy), [t.at, t.at])
         span[1] = t.at
+    copies = [(observer, first, last) for (observer, _), (first, last) in spans.items()]
     result: dict[str, float] = {}
-    pairs = overlapping(
-        spans.items(), observer=lambda s: s[0][0], first=lambda s: s[1][0], last=lambda s: s[1][1]
-    )
-    for (key, _), _, seconds in pairs:
-        result[key[0]] = result.get(key[0], 0.0) + seconds
+    pairs = overlapping(copies, observer=itemgetter(0), first=itemgetter(1), last=itemgetter(2))
+    for (observer, _, _), _, seconds in pairs:
+        result[observer] = result.get(observer, 0.0) + seconds
     return result
 
 
